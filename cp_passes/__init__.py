@@ -1,0 +1,19 @@
+"""cp_passes: context parallelism as a torch.compile backend.
+
+``cp_compile(model, spec, mesh=...)`` rewrites the single-device graph so that each rank runs on its
+contiguous slice of the sequence and gets the single-device result, or refuses at compile time.
+"""
+
+from .backend import CompileRecord, CPModule, cp_compile
+from .batch import ShardLayout, shard_batch
+from .errors import CPCompileError
+from .explain import explain
+from .rules import RuleContext, Rewrite, positionwise, register_rule
+from .spec import CPSpec, available_specs, load_spec
+from .transports import gather_sequence
+
+__all__ = [
+    "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Rewrite", "RuleContext", "ShardLayout",
+    "available_specs", "cp_compile", "explain", "gather_sequence", "load_spec", "positionwise",
+    "register_rule", "shard_batch",
+]

@@ -1,0 +1,93 @@
+"""Sequence-axis analysis.
+
+The wrapper marks the sequence dim of every sharded input dynamic (and nothing else), so in the
+captured graph the local sequence length is one symbol ``s``. A tensor dimension is a sequence
+dimension exactly when its size expression contains ``s``: views, transposes, broadcasts and
+merges ([batch * s, vocab]) are followed by the shape arithmetic itself, and a size that merely
+equals the local length (a head dim of 16 with 16 tokens per rank) is never mistaken for it.
+A shape that needs ``s`` without coming from a sharded input (``arange(s)``) shows where
+positions are created.
+"""
+
+from __future__ import annotations
+
+import sympy
+import torch
+import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+
+def meta_val(value):
+    """The fake value of an FX argument (Node -> meta['val']), or the argument itself."""
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("val", value.meta.get("example_value"))
+    return value
+
+
+def expr_of(size):
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def has_symbol(value, sym) -> bool:
+    """Whether a SymInt/SymFloat (or a Node holding one) depends on the sequence symbol."""
+    value = meta_val(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        return sym in value.node.expr.free_symbols
+    return False
+
+
+def seq_dims(value, sym) -> tuple[int, ...]:
+    """Dims of a tensor (or Node holding one) whose size depends on the sequence symbol."""
+    value = meta_val(value)
+    if not isinstance(value, torch.Tensor):
+        return ()
+    return tuple(d for d, size in enumerate(value.shape) if sym in expr_of(size).free_symbols)
+
+
+def seq_multiple(size, sym) -> int | None:
+    """``k`` when a dim's size is exactly ``k * s`` (an unsplit, possibly merged, sequence axis)."""
+    ratio = sympy.simplify(expr_of(size) / sym)
+    if ratio.is_Integer and int(ratio) > 0:
+        return int(ratio)
+    return None
+
+
+def hint(value) -> int:
+    """The concrete value of a (possibly symbolic) int at compile time, without adding guards."""
+    return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)
+
+
+def numel_hint(value) -> int:
+    value = meta_val(value)
+    n = 1
+    for size in value.shape:
+        n *= hint(size)
+    return n
+
+
+def bind_args(node: torch.fx.Node) -> dict:
+    """Arguments of an ATen call by schema name, defaults filled in."""
+    schema = node.target._schema
+    bound = {}
+    positional = list(node.args)
+    for arg in schema.arguments:
+        if not arg.kwarg_only and positional:
+            bound[arg.name] = positional.pop(0)
+        elif arg.name in node.kwargs:
+            bound[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            bound[arg.name] = arg.default_value
+        else:
+            bound[arg.name] = None
+    return bound
+
+
+def sequence_symbol(placeholders: list[torch.fx.Node]):
+    """The one symbol that every sharded input's sequence dim carries."""
+    symbols = set()
+    for node in placeholders:
+        val = meta_val(node)
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                symbols |= expr_of(size).free_symbols
+    return symbols

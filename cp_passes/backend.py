@@ -1,0 +1,271 @@
+"""The torch.compile backend and the ``cp_compile`` wrapper around it.
+
+capture (dynamo, sequence dim symbolic) -> re-trace to a pre-dispatch ATen graph (node meta kept)
+-> plan (every sequence-touching node matched to a rule, else one error) -> transport passes
+-> verify (lint, fake-tensor shapes of every output unchanged) -> lower (Inductor or aot_eager).
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from .analysis import meta_val, sequence_symbol
+from .errors import CPCompileError
+from .passes import Plan, RewriteRecord, plan_graph, run_passes
+from .spec import CPSpec
+from .transports import CPGroup, resolve_group
+
+BACKENDS = ("inductor", "aot_eager")
+
+
+@dataclass
+class CompileRecord:
+    """Everything one compiled graph went through, for ``explain`` and ``dump_dir``."""
+
+    rank: int
+    world_size: int
+    local_len: int
+    backend: str
+    history: list[tuple[str, str]] = field(default_factory=list)
+    records: list[RewriteRecord] = field(default_factory=list)
+    partial_outputs: list[int] = field(default_factory=list)
+    aot_graphs: dict[str, str] = field(default_factory=dict)
+    aot_ops: dict[str, collections.Counter] = field(default_factory=dict)
+    output_code: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _retrace_aten(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
+    """Re-trace dynamo's torch-level graph to pre-dispatch ATen, keeping stack traces and module paths."""
+    fakes = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
+    with fx_traceback.preserve_node_meta():
+        aten_gm = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True, tracing_mode="fake")(*fakes)
+    # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
+    return aten_gm, [meta_val(n) for n in aten_gm.graph.find_nodes(op="placeholder")]
+
+
+class CPBackend:
+    """A dynamo backend bound to one ``CPModule``; each compiled graph adds a ``CompileRecord``."""
+
+    def __init__(self, owner: "CPModule"):
+        self.owner = owner
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        owner = self.owner
+        start = time.perf_counter()
+        cp = owner.cp
+        aten_gm, fakes = _retrace_aten(gm)
+        symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
+        if len(symbols) != 1:
+            raise CPCompileError(
+                f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
+                f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim "
+                f"{owner.spec.seq_dim}"
+            )
+        (sym,) = symbols
+        record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend)
+        record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
+        record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
+        plan: Plan = plan_graph(aten_gm, sym, owner.spec, cp)
+        record.records = plan.records
+        record.partial_outputs = plan.partial_outputs
+        run_passes(aten_gm, plan, record.history)
+        _verify(aten_gm, fakes)
+        owner.compile_records.append(record)
+        if owner.verbose and cp.rank == 0:
+            print(
+                f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
+                f"{sum(1 for _ in aten_gm.graph.nodes)} nodes with {owner.backend} (first compile takes a while)...",
+                file=sys.stderr,
+                flush=True,
+            )
+        compiled = _lower(aten_gm, example_inputs, owner.backend, record)
+        record.seconds = time.perf_counter() - start
+        if owner.verbose and cp.rank == 0:
+            print(f"cp_passes: compiled in {record.seconds:.1f} s", file=sys.stderr, flush=True)
+        if owner.dump_dir:
+            from .dump import write_dump
+
+            write_dump(owner.dump_dir, record, len(owner.compile_records) - 1)
+        return compiled
+
+
+def _verify(gm: torch.fx.GraphModule, fakes: list) -> None:
+    (output,) = gm.graph.find_nodes(op="output")
+    before = [tuple(meta_val(v).shape) if isinstance(v, torch.fx.Node) and isinstance(meta_val(v), torch.Tensor)
+              else None for v in torch.utils._pytree.tree_leaves(output.args[0])]
+    fake_mode = torch._guards.detect_fake_mode(fakes)
+    FakeTensorProp(gm, fake_mode).propagate_dont_convert_inputs(*fakes)
+    after = [tuple(meta_val(v).shape) if isinstance(v, torch.fx.Node) and isinstance(meta_val(v), torch.Tensor)
+             else None for v in torch.utils._pytree.tree_leaves(output.args[0])]
+    if [str(s) for s in before] != [str(s) for s in after]:
+        raise CPCompileError(f"cp_passes internal error: the rewrite changed output shapes {before} -> {after}")
+
+
+def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: CompileRecord):
+    def keep(kind):
+        def capture(graph: torch.fx.GraphModule):
+            name = kind if kind not in record.aot_graphs else f"{kind}_{len(record.aot_graphs)}"
+            record.aot_graphs[name] = graph.print_readable(print_output=False)
+            record.aot_ops[name] = collections.Counter(
+                str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+
+        return capture
+
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+        def inner_compile(graph, inputs, **kwargs):
+            keep("backward" if kwargs.get("is_backward") else "forward")(graph)
+            compiled = compile_fx_inner(graph, inputs, **kwargs)
+            code = getattr(compiled, "source_code", None)
+            if code:
+                record.output_code.append(code)
+            return compiled
+
+        return compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    def compiler(kind):
+        def fn(graph, inputs):
+            keep(kind)(graph)
+            return make_boxed_func(graph.forward)
+
+        return fn
+
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))(gm, example_inputs)
+
+
+class CPModule(torch.nn.Module):
+    """A model compiled for context parallelism. Call it with this rank's contiguous slice of every
+    sequence input; it returns this rank's slice of every sequence output (and, for sums over the
+    sequence such as a summed loss, this rank's share: add the ranks' values up for the total)."""
+
+    def __init__(self, model: torch.nn.Module, spec: CPSpec, cp: CPGroup, backend: str, dump_dir, verbose: bool):
+        super().__init__()
+        self.module = model
+        self.spec = spec
+        self.cp = cp
+        self.backend = backend
+        self.dump_dir = dump_dir
+        self.verbose = verbose
+        self.compile_records: list[CompileRecord] = []
+        self._local_len = 0
+        self._checked_lengths: set[int] = set()
+        self._signature = inspect.signature(model.forward)
+        compiled = torch.compile(model, backend=CPBackend(self), fullgraph=True, dynamic=False)
+        object.__setattr__(self, "_compiled", compiled)  # not a submodule: parameters stay listed once
+
+    def _named_inputs(self, args, kwargs):
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return [(None, a) for a in args] + list(kwargs.items())
+        named = []
+        for name, value in bound.arguments.items():
+            kind = self._signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                named.extend(value.items())
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                named.extend((None, v) for v in value)
+            else:
+                named.append((name, value))
+        return named
+
+    def _mark_sequence_inputs(self, args, kwargs) -> int:
+        spec = self.spec
+        leaves = []
+        for name, value in self._named_inputs(args, kwargs):
+            for path, leaf in torch.utils._pytree.tree_flatten_with_path(value)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    key = path[-1].key if path and hasattr(path[-1], "key") else name
+                    leaves.append((key if isinstance(key, str) else name, leaf))
+        seq_len = None
+        for name, t in leaves:
+            if spec.seq_inputs is not None and name not in spec.seq_inputs:
+                continue
+            if name not in spec.replicated_inputs and t.dim() > spec.seq_dim:
+                seq_len = t.shape[spec.seq_dim]
+                break
+        if seq_len is None:
+            raise ValueError(
+                f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}"
+                + (f" among seq_inputs={spec.seq_inputs}" if spec.seq_inputs is not None else "")
+            )
+        for name, t in leaves:
+            if spec.seq_inputs is not None and name in spec.seq_inputs and t.shape[spec.seq_dim] != seq_len:
+                raise ValueError(
+                    f"sequence input {name!r} has length {t.shape[spec.seq_dim]} on dim {spec.seq_dim}, "
+                    f"expected the local length {seq_len}"
+                )
+            if spec.is_sharded(name, t, seq_len):
+                if seq_len < 2:
+                    raise ValueError(
+                        f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
+                        f"use fewer ranks or a longer sequence"
+                    )
+                torch._dynamo.mark_dynamic(t, spec.seq_dim)
+        return seq_len
+
+    def _check_equal_lengths(self, seq_len: int) -> None:
+        if self.cp.size == 1 or seq_len in self._checked_lengths:
+            return
+        device = "cuda" if dist.get_backend(self.cp.group) == "nccl" else "cpu"
+        t = torch.tensor([seq_len, -seq_len], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cp.group)
+        if int(t[0]) != seq_len or int(-t[1]) != seq_len:
+            raise ValueError(
+                f"rank {self.cp.rank} has local sequence length {seq_len}, but lengths across the CP group range "
+                f"from {int(-t[1])} to {int(t[0])}; shard with cp_passes.shard_batch, which pads to equal shards"
+            )
+        self._checked_lengths.add(seq_len)
+
+    def forward(self, *args, **kwargs):
+        seq_len = self._mark_sequence_inputs(args, kwargs)
+        self._check_equal_lengths(seq_len)
+        self._local_len = seq_len
+        try:
+            return self._compiled(*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, CPCompileError):
+                raise e.inner_exception.with_traceback(None) from None
+            raise
+        except torch._dynamo.exc.Unsupported as e:
+            raise CPCompileError(
+                "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
+                f"unchecked), but dynamo could not trace it:\n{e}"
+            ) from None
+
+
+def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh, backend: str = "inductor",
+               dump_dir: str | os.PathLike | None = None, verbose: bool = True) -> CPModule:
+    """Compile ``model`` for context parallelism over ``mesh`` (a 1-D DeviceMesh or a ProcessGroup).
+
+    ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None`` for the defaults of
+    a plain causal LM. ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
+    ``dump_dir`` receives every graph and the rewrite table. Compilation happens on the first call.
+    """
+    from .spec import load_spec
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if isinstance(spec, str):
+        spec = load_spec(spec)
+    spec = spec if spec is not None else CPSpec()
+    if not isinstance(spec, CPSpec):
+        raise TypeError(f"spec must be a CPSpec, a spec name or None, got {type(spec).__name__}")
+    return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose)

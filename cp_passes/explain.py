@@ -1,0 +1,48 @@
+"""The rewrite table: what each pass changed, what it moves per rank, and the lower bound."""
+
+from __future__ import annotations
+
+from tabulate import tabulate
+
+HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements/rank", "bytes/rank",
+           "lower bound (this rank)", "note")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table_rows(records) -> list[tuple]:
+    return [
+        (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
+         _fmt_bytes(r.bytes) if r.collective else "", _fmt_bytes(r.lower_bound_bytes) if r.collective else "",
+         r.note)
+        for r in records
+    ]
+
+
+def format_record(record) -> str:
+    head = (f"cp_passes rewrites: rank {record.rank} of {record.world_size}, local length {record.local_len}, "
+            f"backend {record.backend}")
+    if not record.records:
+        return head + "\n(no node touches the sequence in a way that needs a transport)"
+    total = sum(r.bytes for r in record.records)
+    bound = sum(r.lower_bound_bytes for r in record.records)
+    return (f"{head}\n{tabulate(table_rows(record.records), headers=HEADERS)}\n"
+            f"total received by this rank per step (forward): {_fmt_bytes(total)}; lower bound {_fmt_bytes(bound)}")
+
+
+def explain(compiled, print_table: bool = True) -> str:
+    """The rewrite table of every graph ``compiled`` (a CPModule) has compiled so far."""
+    records = compiled.compile_records
+    if not records:
+        text = "cp_passes: nothing compiled yet (the first call compiles)"
+    else:
+        text = "\n\n".join(format_record(r) for r in records)
+    if print_table:
+        print(text)
+    return text

@@ -1,0 +1,182 @@
+"""Plan and rewrite: match every node that touches the sequence to a rule, then run the transport passes.
+
+Planning visits every node before any rewrite, so a model is refused as a whole (every problem
+listed at once) or rewritten as a whole; a half-rewritten graph never reaches the compiler.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from . import rewrites  # noqa: F401  (registers the rewriting rules)
+from .analysis import bind_args, has_symbol, meta_val
+from .errors import CPCompileError, Problem, module_path, op_name, source_line
+from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, lookup_rule
+
+aten = torch.ops.aten
+
+# Pass order. Positions first: they only retarget arange nodes and never touch attention inputs,
+# so the gather pass sees the final producers of Q/K/V. Each pass applies the rewrites that
+# planning assigned to its transport; later transports (halo, doc ids, reductions) slot in here.
+PASS_ORDER = ("positions", "sequence_gather")
+
+
+@dataclass
+class RewriteRecord:
+    """One row of the rewrite table: a node that a pass changed, or an output the caller must reduce."""
+
+    node: str
+    op: str
+    source: str
+    module: str
+    rule: str
+    transport: str
+    collective: str = ""
+    elements: int = 0
+    bytes: int = 0
+    lower_bound_bytes: int = 0
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    rewrites: list[tuple[torch.fx.Node, Rewrite]] = field(default_factory=list)
+    partial_outputs: list[int] = field(default_factory=list)
+    records: list[RewriteRecord] = field(default_factory=list)
+
+
+_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *_LAYOUT}
+
+
+def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> None:
+    """A per-rank partial sum may only flow through ops that are linear in it."""
+    packet = ctx.node.target.overloadpacket
+    tensors = ctx.tensor_inputs()
+    partial = [t for t in tensors if ctx.is_partial(t)]
+    others = [t for t in tensors if not ctx.is_partial(t)]
+    scalars = [a for a in ctx.node.args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    ok = False
+    if packet in _PARTIAL_LINEAR:
+        ok = True
+    elif packet is aten.mul:
+        ok = len(partial) == 1 and not any(ctx.is_seq(t) for t in others)
+    elif packet is aten.div:
+        ok = ctx.is_partial(ctx.node.args[0]) and not any(ctx.is_partial(t) or ctx.is_seq(t) for t in others)
+    elif packet in (aten.add, aten.sub):
+        ok = not others and not scalars
+    if not ok:
+        ctx.refuse(
+            f"its input is a per-rank partial sum over the sequence (from {op_name(origin)} at {source_line(origin)}); "
+            f"{op_name(ctx.node)} is not linear in it, so applying it before the ranks' sums are added is wrong",
+            "return the partial sum from the compiled module and add it up across ranks (dist.all_reduce) before "
+            "this op",
+        )
+    ctx.out_partial = True
+
+
+def _check_length_values(ctx: RuleContext) -> None:
+    """The local sequence length may size tensors, but never enter arithmetic as a value."""
+    for arg in ctx.node.target._schema.arguments:
+        value = ctx.args.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if "int" in str(arg.type):  # sizes, dims and bounds (SymInt in the schema): shape arithmetic is fine
+            continue
+        for v in values:
+            if isinstance(v, torch.fx.Node) and has_symbol(v, ctx.sym):
+                ctx.refuse(
+                    f"it uses the local sequence length as a value (argument '{arg.name}'); under CP each rank's "
+                    f"length is 1/{ctx.world} of the global one",
+                    "pass the global length (or a global token count) in as an input, or derive it outside the "
+                    "compiled module",
+                )
+
+
+def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
+    """Match every node that touches the sequence to a rule; raise one error listing every refusal."""
+    plan = Plan()
+    problems: list[Problem] = []
+    partial: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.name, partial)
+        try:
+            rewrite = _plan_node(ctx, partial)
+        except Refusal as refusal:
+            problems.append(refusal.problem)
+            continue
+        if ctx.out_partial:
+            partial[node] = partial.get(next((t for t in ctx.tensor_inputs() if t in partial), None), node)
+        if rewrite is not None:
+            plan.rewrites.append((node, rewrite))
+            plan.records.append(
+                RewriteRecord(node.name, op_name(node), source_line(node, code=False), module_path(node), rewrite.rule,
+                              rewrite.transport, rewrite.collective, rewrite.elements, rewrite.bytes,
+                              rewrite.lower_bound_bytes, rewrite.note)
+            )
+    if problems:
+        raise CPCompileError(problems)
+    (output,) = gm.graph.find_nodes(op="output")
+    flat = torch.utils._pytree.tree_leaves(output.args[0])
+    for i, value in enumerate(flat):
+        if isinstance(value, torch.fx.Node) and value in partial:
+            origin = partial[value]
+            plan.partial_outputs.append(i)
+            plan.records.append(
+                RewriteRecord(f"output[{i}]", op_name(origin), source_line(origin, code=False), module_path(origin),
+                              "partial_sum", "none (caller sums over ranks)",
+                              note="a sum over the sequence: this rank's share; add the ranks' values for the total")
+            )
+    return plan
+
+
+def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
+    node = ctx.node
+    tensors = ctx.tensor_inputs()
+    seq_in = any(ctx.is_seq(t) for t in tensors)
+    partial_in = [t for t in tensors if t in partial]
+    if not isinstance(node.target, torch._ops.OpOverload):
+        if node.target.__module__ == "_operator" or getattr(node.target, "__name__", "").startswith("sym_"):
+            if partial_in or any(ctx.is_seq(t) for t in tensors):
+                ctx.refuse("Python arithmetic on a sharded tensor", "use torch ops inside the model")
+            return None  # shape arithmetic and tuple indexing
+        if seq_in or partial_in or ctx.is_seq(node):
+            ctx.refuse(
+                f"cp_passes has no rule for {op_name(node)} and it takes a sequence-sharded input",
+                "keep it outside the compiled module, or register a rule for it",
+            )
+        return None
+    ctx.args = bind_args(node)
+    if node.target.overloadpacket is not aten.arange:
+        _check_length_values(ctx)
+    if partial_in:
+        _partial_rule(ctx, partial[partial_in[0]])
+        return None
+    if not seq_in and not ctx.is_seq(node):
+        return None  # nothing about the sequence here
+    rule = lookup_rule(node.target)
+    if rule is None:
+        dims = {t.name: ctx.seq_dims(t) for t in tensors if ctx.is_seq(t)}
+        ctx.refuse(
+            f"cp_passes has no rule for this op and it reads sequence-sharded inputs {dims} (input: sequence dims); "
+            f"it may mix positions across ranks",
+            "if it is position-wise, declare it with cp_passes.positionwise(op); otherwise register a rule with "
+            "@cp_passes.register_rule(op), or move it outside the compiled module",
+        )
+    return rule(ctx)
+
+
+def run_passes(gm: torch.fx.GraphModule, plan: Plan, history: list[tuple[str, str]]) -> torch.fx.GraphModule:
+    """Apply each transport's rewrites in ``PASS_ORDER``, recording the graph after each pass."""
+    for pass_name in PASS_ORDER:
+        todo = [(n, r) for n, r in plan.rewrites if r.transport == pass_name]
+        for _node, rewrite in todo:
+            rewrite.apply(gm, pass_name)
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        history.append((f"after {pass_name} ({len(todo)} rewrites)", gm.print_readable(print_output=False)))
+    return gm

@@ -1,0 +1,121 @@
+"""The per-model spec: what cp_passes cannot read from the graph itself.
+
+Specs are frozen dataclasses. A model family's spec lives in ``model_specs/<name>.py`` as a
+module-level ``SPEC`` and is loaded with :func:`load_spec`. ``CPSpec()`` (the default) serves a
+plain causal LM: every tensor input whose ``seq_dim`` has the sequence length is sharded, and
+attention semantics are read from the attention op itself (``is_causal``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass
+
+
+def _check_names(field: str, value) -> None:
+    if value is None:
+        return
+    if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"CPSpec.{field} must be a tuple of non-empty strings, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CPSpec:
+    """How to shard one model family along the sequence.
+
+    Every field has a default that serves a plain causal LM; a family spec overrides only what differs.
+    """
+
+    name: str = "default"
+    """Name used in tables and error messages."""
+
+    seq_dim: int = 1
+    """Dimension of every sharded input that indexes sequence positions (``[batch, seq, ...]`` -> 1)."""
+
+    seq_inputs: tuple[str, ...] | None = None
+    """Forward arguments (or batch keys) sharded along ``seq_dim``. ``None``: every tensor whose
+    ``seq_dim`` equals the sequence length, which is read from the first tensor argument."""
+
+    replicated_inputs: tuple[str, ...] = ()
+    """Arguments never sharded even if their ``seq_dim`` happens to equal the sequence length."""
+
+    pad_token_id: int = 0
+    """Value that :func:`cp_passes.shard_batch` pads token inputs with."""
+
+    ignore_index: int = -100
+    """Value that :func:`cp_passes.shard_batch` pads label inputs with (the loss ignores it)."""
+
+    label_keys: tuple[str, ...] = ("labels", "shift_labels")
+    """Batch keys holding labels: padded with ``ignore_index``."""
+
+    position_keys: tuple[str, ...] = ("position_ids",)
+    """Batch keys holding positions: padded by continuing the count, so padding stays well defined."""
+
+    gather_kv_together: bool = True
+    """Gather K and V of one attention call in a single collective (same bytes, one launch)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"CPSpec.name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.seq_dim, int) or isinstance(self.seq_dim, bool) or self.seq_dim < 0:
+            raise ValueError(
+                f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
+                f"positions), got {self.seq_dim!r}"
+            )
+        for field in ("seq_inputs", "replicated_inputs", "label_keys", "position_keys"):
+            _check_names(field, getattr(self, field))
+        for field in ("pad_token_id", "ignore_index"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"CPSpec.{field} must be an int, got {value!r}")
+        if not isinstance(self.gather_kv_together, bool):
+            raise ValueError(f"CPSpec.gather_kv_together must be a bool, got {self.gather_kv_together!r}")
+        both = set(self.seq_inputs or ()) & set(self.replicated_inputs)
+        if both:
+            raise ValueError(
+                f"CPSpec lists {sorted(both)} in both seq_inputs={self.seq_inputs!r} and "
+                f"replicated_inputs={self.replicated_inputs!r}; an input is either sharded or not"
+            )
+
+    def replace(self, **changes) -> "CPSpec":
+        return dataclasses.replace(self, **changes)
+
+    def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
+        """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""
+        if name is not None and name in self.replicated_inputs:
+            return False
+        if self.seq_inputs is not None:
+            return name in self.seq_inputs
+        return tensor.dim() > self.seq_dim and seq_len is not None and tensor.shape[self.seq_dim] == seq_len
+
+
+def available_specs() -> list[str]:
+    """Names of the specs shipped in ``model_specs/``."""
+    import model_specs
+
+    folder = os.path.dirname(model_specs.__file__)
+    return sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_"))
+
+
+def load_spec(name_or_path: str) -> CPSpec:
+    """Load ``SPEC`` from ``model_specs/<name>.py`` or from a ``.py`` file path."""
+    if name_or_path.endswith(".py"):
+        if not os.path.exists(name_or_path):
+            raise FileNotFoundError(f"no spec file {name_or_path!r}")
+        loader_spec = importlib.util.spec_from_file_location("_cp_user_spec", name_or_path)
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(f"model_specs.{name_or_path}")
+        except ModuleNotFoundError as e:
+            if e.name != f"model_specs.{name_or_path}":
+                raise
+            raise ValueError(f"no spec named {name_or_path!r}; shipped specs: {available_specs()}") from None
+    spec = getattr(module, "SPEC", None)
+    if not isinstance(spec, CPSpec):
+        raise ValueError(f"{name_or_path!r} defines no module-level SPEC = CPSpec(...) (found {type(spec).__name__})")
+    return spec

@@ -1,0 +1,1 @@
+"""Per-model-family CPSpecs; load one with cp_passes.load_spec(name)."""

@@ -1,0 +1,88 @@
+"""A pool of real gloo processes shared by every multi-process test.
+
+Spawning a rank costs ~13 s on 2 cores, so one pool of 4 ranks serves the whole session: a task for
+P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (size-1 and size-2
+subgroups are made once at start-up). Tasks are functions in ``scenarios.py``; results come back
+per rank, and a failure on any rank re-raises here with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+TASK_TIMEOUT_S = 600
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, tasks, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_COMPILE_THREADS="1")
+    import torch
+    import torch.distributed as dist
+
+    import scenarios
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+    groups = {world: dist.group.WORLD}
+    for size in (1, 2):
+        if size < world:
+            groups[size] = dist.new_subgroups(group_size=size)[0]
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        name, size, kwargs = task
+        try:
+            results.put((rank, True, getattr(scenarios, name)(groups[size], **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    def __init__(self, world: int = 4):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.tasks = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+
+    def run(self, name: str, size: int, **kwargs) -> list:
+        """Run ``scenarios.<name>(group, **kwargs)`` on ranks 0..size-1; return their results in rank order."""
+        assert size in (1, 2, self.world), size
+        for r in range(size):
+            self.tasks[r].put((name, size, kwargs))
+        out, errors = {}, []
+        for _ in range(size):
+            try:
+                rank, ok, payload = self.results.get(timeout=TASK_TIMEOUT_S)
+            except queue.Empty:
+                dead = [p.pid for p in self.procs if not p.is_alive()]
+                raise RuntimeError(f"{name} on {size} ranks timed out after {TASK_TIMEOUT_S} s (dead workers: {dead})")
+            (out.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
+        if errors:
+            raise RuntimeError(f"{name} failed on {size} ranks\n" + "\n".join(errors))
+        return [out[r] for r in range(size)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
