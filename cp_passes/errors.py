@@ -2,25 +2,31 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
+import torch
 import torch.fx
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_line(node: torch.fx.Node, code: bool = True) -> str:
-    """``file:line in fn: code`` of the user code that produced ``node`` (from its stack trace)."""
+    """``file:line in fn: code`` of the innermost non-torch frame that produced ``node``."""
     trace = node.meta.get("stack_trace") or ""
     lines = trace.rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        m = re.match(r'\s*File "(.+)", line (\d+), in (\S+)', lines[i])
-        if m:
-            text = ""
-            if code and i + 1 < len(lines) and not lines[i + 1].strip().startswith("File "):
-                text = lines[i + 1].strip()
-            short = "/".join(m.group(1).split("/")[-2:])
-            return f"{short}:{m.group(2)} in {m.group(3)}" + (f": {text}" if text else "")
-    return "<no source line>"
+    frames = [(i, m) for i, m in ((i, re.match(r'\s*File "(.+)", line (\d+), in (\S+)', line))
+                                  for i, line in enumerate(lines)) if m]
+    if not frames:
+        return "<no source line>"
+    user = [(i, m) for i, m in frames if not m.group(1).startswith(_TORCH_DIR)]
+    i, m = (user or frames)[-1]
+    text = ""
+    if code and i + 1 < len(lines) and not lines[i + 1].strip().startswith("File "):
+        text = lines[i + 1].strip()
+    short = "/".join(m.group(1).split("/")[-2:])
+    return f"{short}:{m.group(2)} in {m.group(3)}" + (f": {text}" if text else "")
 
 
 def module_path(node: torch.fx.Node) -> str:

@@ -134,12 +134,12 @@ class RuleContext:
     def refuse(self, why: str, fix: str):
         raise Refusal(Problem.at(self.node, why, fix))
 
-    def require_not_along_sequence(self, value, dims, what: str = "works along", fix: str | None = None):
+    def require_not_along_sequence(self, value, dims, what: str = "operates along", fix: str | None = None):
         along = self.dims(dims, self.ndim(value)) & set(self.seq_dims(value))
         if along:
             self.refuse(
-                f"it {what} dim {sorted(along)}, which is the sequence axis (sharded across {self.world} ranks), "
-                f"and has no cp_passes rule for that",
+                f"it {what} dim {sorted(along)}, the sequence axis (sharded across {self.world} ranks), and "
+                f"cp_passes has no rule for that",
                 fix or _NO_RULE_FIX,
             )
 
@@ -359,7 +359,7 @@ def _dim_rule(ctx: RuleContext):
         if isinstance(t, torch.fx.Node) and ctx.is_seq(t):
             dims_norm = dims if dims is not None or ctx.ndim(t) > 0 else None
             ctx.require_not_along_sequence(
-                t, dims_norm, f"{packet}s along", _DIM_FIXES.get(packet.lstrip("_").replace("log_", ""), None)
+                t, dims_norm, f"applies {packet} along", _DIM_FIXES.get(packet.lstrip("_").replace("log_", ""))
             )
     return None
 

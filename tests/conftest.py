@@ -1,6 +1,12 @@
 import pytest
+import torch
 
 from workers import WorkerPool
+
+# Every test compiles the same model classes with a new CPModule (a new backend), and dynamo caps
+# the compiled entries per code object; a test session needs more than a training job does.
+torch._dynamo.config.recompile_limit = 256
+torch._dynamo.config.accumulated_recompile_limit = 4096
 
 
 @pytest.fixture(scope="session")

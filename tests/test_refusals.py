@@ -1,0 +1,149 @@
+"""Models that mix sequence positions without a rule are refused at compile time, with the op,
+the source line and a fix; nothing runs on a wrong answer."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cp_passes
+from cp_passes import CPCompileError
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    return dist.group.WORLD
+
+
+class Tiny(nn.Module):
+    """A token model whose ``mix`` step is the op under test."""
+
+    def __init__(self, mix):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+        self.mix = mix
+
+    def forward(self, ids):
+        return self.proj(self.mix(self.embed(ids)))
+
+
+def refusal(group, mix, seq=8) -> CPCompileError:
+    compiled = cp_passes.cp_compile(Tiny(mix), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, seq)))
+    return info.value
+
+
+CASES = {
+    "cumsum": (lambda x: x.cumsum(1), "aten.cumsum.default", "x.cumsum(1)"),
+    "flip": (lambda x: x.flip(1), "aten.flip.default", "x.flip(1)"),
+    "roll": (lambda x: torch.roll(x, 1, dims=1), "aten.roll.default", "torch.roll(x, 1, dims=1)"),
+    "sort": (lambda x: x.sort(dim=1).values, "aten.sort.default", "x.sort(dim=1)"),
+    "pad": (lambda x: F.pad(x, (0, 0, 1, 0)), "aten.pad.default", "F.pad(x, (0, 0, 1, 0))"),
+    "shift": (lambda x: x[:, 1:], "aten.slice.Tensor", "x[:, 1:]"),
+    "conv": (lambda x: F.conv1d(x.transpose(1, 2), torch.ones(8, 1, 3), groups=8, padding=2).transpose(1, 2),
+             "aten.conv", "F.conv1d"),
+    "softmax_over_seq": (lambda x: x.softmax(dim=1), "aten.softmax.int", "x.softmax(dim=1)"),
+    "manual_attention": (lambda x: (x @ x.transpose(1, 2)).softmax(-1) @ x, "aten.softmax.int", "x @ x.transpose"),
+    "mean_over_seq": (lambda x: x - x.mean(1, keepdim=True), "aten.mean.dim", "x.mean(1, keepdim=True)"),
+    "length_as_value": (lambda x: x * x.shape[1], "aten.mul.Tensor", "x * x.shape[1]"),
+    "model_built_mask": (
+        lambda x: F.scaled_dot_product_attention(
+            x[:, None], x[:, None], x[:, None],
+            attn_mask=torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril()),
+        "aten.tril.default", "tril"),
+    "last_token": (lambda x: x[:, -1:].expand_as(x), "aten.slice.Tensor", "x[:, -1:]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_refused_with_op_source_and_fix(group, case):
+    mix, op, code = CASES[case]
+    err = refusal(group, mix)
+    first = err.problems[0]
+    assert first.op.startswith(op), str(err)
+    assert "test_refusals.py" in first.source and code in first.source, first.source
+    assert first.module == "", first.module
+    assert first.fix and first.reason
+    assert op.split(".")[1] in str(err) and "fix:" in str(err)
+
+
+def test_manual_attention_contracting_over_the_sequence(group):
+    err = refusal(group, lambda x: (x @ x.transpose(1, 2)).softmax(-1) @ x)
+    assert [p.op for p in err.problems] == ["aten.softmax.int", "aten.matmul.default"]
+    assert "scaled_dot_product_attention" in err.problems[1].fix
+
+
+def test_all_problems_listed_at_once(group):
+    err = refusal(group, lambda x: x.cumsum(1).flip(1))
+    assert [p.op for p in err.problems] == ["aten.cumsum.default", "aten.flip.default"]
+
+
+def test_partial_sum_only_flows_through_linear_ops(group):
+    err = refusal(group, lambda x: (x.sum(1, keepdim=True) ** 2).expand_as(x))
+    assert err.problems[0].op == "aten.pow.Tensor_Scalar"
+    assert "partial sum" in err.problems[0].reason and "aten.sum.dim_IntList" in err.problems[0].reason
+
+
+@pytest.mark.parametrize("mix", [lambda x: x.cumsum(2), lambda x: x.flip(0), lambda x: x.softmax(-1),
+                                 lambda x: x.amax(-1, keepdim=True) * x, lambda x: x.transpose(0, 1).reshape(-1, 8)])
+def test_off_axis_ops_are_accepted(group, mix):
+    compiled = cp_passes.cp_compile(Tiny(mix), mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    assert len(compiled.compile_records) == 1
+
+
+def test_partial_sum_plus_a_per_rank_value_is_refused(group):
+    err = refusal(group, lambda x: x.sum(1, keepdim=True) + x)
+    assert err.problems[0].op == "aten.add.Tensor" and "partial sum" in err.problems[0].reason
+
+
+def test_hf_label_shift_inside_the_model_is_refused(group):
+    from scenarios import hf_llama
+
+    compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(8))
+    assert info.value.problems[0].op == "aten.pad.default"
+    assert "loss_utils.py" in info.value.problems[0].source and "shift_labels" in info.value.problems[0].fix
+
+
+def test_hf_mean_loss_is_refused(group):
+    from scenarios import hf_llama
+
+    compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=ids, labels=ids, shift_labels=ids)
+    assert info.value.problems[0].op == "aten.cross_entropy_loss.default"
+    assert "num_items_in_batch" in info.value.problems[0].fix
+
+
+def test_hf_packed_sequence_mask_is_refused(group):
+    """Without a cache, transformers 5.x derives a packed-document mask from position_ids with diff and
+    cumsum along the sequence; that needs the packed-documents transport, so it must be refused."""
+    from scenarios import hf_llama
+
+    compiled = cp_passes.cp_compile(hf_llama(use_cache=False), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 128, (1, 8))
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=ids, position_ids=torch.arange(8)[None])
+    ops = [p.op for p in info.value.problems]
+    assert "aten.cumsum.default" in ops and "aten.scaled_dot_product_attention.default" in ops
+    assert any("masking_utils.py" in p.source for p in info.value.problems)
+
+
+def test_graph_break_is_an_error_not_a_silent_eager_fallback(group):
+    def mix(x):
+        torch._dynamo.graph_break()
+        return x.cumsum(1)
+
+    err = refusal(group, mix)
+    assert "whole forward as one graph" in str(err) and "graph_break" in str(err)

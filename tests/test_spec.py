@@ -1,0 +1,55 @@
+import dataclasses
+
+import pytest
+
+import cp_passes
+from cp_passes import CPSpec
+
+
+def test_default_spec_serves_a_plain_causal_lm():
+    spec = CPSpec()
+    assert spec.seq_dim == 1 and spec.seq_inputs is None and spec.ignore_index == -100
+
+
+def test_specs_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CPSpec().seq_dim = 2
+
+
+@pytest.mark.parametrize("kwargs,shown", [
+    ({"seq_dim": -1}, "-1"),
+    ({"seq_dim": "1"}, "'1'"),
+    ({"seq_inputs": "input_ids"}, "'input_ids'"),
+    ({"seq_inputs": ("ids", "")}, "('ids', '')"),
+    ({"ignore_index": 1.5}, "1.5"),
+    ({"gather_kv_together": 1}, "1"),
+    ({"name": ""}, "''"),
+])
+def test_invalid_specs_print_the_offending_value(kwargs, shown):
+    with pytest.raises(ValueError) as info:
+        CPSpec(**kwargs)
+    field = next(iter(kwargs))
+    assert f"CPSpec.{field}" in str(info.value) and shown in str(info.value)
+
+
+def test_an_input_cannot_be_both_sharded_and_replicated():
+    with pytest.raises(ValueError, match=r"\['mask'\].*seq_inputs=\('ids', 'mask'\).*replicated_inputs=\('mask',\)"):
+        CPSpec(seq_inputs=("ids", "mask"), replicated_inputs=("mask",))
+
+
+def test_load_spec_by_name_and_path(tmp_path):
+    assert "llama" in cp_passes.available_specs()
+    spec = cp_passes.load_spec("llama")
+    assert spec.name == "llama" and "position_ids" in spec.seq_inputs
+    path = tmp_path / "mine.py"
+    path.write_text("from cp_passes import CPSpec\nSPEC = CPSpec(name='mine', seq_dim=2)\n")
+    assert cp_passes.load_spec(str(path)) == CPSpec(name="mine", seq_dim=2)
+
+
+def test_load_spec_errors_name_what_exists(tmp_path):
+    with pytest.raises(ValueError, match="no spec named 'nope'.*llama"):
+        cp_passes.load_spec("nope")
+    path = tmp_path / "empty.py"
+    path.write_text("X = 1\n")
+    with pytest.raises(ValueError, match="no module-level SPEC"):
+        cp_passes.load_spec(str(path))

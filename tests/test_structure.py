@@ -1,0 +1,93 @@
+"""Structure of the rewritten graphs on a fake process group of 8 ranks (one process, no data moved):
+which collectives, how many, where, and how many bytes each rank receives."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_passes
+from cp_passes.models import ToyLlama, ToyLlamaConfig
+
+WORLD, RANK = 8, 3
+GATHER = "_c10d_functional.all_gather_into_tensor.default"
+REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+
+
+@pytest.fixture(scope="module")
+def fake_world():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
+    yield dist.group.WORLD
+
+
+def compile_toy(group, kv_repeat="expand", n_layers=2, seq=16, **spec):
+    torch.manual_seed(0)
+    model = ToyLlama(ToyLlamaConfig(kv_repeat=kv_repeat, n_layers=n_layers))
+    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(**spec), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 256, (2, seq))
+    loss, _ = compiled(ids, labels=ids)
+    loss.backward()
+    return compiled.compile_records[-1]
+
+
+@pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
+def test_one_gather_per_layer_forward_one_reduce_scatter_backward(fake_world, kv_repeat):
+    record = compile_toy(fake_world, kv_repeat=kv_repeat, n_layers=3)
+    assert record.aot_ops["forward"][GATHER] == 3
+    assert record.aot_ops["forward"][REDUCE_SCATTER] == 0
+    assert record.aot_ops["backward"][REDUCE_SCATTER] == 3
+    assert record.aot_ops["backward"][GATHER] == 0
+    gathers = [r for r in record.records if r.transport == "sequence_gather"]
+    assert [r.module for r in gathers] == [f"layers.{i}.attn" for i in range(3)]
+
+
+@pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
+def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
+    batch, seq, kv_heads, head_dim = 2, 16, 2, 16
+    record = compile_toy(fake_world, kv_repeat=kv_repeat)
+    local_kv = 2 * batch * kv_heads * seq * head_dim  # K and V at kv_heads, not at n_heads
+    for r in (r for r in record.records if r.transport == "sequence_gather"):
+        assert r.elements == (WORLD - 1) * local_kv
+        assert r.bytes == (WORLD - 1) * local_kv * 4
+        assert r.lower_bound_bytes == RANK * local_kv * 4  # causal: rank 3 needs ranks 0..2
+    after = record.history[-1][1]
+    assert "enable_gqa = True" in after
+    assert "cp_passes_transports_sequence_all_gather(cp_kv" in after
+
+
+def test_k_and_v_gathered_separately_when_asked(fake_world):
+    record = compile_toy(fake_world, gather_kv_together=False)
+    assert record.aot_ops["forward"][GATHER] == 4
+    assert record.aot_ops["backward"][REDUCE_SCATTER] == 4
+
+
+def test_positions_offset_and_causal_mask_at_rank_offset(fake_world):
+    record = compile_toy(fake_world)
+    after = record.history[-1][1]
+    assert f"* {RANK}" in after and f"* {RANK + 1}" in after  # arange(rank * s, (rank + 1) * s)
+    assert "causal_mask_at_offset" in after and "is_causal = False" in after
+    rules = [r.rule for r in record.records]
+    assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
+    assert rules[-1] == "partial_sum"
+
+
+def test_history_labels_every_stage(fake_world):
+    record = compile_toy(fake_world)
+    labels = [label for label, _ in record.history]
+    assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
+    assert labels[2].startswith("after positions (1 rewrites)")
+    assert labels[3].startswith("after sequence_gather (2 rewrites)")
+    assert "cp_kv_gathered" not in record.history[2][1] and "cp_kv_gathered" in record.history[3][1]
+
+
+def test_explain_table_lists_rewrites(fake_world, capsys):
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(ToyLlama(), mesh=fake_world, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 256, (2, 16)))
+    text = cp_passes.explain(compiled)
+    assert capsys.readouterr().out.strip() == text.strip()
+    assert f"rank {RANK} of {WORLD}" in text
+    assert text.count("sdpa_causal") == 2 and "layers.1.attn" in text and "models.py" in text
+    assert "all_gather K+V" in text
