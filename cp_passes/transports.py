@@ -78,3 +78,23 @@ def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> tor
     if layout is not None:
         full = full.narrow(dim, 0, layout.seq_len)
     return full
+
+
+def all_reduce_gradients(module: torch.nn.Module, mesh) -> None:
+    """Sum every parameter gradient over the CP group.
+
+    Each CP rank's backward yields the gradient of its own tokens' loss; the step needs their sum.
+    Under FSDP or DDP on a mesh that includes the CP dimension this happens already; without one,
+    call this between ``backward()`` and ``optimizer.step()``.
+    """
+    cp = resolve_group(mesh)
+    if cp.size == 1:
+        return
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=cp.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
