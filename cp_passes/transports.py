@@ -64,6 +64,57 @@ def causal_mask_at_offset(query: torch.Tensor, rank: int) -> torch.Tensor:
     return k_pos[None, :] <= q_pos[:, None]
 
 
+def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list, object]:
+    """Rows this rank sends to and receives from every rank for a halo of ``halo`` positions.
+
+    Rank ``r`` needs global positions ``[r * L - halo, r * L)``: the last ``min(L, halo - k * L)`` rows
+    of rank ``r - 1 - k`` for ``k = 0, 1, ...``, and zeros where the sequence has no predecessor.
+    Returns ``(send, recv, zeros)``; with a symbolic ``local_len`` the comparisons become guards.
+    """
+    def rows(k):
+        need = halo - k * local_len
+        return 0 if need <= 0 else (local_len if need >= local_len else need)
+
+    send = [rows(r - rank - 1) if r > rank else 0 for r in range(world)]
+    recv = [rows(rank - q - 1) if q < rank else 0 for q in range(world)]
+    covered = rank * local_len
+    zeros = 0 if covered >= halo else halo - covered
+    return send, recv, zeros
+
+
+def halo_exchange(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, group_name: str,
+                  left_padding: int = 0) -> torch.Tensor:
+    """Prepend the ``halo`` positions that precede this rank's shard along ``dim``.
+
+    Exactly the needed rows move (from as many preceding ranks as ``halo`` spans); positions before
+    the sequence start are zeros; ``left_padding`` more zero positions go in front and are never sent.
+    The result has ``left_padding + halo + local_len`` positions. Backward returns each halo row's
+    gradient to the rank that owns it.
+    """
+    dim = dim % x.dim()
+    local_len = x.shape[dim]
+    send, recv, zeros = halo_counts(halo, local_len, rank, world)
+    rows = x.movedim(dim, 0)
+    pieces = []
+    if left_padding + zeros:
+        pieces.append(rows.new_zeros((left_padding + zeros, *rows.shape[1:])))
+    if world > 1 and halo > 0:  # every rank takes part: each sends or receives something
+        parts = [rows.narrow(0, local_len - c, c) for c in send]
+        buffer = torch.cat(parts, dim=0) if parts else rows[:0]
+        received = funcol.all_to_all_single_autograd(buffer.contiguous(), recv, send, group_name)
+        if isinstance(received, funcol.AsyncCollectiveTensor):
+            received = funcol.wait_tensor(received)
+        pieces.append(received)
+    pieces.append(rows)
+    return torch.cat(pieces, dim=0).movedim(0, dim)
+
+
+def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0) -> torch.Tensor:
+    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``."""
+    cp = resolve_group(mesh)
+    return halo_exchange(x, dim, halo, cp.rank, cp.size, cp.name, left_padding)
+
+
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> torch.Tensor:
     """Reassemble a sequence-sharded tensor on every rank (differentiable).
 

@@ -93,3 +93,13 @@ def gather_roundtrip(group, seq_len: int) -> dict:
     (full * torch.arange(1, seq_len + 1)).sum().backward()
     return {"full": full.detach(), "grad": x.grad, "layout": (layout.seq_len, layout.padded_len, layout.slices),
             "local": local}
+
+
+def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int) -> dict:
+    """gather_halo against slicing the global tensor; gradients go back to the owners."""
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, _ = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",)))
+    x = local["x"].requires_grad_()
+    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding)
+    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
+    return {"out": out.detach(), "grad": x.grad}

@@ -1,0 +1,41 @@
+"""Halo exchange: exactly the preceding positions, across as many ranks as the halo spans."""
+
+import pytest
+import torch
+
+from cp_passes.transports import halo_counts
+
+
+@pytest.mark.parametrize("halo,local,world", [(2, 6, 2), (6, 6, 2), (9, 3, 4), (10, 3, 4), (1, 4, 4), (0, 4, 4)])
+def test_every_rank_receives_exactly_the_halo(halo, local, world):
+    sends, recvs = [], []
+    for rank in range(world):
+        send, recv, zeros = halo_counts(halo, local, rank, world)
+        sends.append(send)
+        recvs.append(recv)
+        assert sum(recv) + zeros == halo  # the lower bound: halo rows, of which only real ones move
+        assert sum(recv) == min(halo, rank * local)
+        assert all(0 <= c <= local for c in send + recv)
+    for q in range(world):  # what q sends to r is what r receives from q
+        for r in range(world):
+            assert sends[q][r] == recvs[r][q]
+
+
+@pytest.mark.parametrize("P,halo,left_padding", [(2, 2, 0), (2, 6, 2), (4, 9, 0), (4, 10, 1)])
+def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, left_padding):
+    seq_len = 12
+    local = seq_len // P
+    per_rank = pool.run("halo_roundtrip", P, seq_len=seq_len, halo=halo, left_padding=left_padding)
+    x = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    expected_grad = torch.zeros(seq_len)
+    for rank, r in enumerate(per_rank):
+        start = rank * local
+        rows = [torch.zeros(2, 3) if p < 0 else x[:, p] for p in range(start - halo, start + local)]
+        expected = torch.cat([torch.zeros(2, left_padding, 3), torch.stack(rows, dim=1)], dim=1)
+        assert torch.equal(r["out"], expected)
+        for i, p in enumerate(range(start - halo, start + local)):
+            if p >= 0:
+                expected_grad[p] += left_padding + i
+    for rank, r in enumerate(per_rank):
+        want = expected_grad[rank * local:(rank + 1) * local][None, :, None].expand(2, local, 3)
+        assert torch.equal(r["grad"], want)
