@@ -9,11 +9,11 @@ from .batch import ShardLayout, shard_batch
 from .errors import CPCompileError
 from .explain import explain
 from .rules import RuleContext, Rewrite, positionwise, register_rule
-from .spec import CPSpec, available_specs, load_spec
+from .spec import AttentionRule, CPSpec, available_specs, load_spec
 from .transports import all_reduce_gradients, gather_halo, gather_sequence
 
 __all__ = [
-    "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Rewrite", "RuleContext", "ShardLayout",
+    "AttentionRule", "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Rewrite", "RuleContext", "ShardLayout",
     "all_reduce_gradients", "available_specs", "cp_compile", "explain", "gather_halo", "gather_sequence", "load_spec",
     "positionwise", "register_rule", "shard_batch",
 ]

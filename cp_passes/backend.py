@@ -68,6 +68,13 @@ class CPBackend:
         cp = owner.cp
         aten_gm, fakes = _retrace_aten(gm)
         symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
+        if not symbols:
+            raise CPCompileError(
+                f"dynamo specialized the local sequence length ({owner._local_len}) while tracing: some code in the "
+                f"model turns the length into a Python int (an int(), a comparison with a constant, a shape-dependent "
+                f"branch), so cp_passes cannot tell positions from sizes; run with TORCH_LOGS=\"+dynamic\" to see "
+                f"where, and keep the sequence length symbolic there"
+            )
         if len(symbols) != 1:
             raise CPCompileError(
                 f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
@@ -218,7 +225,9 @@ class CPModule(torch.nn.Module):
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
                         f"use fewer ranks or a longer sequence"
                     )
-                torch._dynamo.mark_dynamic(t, spec.seq_dim)
+                # maybe_: Inductor may still specialize a kernel (conv backward does in 2.13) after the
+                # passes have read the symbolic graph; that only costs a recompile for a new length.
+                torch._dynamo.maybe_mark_dynamic(t, spec.seq_dim)
         return seq_len
 
     def _check_equal_lengths(self, seq_len: int) -> None:

@@ -2,7 +2,8 @@
 
 RMSNorm, rotary positions (from ``position_ids`` or an ``arange`` over the sequence), grouped-query
 attention through ``scaled_dot_product_attention(is_causal=True)`` with K/V heads repeated the way
-many codebases do it, a SwiGLU MLP and a tied-free LM head.
+many codebases do it, a SwiGLU MLP and an LM head. Optionally sliding-window attention (a band mask
+the model builds itself) and a short causal convolution before attention (Mamba / delta-net style).
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ class ToyLlamaConfig:
     kv_repeat: str = "expand"
     """How K/V heads are repeated for GQA: "expand" (x[:, :, None].expand().reshape()),
     "repeat_interleave", or "sdpa" (enable_gqa=True)."""
+    window: int | None = None
+    """Sliding-window attention of this width (a band mask built from arange); None: causal."""
+    conv_kernel: int | tuple[int, ...] = 0
+    """Kernel size of a causal short convolution on the attention input (a tuple: one per layer); 0: none."""
+    conv_dilation: int = 1
+    conv_form: str = "slice"
+    """"slice": conv1d(padding=(k-1)*d)[..., :seq] (Hugging Face Mamba); "pad": F.pad((k-1)*d, 0) then conv1d."""
+    conv_depthwise: bool = True
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -57,14 +66,43 @@ class Attention(nn.Module):
             v = v[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim).reshape(b, cfg.n_heads, s, self.head_dim)
         elif cfg.kv_repeat == "repeat_interleave" and n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if cfg.window is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            pos = torch.arange(s, device=x.device)
+            distance = pos[:, None] - pos[None, :]
+            band = (distance >= 0) & (distance < cfg.window)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: ToyLlamaConfig):
+class ShortConv(nn.Module):
+    """A causal convolution along the sequence: output t reads inputs t - (k-1)*d .. t."""
+
+    def __init__(self, cfg: ToyLlamaConfig, kernel: int):
         super().__init__()
+        self.cfg = cfg
+        self.halo = (kernel - 1) * cfg.conv_dilation
+        self.conv = nn.Conv1d(cfg.dim, cfg.dim, kernel, dilation=cfg.conv_dilation,
+                              groups=cfg.dim if cfg.conv_depthwise else 1,
+                              padding=self.halo if cfg.conv_form == "slice" else 0)
+
+    def forward(self, x):
+        seq = x.shape[1]
+        h = x.transpose(1, 2)
+        if self.cfg.conv_form == "slice":
+            h = self.conv(h)[..., :seq]
+        else:
+            h = self.conv(F.pad(h, (self.halo, 0)))
+        return F.silu(h.transpose(1, 2))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ToyLlamaConfig, layer: int):
+        super().__init__()
+        kernel = cfg.conv_kernel[layer] if isinstance(cfg.conv_kernel, tuple) else cfg.conv_kernel
         self.attn_norm = nn.RMSNorm(cfg.dim)
+        self.conv = ShortConv(cfg, kernel) if kernel else None
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.dim)
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -72,7 +110,10 @@ class Block(nn.Module):
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+        h = self.attn_norm(x)
+        if self.conv is not None:
+            h = h + self.conv(h)
+        x = x + self.attn(h, cos, sin)
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -88,7 +129,7 @@ class ToyLlama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         head_dim = cfg.dim // cfg.n_heads

@@ -12,16 +12,17 @@ import torch
 import torch.fx
 
 from . import rewrites  # noqa: F401  (registers the rewriting rules)
-from .analysis import bind_args, has_symbol, meta_val
+from .analysis import bind_args, has_symbol, meta_val, seq_dims
 from .errors import CPCompileError, Problem, module_path, op_name, source_line
 from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, lookup_rule
 
 aten = torch.ops.aten
 
-# Pass order. Positions first: they only retarget arange nodes and never touch attention inputs,
-# so the gather pass sees the final producers of Q/K/V. Each pass applies the rewrites that
-# planning assigned to its transport; later transports (halo, doc ids, reductions) slot in here.
-PASS_ORDER = ("positions", "sequence_gather")
+# Pass order. Positions first: they only retarget arange nodes, never attention or conv inputs.
+# Halo next (causal convolutions and sliding-window attention), then full-sequence gathers. The
+# rewrites of one pass never touch nodes another pass rewrites, so each graph in the history shows
+# exactly one transport added. Later transports (doc ids, global reductions) slot in here.
+PASS_ORDER = ("positions", "halo", "sequence_gather")
 
 
 @dataclass
@@ -117,6 +118,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                               rewrite.transport, rewrite.collective, rewrite.elements, rewrite.bytes,
                               rewrite.lower_bound_bytes, rewrite.note)
             )
+    problems.extend(_check_block_uses(gm, sym))
     if problems:
         raise CPCompileError(problems)
     (output,) = gm.graph.find_nodes(op="output")
@@ -131,6 +133,27 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                               note="a sum over the sequence: this rank's share; add the ranks' values for the total")
             )
     return plan
+
+
+def _check_block_uses(gm: torch.fx.GraphModule, sym) -> list[Problem]:
+    """A tensor with two sequence dims ([q, k] scores or masks) holds only this rank's diagonal block of the
+    global matrix. It may feed other such blocks and an attention mask (which the attention rule replaces),
+    nothing else."""
+    problems = []
+    for node in gm.graph.nodes:
+        if len(seq_dims(node, sym)) < 2:
+            continue
+        for user in node.users:
+            is_mask = user.target is aten.scaled_dot_product_attention.default and bind_args(user)["attn_mask"] is node
+            if is_mask or len(seq_dims(user, sym)) >= 2:
+                continue
+            problems.append(Problem.at(
+                user,
+                f"it consumes '{node.name}', a [seq, seq] block built on one shard: each rank holds only the "
+                f"diagonal block of the global matrix, not a slice of it",
+                "use scaled_dot_product_attention (masks built from positions are read and rebuilt per rank)",
+            ))
+    return problems
 
 
 def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
@@ -179,4 +202,7 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, history: list[tuple[str, st
         gm.graph.lint()
         gm.recompile()
         history.append((f"after {pass_name} ({len(todo)} rewrites)", gm.print_readable(print_output=False)))
+    # A rewrite of a node that then went dead (an arange that only fed a replaced mask) changed nothing.
+    alive = {n.name for n in gm.graph.nodes}
+    plan.records[:] = [r for r in plan.records if r.node in alive or r.node.startswith("output[")]
     return gm

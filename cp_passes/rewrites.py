@@ -13,7 +13,8 @@ import torch
 import torch.fx
 
 from . import transports
-from .analysis import expr_of, meta_val, numel_hint, seq_multiple
+from .analysis import bind_args, expr_of, meta_val, numel_hint, seq_dims, seq_multiple
+from .errors import module_path
 from .rules import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -85,6 +86,92 @@ def match_head_repeat(node: torch.fx.Node) -> HeadRepeat | None:
 # scaled_dot_product_attention: gather K/V along the sequence, mask causally at the rank's offset.
 
 
+PROBE_MAX_LEN = 4096
+"""Longest single-device sequence at which a model-built attention mask is evaluated to read its window."""
+
+
+def _run_positional_subgraph(ctx: RuleContext, out: torch.fx.Node, length: int) -> torch.Tensor:
+    """Evaluate the subgraph producing ``out`` as the single-device model would at sequence ``length``.
+
+    Only shape arithmetic, constants and ops on them may feed it: a mask that reads data (token ids,
+    document ids, padding masks) is not a pure function of positions and is refused.
+    """
+    env: dict[torch.fx.Node, object] = {}
+    order: list[torch.fx.Node] = []
+    stack, seen = [out], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        order.append(n)
+        if not isinstance(meta_val(n), (torch.SymInt, torch.SymFloat, int, float)):
+            stack.extend(n.all_input_nodes)
+    position = {n: i for i, n in enumerate(ctx.node.graph.nodes)}
+    for n in sorted(order, key=position.__getitem__):
+        val = meta_val(n)
+        if isinstance(val, (torch.SymInt, torch.SymFloat)):
+            value = val.node.expr.subs(ctx.sym, length)
+            env[n] = int(value) if isinstance(val, torch.SymInt) else float(value)
+        elif isinstance(val, (int, float)):
+            env[n] = val
+        elif n.op == "get_attr":
+            env[n] = getattr(n.graph.owning_module, n.target)
+        elif n.op == "call_function":
+            args, kwargs = torch.fx.map_arg((n.args, n.kwargs), env.__getitem__)
+            env[n] = n.target(*args, **kwargs)
+        else:
+            ctx.refuse(
+                f"its attention mask reads {n.op} '{n.name}' (data, not positions); masks built from data "
+                f"(document ids, padding) need the packed-documents transport",
+                "pass is_causal=True, or a mask built only from positions (arange comparisons)",
+            )
+    return env[out]
+
+
+def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)).all()):
+            ctx.refuse("its attention mask adds a bias (not only 0 / -inf)", "use a boolean or 0/-inf mask")
+        mask = mask == 0
+    flat = mask.reshape(-1, *mask.shape[-2:])
+    if not bool((flat == flat[:1]).all()):
+        ctx.refuse("its attention mask differs across batch or heads", "use one mask for every batch row and head")
+    return flat[0]
+
+
+def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int) -> int | None:
+    """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
+    or ``None`` when it is plain causal up to the length cp_passes checked. Anything else is refused."""
+    lengths = sorted({min(global_len, PROBE_MAX_LEN), max(2, min(global_len, PROBE_MAX_LEN) // 2 + 1)}, reverse=True)
+    window = None
+    for length in lengths:
+        allowed = _allowed(_run_positional_subgraph(ctx, mask, length), ctx)
+        if tuple(allowed.shape) != (length, length):
+            ctx.refuse(f"its attention mask has shape {tuple(allowed.shape)} at sequence length {length}",
+                       "build the mask as [.., seq, seq]")
+        seen = int(allowed[-1].sum())
+        width = window if window is not None else (seen if seen < length else None)
+        distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+        band = (distance >= 0) & ((distance < width) if width is not None else True)
+        if not torch.equal(allowed, band):
+            ctx.refuse(
+                f"its attention mask is neither causal nor a causal sliding window (checked at sequence length "
+                f"{length})",
+                "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks",
+            )
+        window = width
+    if window is None and global_len > lengths[0]:
+        ctx.refuse(
+            f"its attention mask is causal up to {lengths[0]} positions, the longest cp_passes evaluates; a "
+            f"window wider than that cannot be told from causal",
+            "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
+        )
+    if window is None:
+        bool(ctx.sym_value() * ctx.world <= lengths[0])  # a guard: longer sequences recompile and re-check
+    return window
+
+
 @register_rule(aten.scaled_dot_product_attention)
 def sdpa_rule(ctx: RuleContext):
     q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
@@ -97,13 +184,6 @@ def sdpa_rule(ctx: RuleContext):
             "register a rule for this attention (e.g. pooling queries over the sequence), or run it outside "
             "the compiled module",
         )
-    if mask is not None:
-        ctx.refuse(
-            "it takes an attention mask built by the model over the sequence; a mask made on a shard "
-            "covers only local keys",
-            "pass is_causal=True instead of a causal mask; window and document masks are planned with the "
-            "halo and packed-document transports",
-        )
     for name, t in (("query", q), ("key", k), ("value", v)):
         nd = ctx.ndim(t)
         if ctx.seq_dims(t) != (nd - 2,) or seq_multiple(meta_val(t).shape[nd - 2], ctx.sym) != 1:
@@ -111,6 +191,22 @@ def sdpa_rule(ctx: RuleContext):
                 f"its {name} {tuple(meta_val(t).shape)} does not carry the sequence (length {ctx.sym}) on dim -2",
                 "lay attention inputs out as [batch, heads, seq, head_dim]",
             )
+
+    window = None
+    if mask is not None:
+        window = read_window(ctx, mask, ctx.local_len() * ctx.world)
+        causal = True
+        found = f"a band mask of window {window}" if window else "a causal mask"
+    else:
+        found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
+    declared = ctx.spec.attention_for(module_path(ctx.node))
+    if declared is not None and (declared.window != window or not causal):
+        said = f"window {declared.window}" if declared.window else "causal attention"
+        ctx.refuse(
+            f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
+            f"training would not match the single-device model",
+            "make the spec's AttentionRule agree with the model (or fix the model's mask)",
+        )
 
     gqa = bool(ctx.arg("enable_gqa"))
     k_src, v_src = k, v
@@ -127,7 +223,9 @@ def sdpa_rule(ctx: RuleContext):
     )
     elements = numel_hint(k_src) + numel_hint(v_src)
     itemsize = meta_val(k_src).dtype.itemsize
-    rule = "sdpa_causal" if causal else "sdpa_full"
+    local_len = ctx.local_len()
+    halo = bool(window) and ctx.spec.window_transport == "halo"
+    rule = "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
     node = ctx.node
     dropout_p, scale = ctx.arg("dropout_p"), ctx.arg("scale")
 
@@ -137,29 +235,45 @@ def sdpa_rule(ctx: RuleContext):
         def make(target, args, name, kwargs=None):
             return insert_node(g, node, target, args, kwargs, name=name, origin=node, pass_name=pass_name, rule=rule)
 
+        def transport(x, name):
+            if halo:
+                return make(transports.halo_exchange, (x, dim, window - 1, rank, world, group), f"{name}_halo")
+            return make(transports.sequence_all_gather, (x, dim, group), f"{name}_gathered")
+
         if together:
             dk = meta_val(k_src).shape[-1]
-            kv = make(aten.cat.default, ([k_src, v_src], -1), "cp_kv")
-            kv_all = make(transports.sequence_all_gather, (kv, dim, group), "cp_kv_gathered")
-            parts = make(aten.split_with_sizes.default, (kv_all, [dk, meta_val(v_src).shape[-1]], -1), "cp_kv_split")
-            keys = make(operator.getitem, (parts, 0), "cp_k_gathered")
-            values = make(operator.getitem, (parts, 1), "cp_v_gathered")
+            moved = transport(make(aten.cat.default, ([k_src, v_src], -1), "cp_kv"), "cp_kv")
+            parts = make(aten.split_with_sizes.default, (moved, [dk, meta_val(v_src).shape[-1]], -1), "cp_kv_split")
+            keys = make(operator.getitem, (parts, 0), "cp_k")
+            values = make(operator.getitem, (parts, 1), "cp_v")
         else:
-            keys = make(transports.sequence_all_gather, (k_src, dim, group), "cp_k_gathered")
-            values = make(transports.sequence_all_gather, (v_src, dim, group), "cp_v_gathered")
+            keys, values = transport(k_src, "cp_k"), transport(v_src, "cp_v")
         mask_node = None
-        if causal:
+        if halo:
+            mask_node = make(transports.window_mask_with_halo, (q, window, rank), "cp_window_mask")
+        elif causal:
             keys = make(transports.causal_key_prefix, (keys, dim, rank, q), "cp_k_visible")
             values = make(transports.causal_key_prefix, (values, dim, rank, q), "cp_v_visible")
-            if rank > 0:
-                mask_node = make(transports.causal_mask_at_offset, (q, rank), "cp_causal_mask")
-        # Rank 0 sees only its own keys: plain causal attention. Later ranks get an explicit mask.
+            if rank > 0 or window:
+                mask_node = make(transports.causal_mask_at_offset, (q, rank, window), "cp_causal_mask")
+        # Rank 0 of a causal attention sees only its own keys: plain causal attention, no mask.
         node.args = (q, keys, values, mask_node, dropout_p)
-        node.kwargs = {"is_causal": causal and rank == 0, "scale": scale, "enable_gqa": gqa}
+        node.kwargs = {"is_causal": mask_node is None and causal, "scale": scale, "enable_gqa": gqa}
         node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
 
+    note = "K/V moved before the head repeat (enable_gqa)" if k_src is not k else ""
+    if halo:
+        rows = min(window - 1, rank * local_len)
+        moved = rows * elements // local_len * itemsize
+        return Rewrite(rule=rule, transport="halo", apply=apply,
+                       collective=f"all_to_all {window - 1} rows of K+V | bw all_to_all",
+                       elements=rows * elements // local_len, bytes=moved, lower_bound_bytes=moved,
+                       note=(note + "; " if note else "") + f"window {window} read from the model's mask")
     received = (world - 1) * elements * itemsize
     needed = (rank if causal else world - 1) * elements * itemsize
+    if window:
+        needed = min(window - 1, rank * local_len) * elements // local_len * itemsize
+        note = (note + "; " if note else "") + f"window {window} read from the model's mask; spec asks for a gather"
     return Rewrite(
         rule=rule,
         transport="sequence_gather",
@@ -168,8 +282,127 @@ def sdpa_rule(ctx: RuleContext):
         elements=(world - 1) * elements,
         bytes=received,
         lower_bound_bytes=needed,
-        note=("gathered before the head repeat (enable_gqa)" if k_src is not k else ""),
+        note=note,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal convolutions along the sequence: a halo of (k - 1) * dilation rows replaces the left pad.
+
+
+@dataclass
+class CausalConv:
+    """``conv(pad(x, (halo, 0)))`` or ``conv(x, padding=halo)[..., :seq]``: output t reads x[t - halo .. t]."""
+
+    conv: torch.fx.Node
+    source: torch.fx.Node
+    halo: int
+    form: str
+    pad: torch.fx.Node | None = None
+    slice: torch.fx.Node | None = None
+
+
+_CONVS = (aten.conv1d.default, aten.convolution.default)
+
+
+def match_causal_conv(conv: torch.fx.Node, sym) -> CausalConv | str:
+    """The causal form of a 1-D convolution over [batch, channels, seq], or why it is not one."""
+    if conv.target not in _CONVS:
+        return f"{conv.target} is not a 1-D convolution cp_passes reads"
+    args = bind_args(conv)
+    x, weight = args["input"], args["weight"]
+    if args.get("transposed"):
+        return "it is a transposed convolution"
+    padded = isinstance(x, torch.fx.Node) and x.target in (aten.constant_pad_nd.default, aten.pad.default)
+    src = bind_args(x)["self"] if padded else x
+    if meta_val(src).dim() != 3 or seq_dims(src, sym) != (2,) or seq_multiple(meta_val(src).shape[2], sym) != 1:
+        return f"its input {tuple(meta_val(src).shape)} is not [batch, channels, seq] with the sequence last"
+    kernel = meta_val(weight).shape[-1]
+    stride, padding, dilation = list(args["stride"]), args["padding"], list(args["dilation"])
+    if isinstance(padding, str) or stride != [1]:
+        return f"stride {stride}, padding {padding!r}: only stride 1 with numeric padding has a causal form"
+    halo = (kernel - 1) * dilation[0]
+    padding = list(padding)
+    found = f"kernel {kernel}, dilation {dilation[0]}, padding {padding}"
+    if padding == [0] and padded:
+        pad_args = bind_args(x)
+        pad = list(pad_args["pad"])
+        value = pad_args.get("value") or 0
+        if pad_args.get("mode", "constant") != "constant" or value != 0 or len(x.users) != 1:
+            return f"{found}, input padded with mode {pad_args.get('mode')!r} value {value}"
+        if pad == [halo, 0]:
+            return CausalConv(conv, pad_args["self"], halo, "pad", pad=x)
+        return f"{found}, input padded by {pad} along the sequence; causal needs [{halo}, 0]"
+    if padding == [halo] and len(conv.users) == 1:
+        (user,) = conv.users
+        if user.target is aten.slice.Tensor:
+            sl = bind_args(user)
+            same_len = expr_of(meta_val(user).shape[2]) == expr_of(meta_val(x).shape[2])
+            if sl["dim"] % 3 == 2 and sl["start"] in (None, 0) and sl["step"] == 1 and same_len:
+                return CausalConv(conv, x, halo, "slice", slice=user)
+    return f"{found}: neither pad(x, ({halo}, 0)) then conv, nor conv(padding={halo})[..., :seq]"
+
+
+def conv_for_pad(pad: torch.fx.Node, sym) -> CausalConv | None:
+    if len(pad.users) == 1:
+        (user,) = pad.users
+        match = match_causal_conv(user, sym) if user.target in _CONVS else None
+        if isinstance(match, CausalConv) and match.pad is pad:
+            return match
+    return None
+
+
+def conv_for_slice(sl: torch.fx.Node, sym) -> CausalConv | None:
+    src = sl.args[0]
+    if isinstance(src, torch.fx.Node) and src.target in _CONVS:
+        match = match_causal_conv(src, sym)
+        if isinstance(match, CausalConv) and match.slice is sl:
+            return match
+    return None
+
+
+@register_rule(aten.conv1d, aten.convolution, aten.conv2d, aten.conv3d, aten._convolution,
+               aten.conv_transpose1d, aten.conv_transpose2d)
+def conv_rule(ctx: RuleContext):
+    if not ctx.is_seq(ctx.arg("input")):
+        return None
+    match = match_causal_conv(ctx.node, ctx.sym)
+    module = module_path(ctx.node)
+    declared = ctx.spec.conv_declared(module)
+    if not isinstance(match, CausalConv):
+        said = (f"the spec declares modules '{declared}' causal, but the graph shows {match}" if declared
+                else f"it convolves along the sequence and is not causal in a form cp_passes reads ({match})")
+        ctx.refuse(
+            said,
+            "write the causal convolution as F.pad(x, ((k-1)*dilation, 0)) then conv1d(padding=0), or "
+            "conv1d(padding=(k-1)*dilation)[..., :seq]; a non-causal convolution needs both neighbours (not "
+            "supported)",
+        )
+    rank, world, group, node = ctx.rank, ctx.world, ctx.group_name, ctx.node
+    rule = f"causal_conv_{match.form}"
+
+    def apply(gm: torch.fx.GraphModule, pass_name: str):
+        before = match.pad if match.form == "pad" else node
+        halo = insert_node(gm.graph, before, transports.halo_exchange,
+                           (match.source, 2, match.halo, rank, world, group), name="cp_conv_halo", origin=node,
+                           pass_name=pass_name, rule=rule)
+        if match.form == "pad":
+            match.pad.replace_all_uses_with(halo)
+        else:
+            args = bind_args(node)
+            args["input"], args["padding"] = halo, [0]
+            node.args, node.kwargs = (), args
+            match.slice.replace_all_uses_with(node)
+        node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
+
+    local_len = ctx.local_len()
+    rows = min(match.halo, rank * local_len)
+    row_elements = numel_hint(match.source) // local_len
+    moved = rows * row_elements * meta_val(match.source).dtype.itemsize
+    return Rewrite(rule=rule, transport="halo", apply=apply, collective=f"all_to_all {match.halo} rows | bw all_to_all",
+                   elements=rows * row_elements, bytes=moved, lower_bound_bytes=moved,
+                   note=f"halo (k-1)*dilation = {match.halo}" + (f"; declared by '{declared}'" if declared else
+                                                                 "; causal form read from the graph"))
 
 
 # ---------------------------------------------------------------------------------------------

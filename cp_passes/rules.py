@@ -192,6 +192,9 @@ positionwise(
     aten._assert_tensor_metadata,
     aten.where,
     aten.masked_fill,
+    aten.__and__,
+    aten.__or__,
+    aten.__xor__,
     aten.silu,
     aten.gelu,
     aten.relu,
@@ -262,7 +265,11 @@ def _layout(ctx: RuleContext):
 
 @register_rule(aten.slice)
 def _slice(ctx: RuleContext):
+    from .rewrites import conv_for_slice
+
     src = ctx.arg("self")
+    if conv_for_slice(ctx.node, ctx.sym) is not None:
+        return None  # keeps a causal convolution's first seq outputs: the conv rule drops it
     dim = ctx.arg("dim") % ctx.ndim(src)
     out = meta_val(ctx.node)
     in_seq, out_seq = dim in ctx.seq_dims(src), dim in ctx.seq_dims(ctx.node)
@@ -471,6 +478,10 @@ def _loss(ctx: RuleContext):
 
 @register_rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad1d, aten.replication_pad1d)
 def _pad(ctx: RuleContext):
+    from .rewrites import conv_for_pad
+
+    if conv_for_pad(ctx.node, ctx.sym) is not None:
+        return None  # the left pad of a causal convolution: the conv rule replaces it with a halo
     src = ctx.arg("self")
     pad = list(ctx.arg("pad") if "pad" in ctx.args else ctx.arg("padding"))
     nd = ctx.ndim(src)
@@ -479,24 +490,10 @@ def _pad(ctx: RuleContext):
         if d in ctx.seq_dims(src) and (pad[2 * i] != 0 or pad[2 * i + 1] != 0):
             ctx.refuse(
                 f"it pads the sequence axis (dim {d}) by {pad[2 * i:2 * i + 2]}; on a shard the padding lands at "
-                f"the shard's edge instead of the sequence's (a label shift, or a causal convolution's left pad)",
-                "pass labels shifted before sharding (Hugging Face: shift_labels=); causal-convolution halos "
-                "are planned but not implemented yet",
+                f"the shard's edge instead of the sequence's",
+                "pass labels shifted before sharding (Hugging Face: shift_labels=); a causal convolution's left "
+                "pad is handled when the pad feeds conv1d directly",
             )
-    return None
-
-
-@register_rule(aten.convolution, aten.conv1d, aten.conv2d, aten.conv3d, aten._convolution,
-               aten.conv_transpose1d, aten.conv_transpose2d)
-def _conv(ctx: RuleContext):
-    src = ctx.arg("input")
-    if ctx.is_seq(src):
-        ctx.refuse(
-            "it convolves along the sequence axis; positions near a shard's start need the previous "
-            "rank's tokens (a halo exchange)",
-            "halo exchange for convolutions is planned but not implemented yet; run the convolution "
-            "outside the compiled region or over a non-sequence dim",
-        )
     return None
 
 

@@ -9,6 +9,7 @@ attention semantics are read from the attention op itself (``is_causal``).
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import importlib
 import importlib.util
 import os
@@ -20,6 +21,25 @@ def _check_names(field: str, value) -> None:
         return
     if isinstance(value, str) or not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
         raise ValueError(f"CPSpec.{field} must be a tuple of non-empty strings, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionRule:
+    """What the attention in modules matching ``modules`` (a glob over module paths such as
+    ``layers.*.attn``) computes. cp_passes checks it against the graph and refuses on a mismatch."""
+
+    modules: str
+    """Glob over dotted module paths (``fnmatch`` rules)."""
+    window: int | None = None
+    """Sliding-window width ``w`` (each query sees itself and the ``w - 1`` preceding keys); ``None``
+    for causal attention over the whole preceding sequence."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.modules, str) or not self.modules:
+            raise ValueError(f"AttentionRule.modules must be a non-empty glob, got {self.modules!r}")
+        if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
+                                        or self.window < 1):
+            raise ValueError(f"AttentionRule.window must be a positive int or None, got {self.window!r}")
 
 
 @dataclass(frozen=True)
@@ -57,6 +77,18 @@ class CPSpec:
     gather_kv_together: bool = True
     """Gather K and V of one attention call in a single collective (same bytes, one launch)."""
 
+    attention: tuple[AttentionRule, ...] = ()
+    """Declared attention semantics per module glob, checked against the graph (first match wins).
+    Undeclared attention is read from the graph alone: ``is_causal`` or a window mask the model builds."""
+
+    window_transport: str = "halo"
+    """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, the lower bound)
+    or "gather" (the whole preceding sequence, masked; for comparison and debugging)."""
+
+    causal_convs: tuple[str, ...] = ()
+    """Module globs whose convolutions run causally along the sequence. Kernel size, dilation, padding and
+    groups are read from the op; a declared convolution that the graph does not show as causal is refused."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"CPSpec.name must be a non-empty string, got {self.name!r}")
@@ -65,7 +97,7 @@ class CPSpec:
                 f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
                 f"positions), got {self.seq_dim!r}"
             )
-        for field in ("seq_inputs", "replicated_inputs", "label_keys", "position_keys"):
+        for field in ("seq_inputs", "replicated_inputs", "label_keys", "position_keys", "causal_convs"):
             _check_names(field, getattr(self, field))
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
@@ -73,6 +105,10 @@ class CPSpec:
                 raise ValueError(f"CPSpec.{field} must be an int, got {value!r}")
         if not isinstance(self.gather_kv_together, bool):
             raise ValueError(f"CPSpec.gather_kv_together must be a bool, got {self.gather_kv_together!r}")
+        if self.window_transport not in ("halo", "gather"):
+            raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
+        if not isinstance(self.attention, tuple) or not all(isinstance(a, AttentionRule) for a in self.attention):
+            raise ValueError(f"CPSpec.attention must be a tuple of AttentionRule, got {self.attention!r}")
         both = set(self.seq_inputs or ()) & set(self.replicated_inputs)
         if both:
             raise ValueError(
@@ -82,6 +118,14 @@ class CPSpec:
 
     def replace(self, **changes) -> "CPSpec":
         return dataclasses.replace(self, **changes)
+
+    def attention_for(self, module: str) -> AttentionRule | None:
+        """The first attention rule whose glob matches ``module``."""
+        return next((a for a in self.attention if fnmatch.fnmatchcase(module, a.modules)), None)
+
+    def conv_declared(self, module: str) -> str | None:
+        """The ``causal_convs`` glob that matches ``module``, if any."""
+        return next((g for g in self.causal_convs if fnmatch.fnmatchcase(module, g)), None)
 
     def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
         """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""

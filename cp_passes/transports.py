@@ -55,13 +55,15 @@ def causal_key_prefix(keys: torch.Tensor, dim: int, rank: int, query: torch.Tens
     return keys.narrow(dim, 0, (rank + 1) * query.shape[-2])
 
 
-def causal_mask_at_offset(query: torch.Tensor, rank: int) -> torch.Tensor:
+def causal_mask_at_offset(query: torch.Tensor, rank: int, window: int | None = None) -> torch.Tensor:
     """Boolean ``[local_len, (rank + 1) * local_len]``: global key ``j`` is visible to local query ``i``
-    iff ``j <= rank * local_len + i``."""
+    iff ``0 <= rank * local_len + i - j`` (``< window`` for a sliding window)."""
     local = query.shape[-2]
     q_pos = torch.arange(local, device=query.device) + rank * local
     k_pos = torch.arange((rank + 1) * local, device=query.device)
-    return k_pos[None, :] <= q_pos[:, None]
+    distance = q_pos[:, None] - k_pos[None, :]
+    visible = distance >= 0
+    return visible if window is None else visible & (distance < window)
 
 
 def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list, object]:
@@ -94,19 +96,20 @@ def halo_exchange(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, g
     dim = dim % x.dim()
     local_len = x.shape[dim]
     send, recv, zeros = halo_counts(halo, local_len, rank, world)
-    rows = x.movedim(dim, 0)
     pieces = []
     if left_padding + zeros:
-        pieces.append(rows.new_zeros((left_padding + zeros, *rows.shape[1:])))
+        shape = list(x.shape)
+        shape[dim] = left_padding + zeros
+        pieces.append(x.new_zeros(shape))
     if world > 1 and halo > 0:  # every rank takes part: each sends or receives something
-        parts = [rows.narrow(0, local_len - c, c) for c in send]
-        buffer = torch.cat(parts, dim=0) if parts else rows[:0]
-        received = funcol.all_to_all_single_autograd(buffer.contiguous(), recv, send, group_name)
+        rows = x.movedim(dim, 0)  # all_to_all splits along dim 0
+        buffer = torch.cat([rows.narrow(0, local_len - c, c) for c in send], dim=0).contiguous()
+        received = funcol.all_to_all_single_autograd(buffer, recv, send, group_name)
         if isinstance(received, funcol.AsyncCollectiveTensor):
             received = funcol.wait_tensor(received)
-        pieces.append(received)
-    pieces.append(rows)
-    return torch.cat(pieces, dim=0).movedim(0, dim)
+        pieces.append(received.movedim(0, dim))
+    pieces.append(x)
+    return torch.cat(pieces, dim=dim)
 
 
 def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0) -> torch.Tensor:
@@ -149,3 +152,15 @@ def all_reduce_gradients(module: torch.nn.Module, mesh) -> None:
         for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def window_mask_with_halo(query: torch.Tensor, window: int, rank: int) -> torch.Tensor:
+    """Boolean ``[local_len, window - 1 + local_len]`` for keys ``[halo, local]``: key at global position
+    ``k`` is visible to the query at ``p`` iff ``0 <= p - k < window`` and ``k >= 0`` (zero halo rows
+    before the sequence start are never visible)."""
+    local = query.shape[-2]
+    halo = window - 1
+    q_pos = torch.arange(local, device=query.device) + rank * local
+    k_pos = torch.arange(halo + local, device=query.device) + (rank * local - halo)
+    distance = q_pos[:, None] - k_pos[None, :]
+    return (k_pos[None, :] >= 0) & (distance >= 0) & (distance < window)

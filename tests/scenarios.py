@@ -17,19 +17,21 @@ def toy_batch(seq_len: int, batch: int = 2, vocab: int = 256, seed: int = 1) -> 
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len).clone(), "labels": labels}
 
 
-def toy_model(kv_repeat: str, seed: int = 0) -> ToyLlama:
+def toy_model(seed: int = 0, **config) -> ToyLlama:
     torch.manual_seed(seed)
-    return ToyLlama(ToyLlamaConfig(kv_repeat=kv_repeat))
+    return ToyLlama(ToyLlamaConfig(**config))
 
 
 def _grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def toy_parity(group, backend: str, kv_repeat: str, seq_lens: list[int], pass_positions: bool) -> list[dict]:
-    """One compiled toy model, one forward/backward per global length (new lengths reuse the graph)."""
-    model = toy_model(kv_repeat)
-    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+def toy_parity(group, backend: str, config: dict, seq_lens: list[int], pass_positions: bool,
+               spec: dict | None = None) -> list[dict]:
+    """One compiled toy model, one forward/backward per global length."""
+    model = toy_model(**config)
+    spec = cp_passes.CPSpec(**spec) if spec else None
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
         local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)

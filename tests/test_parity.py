@@ -33,8 +33,8 @@ def _compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, re
     assert grad_err <= GRAD_RTOL, f"{name}: gradients differ by {grad_err} (relative)"
 
 
-def _toy_reference(kv_repeat, seq_len, pass_positions):
-    model = toy_model(kv_repeat)
+def _toy_reference(config, seq_len, pass_positions):
+    model = toy_model(**config)
     batch = toy_batch(seq_len)
     if not pass_positions:
         batch.pop("position_ids")
@@ -55,16 +55,45 @@ TOY_CASES = [
 @pytest.mark.parametrize("P,backend,kv_repeat,seq_lens,pass_positions", TOY_CASES,
                          ids=[f"P{c[0]}-{c[1]}-{c[2]}" for c in TOY_CASES])
 def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, pass_positions):
-    per_rank = pool.run("toy_parity", P, backend=backend, kv_repeat=kv_repeat, seq_lens=seq_lens,
+    config = {"kv_repeat": kv_repeat}
+    per_rank = pool.run("toy_parity", P, backend=backend, config=config, seq_lens=seq_lens,
                         pass_positions=pass_positions)
     for i, seq_len in enumerate(seq_lens):
-        ref = _toy_reference(kv_repeat, seq_len, pass_positions)
+        ref = _toy_reference(config, seq_len, pass_positions)
         _compare(f"toy-{kv_repeat}-{backend}", [r[i] for r in per_rank], *ref, seq_len, parity_report)
     # New local lengths reuse the one compiled graph: the sequence dim is symbolic.
     assert per_rank[0][-1]["compiles"] == 1
     rules = {rec[0] for rec in per_rank[-1][0]["records"]}
     assert "sdpa_causal" in rules and "partial_sum" in rules
     assert ("arange_positions" in rules) == (not pass_positions)
+
+
+# Halo cases: (P, backend, config, global lengths). Local lengths L = length / P; windows below, at and
+# 2.5x L; conv kernels 2..7 (one per layer), dilation 2, both causal forms, depthwise and full, and
+# halos that span several ranks.
+HALO_CASES = [
+    (1, "aot_eager", dict(window=5, conv_kernel=4), [16]),
+    (2, "aot_eager", dict(window=5, conv_kernel=4, conv_dilation=2), [16, 13]),      # L=8: w < L, halo 6
+    (2, "inductor", dict(window=8, conv_kernel=3, conv_form="pad", conv_depthwise=False), [16]),  # w = L
+    (4, "aot_eager", dict(window=10, n_layers=6, conv_kernel=(2, 3, 4, 5, 6, 7), conv_form="pad"),
+     [16, 14]),                                                                       # L=4: w = 2.5 L, 3 hops
+    (4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8]),    # L=2: conv halo 6, 3 hops
+]
+
+
+@pytest.mark.parametrize("P,backend,config,seq_lens", HALO_CASES,
+                         ids=[f"P{c[0]}-{c[1]}-" + "-".join(f"{k}{v}" for k, v in c[2].items()) for c in HALO_CASES])
+def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
+    per_rank = pool.run("toy_parity", P, backend=backend, config=config, seq_lens=seq_lens, pass_positions=False)
+    name = "toy-" + ",".join(f"{k}={v}" for k, v in config.items()) + f"-{backend}"
+    for i, seq_len in enumerate(seq_lens):
+        _compare(name, [r[i] for r in per_rank], *_toy_reference(config, seq_len, False), seq_len, parity_report)
+    rules = {rec[0] for rec in per_rank[-1][-1]["records"]}
+    assert ("sdpa_window" in rules) == ("window" in config)
+    assert any(r.startswith("causal_conv_") for r in rules)
+    for rule, transport, moved, bound in per_rank[-1][-1]["records"]:
+        if transport == "halo":
+            assert moved == bound  # a halo moves exactly what the window needs
 
 
 def _hf_reference(seq_len):

@@ -147,3 +147,82 @@ def test_graph_break_is_an_error_not_a_silent_eager_fallback(group):
 
     err = refusal(group, mix)
     assert "whole forward as one graph" in str(err) and "graph_break" in str(err)
+
+
+def compile_error(group, model, spec, seq=8) -> CPCompileError:
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, seq)))
+    return info.value
+
+
+def toy(**config):
+    from cp_passes.models import ToyLlama, ToyLlamaConfig
+
+    torch.manual_seed(0)
+    return ToyLlama(ToyLlamaConfig(**config))
+
+
+@pytest.mark.parametrize("config,declared,found", [
+    (dict(window=5), 4, "a band mask of window 5"),
+    (dict(), 4, "is_causal=True (no window)"),
+    (dict(window=5), None, "a band mask of window 5"),
+])
+def test_spec_window_that_disagrees_with_the_model_is_refused(group, config, declared, found):
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=declared),))
+    err = compile_error(group, toy(**config), spec)
+    said = f"window {declared}" if declared else "causal attention"
+    assert f"the spec declares {said} for modules 'layers.*.attn'" in err.problems[0].reason
+    assert found in err.problems[0].reason
+    assert err.problems[0].module == "layers.0.attn"
+
+
+def test_spec_window_that_agrees_compiles(group):
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=5),),
+                            causal_convs=("layers.*.conv.conv",))
+    compiled = cp_passes.cp_compile(toy(window=5, conv_kernel=3), spec, mesh=group, backend="aot_eager",
+                                    verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    notes = {r.rule: r.note for r in compiled.compile_records[0].records}
+    assert "declared by 'layers.*.conv.conv'" in notes["causal_conv_slice"]
+
+
+class SameConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+
+    def forward(self, ids):
+        return self.conv(self.embed(ids).transpose(1, 2))
+
+
+def test_declared_causal_conv_that_is_not_causal_is_refused(group):
+    err = compile_error(group, SameConv(), cp_passes.CPSpec(causal_convs=("conv",)))
+    assert "the spec declares modules 'conv' causal" in err.problems[0].reason
+    assert "kernel 3, dilation 1, padding [1]" in err.problems[0].reason
+
+
+@pytest.mark.parametrize("mask,why", [
+    (lambda s: torch.ones(s, s, dtype=torch.bool), "neither causal nor a causal sliding window"),
+    (lambda s: torch.ones(s, s, dtype=torch.bool).tril(-1) | torch.eye(s, dtype=torch.bool).flip(0),
+     "neither causal nor a causal sliding window"),
+])
+def test_masks_that_are_not_windows_are_refused(group, mask, why):
+    def mix(x):
+        s = x.shape[1]
+        q = x[:, None]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask(s))[:, 0]
+
+    err = refusal(group, mix)
+    assert why in str(err)
+
+
+def test_mask_from_data_is_refused(group):
+    def mix(x):
+        q = x[:, None]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=(x[..., :1] > 0) & (x[..., :1] > 0).transpose(1, 2))[:, 0]
+
+    err = refusal(group, mix)
+    assert err.problems[0].op == "aten.scaled_dot_product_attention.default"
+    assert "(data, not positions)" in err.problems[0].reason

@@ -22,10 +22,11 @@ def fake_world():
     yield dist.group.WORLD
 
 
-def compile_toy(group, kv_repeat="expand", n_layers=2, seq=16, **spec):
+def compile_toy(group, seq=16, spec=None, **config):
     torch.manual_seed(0)
-    model = ToyLlama(ToyLlamaConfig(kv_repeat=kv_repeat, n_layers=n_layers))
-    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(**spec), mesh=group, backend="aot_eager", verbose=False)
+    model = ToyLlama(ToyLlamaConfig(**config))
+    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(**(spec or {})), mesh=group, backend="aot_eager",
+                                    verbose=False)
     ids = torch.randint(0, 256, (2, seq))
     loss, _ = compiled(ids, labels=ids)
     loss.backward()
@@ -58,7 +59,7 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
-    record = compile_toy(fake_world, gather_kv_together=False)
+    record = compile_toy(fake_world, spec=dict(gather_kv_together=False))
     assert record.aot_ops["forward"][GATHER] == 4
     assert record.aot_ops["backward"][REDUCE_SCATTER] == 4
 
@@ -77,9 +78,9 @@ def test_history_labels_every_stage(fake_world):
     record = compile_toy(fake_world)
     labels = [label for label, _ in record.history]
     assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
-    assert labels[2].startswith("after positions (1 rewrites)")
-    assert labels[3].startswith("after sequence_gather (2 rewrites)")
-    assert "cp_kv_gathered" not in record.history[2][1] and "cp_kv_gathered" in record.history[3][1]
+    assert labels[2:] == ["after positions (1 rewrites)", "after halo (0 rewrites)",
+                          "after sequence_gather (2 rewrites)"]
+    assert "cp_kv_gathered" not in record.history[3][1] and "cp_kv_gathered" in record.history[4][1]
 
 
 def test_explain_table_lists_rewrites(fake_world, capsys):
@@ -91,3 +92,30 @@ def test_explain_table_lists_rewrites(fake_world, capsys):
     assert f"rank {RANK} of {WORLD}" in text
     assert text.count("sdpa_causal") == 2 and "layers.1.attn" in text and "models.py" in text
     assert "all_gather K+V" in text
+
+
+ALL_TO_ALL = "_c10d_functional.all_to_all_single.default"
+
+
+def test_halo_moves_exactly_the_window_across_hops(fake_world):
+    # rank 3 of 8 with 2 tokens per rank: the conv halo (4-1)*2 = 6 spans 3 ranks, the window halo 4 spans 2
+    record = compile_toy(fake_world, seq=2, window=5, conv_kernel=4, conv_dilation=2, kv_repeat="sdpa")
+    halos = [r for r in record.records if r.transport == "halo"]
+    assert [r.rule for r in halos] == ["causal_conv_slice", "sdpa_window"] * 2
+    batch, dim, kv_row = 2, 64, 2 * 2 * 2 * 16  # K+V per position: 2 tensors * batch * kv_heads * head_dim
+    for r in halos:
+        rows = 6 if r.rule == "causal_conv_slice" else 4
+        assert r.elements == rows * (batch * dim if r.rule == "causal_conv_slice" else kv_row)
+        assert r.bytes == r.lower_bound_bytes == r.elements * 4
+    assert record.aot_ops["forward"][ALL_TO_ALL] == 4 and record.aot_ops["backward"][ALL_TO_ALL] == 4
+    assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][REDUCE_SCATTER] == 0
+
+
+def test_window_by_gather_moves_more_than_the_halo(fake_world):
+    halo = compile_toy(fake_world, seq=16, window=5)
+    gather = compile_toy(fake_world, seq=16, window=5, spec=dict(window_transport="gather"))
+    (h,) = {r.bytes for r in halo.records if r.rule == "sdpa_window"}
+    (g,) = {r.bytes for r in gather.records if r.rule == "sdpa_window"}
+    (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
+    assert h == bound and g == (WORLD - 1) * 16 * bound // 4  # 7 ranks x 16 rows against 4 rows
+    assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][ALL_TO_ALL] == 0
