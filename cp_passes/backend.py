@@ -67,29 +67,9 @@ class CPBackend:
         start = time.perf_counter()
         cp = owner.cp
         aten_gm, fakes = _retrace_aten(gm)
-        symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
-        if not symbols:
-            raise CPCompileError(
-                f"dynamo specialized the local sequence length ({owner._local_len}) while tracing: some code in the "
-                f"model turns the length into a Python int (an int(), a comparison with a constant, a shape-dependent "
-                f"branch), so cp_passes cannot tell positions from sizes; run with TORCH_LOGS=\"+dynamic\" to see "
-                f"where, and keep the sequence length symbolic there"
-            )
-        if len(symbols) != 1:
-            raise CPCompileError(
-                f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
-                f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim "
-                f"{owner.spec.seq_dim}"
-            )
-        (sym,) = symbols
         record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend)
         record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
-        record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
-        plan: Plan = plan_graph(aten_gm, sym, owner.spec, cp)
-        record.records = plan.records
-        record.partial_outputs = plan.partial_outputs
-        run_passes(aten_gm, plan, record.history)
-        _verify(aten_gm, fakes)
+        plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
         owner.compile_records.append(record)
         if owner.verbose and cp.rank == 0:
             print(
@@ -107,6 +87,33 @@ class CPBackend:
 
             write_dump(owner.dump_dir, record, len(owner.compile_records) - 1)
         return compiled
+
+
+def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec: CPSpec, cp: CPGroup,
+                  record: CompileRecord) -> Plan:
+    """analyse -> plan -> transport passes -> verify, on a pre-dispatch ATen graph whose sharded inputs carry
+    one symbolic sequence length. Records every stage in ``record``; raises CPCompileError on refusal."""
+    symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
+    if not symbols:
+        raise CPCompileError(
+            f"the tracer specialized the local sequence length ({record.local_len}): some code in the model turns "
+            f"the length into a Python int (an int(), a comparison with a constant, a shape-dependent branch), so "
+            f"cp_passes cannot tell positions from sizes; run with TORCH_LOGS=\"+dynamic\" to see where, and keep "
+            f"the sequence length symbolic there"
+        )
+    if len(symbols) != 1:
+        raise CPCompileError(
+            f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
+            f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim {spec.seq_dim}"
+        )
+    (sym,) = symbols
+    record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
+    plan = plan_graph(aten_gm, sym, spec, cp)
+    record.records = plan.records
+    record.partial_outputs = plan.partial_outputs
+    run_passes(aten_gm, plan, record.history)
+    _verify(aten_gm, fakes)
+    return plan
 
 
 def _verify(gm: torch.fx.GraphModule, fakes: list) -> None:

@@ -263,11 +263,12 @@ def sdpa_rule(ctx: RuleContext):
 
     note = "K/V moved before the head repeat (enable_gqa)" if k_src is not k else ""
     if halo:
-        rows = min(window - 1, rank * local_len)
+        rows = sum(transports.halo_counts(window - 1, local_len, rank, world)[1])  # what the transport receives
         moved = rows * elements // local_len * itemsize
+        bound = min(window - 1, rank * local_len) * elements // local_len * itemsize
         return Rewrite(rule=rule, transport="halo", apply=apply,
                        collective=f"all_to_all {window - 1} rows of K+V | bw all_to_all",
-                       elements=rows * elements // local_len, bytes=moved, lower_bound_bytes=moved,
+                       elements=rows * elements // local_len, bytes=moved, lower_bound_bytes=bound,
                        note=(note + "; " if note else "") + f"window {window} read from the model's mask")
     received = (world - 1) * elements * itemsize
     needed = (rank if causal else world - 1) * elements * itemsize
@@ -396,11 +397,11 @@ def conv_rule(ctx: RuleContext):
         node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
 
     local_len = ctx.local_len()
-    rows = min(match.halo, rank * local_len)
-    row_elements = numel_hint(match.source) // local_len
-    moved = rows * row_elements * meta_val(match.source).dtype.itemsize
+    rows = sum(transports.halo_counts(match.halo, local_len, rank, world)[1])  # what the transport receives
+    row_bytes = numel_hint(match.source) // local_len * meta_val(match.source).dtype.itemsize
     return Rewrite(rule=rule, transport="halo", apply=apply, collective=f"all_to_all {match.halo} rows | bw all_to_all",
-                   elements=rows * row_elements, bytes=moved, lower_bound_bytes=moved,
+                   elements=rows * row_bytes // meta_val(match.source).dtype.itemsize, bytes=rows * row_bytes,
+                   lower_bound_bytes=min(match.halo, rank * local_len) * row_bytes,
                    note=f"halo (k-1)*dilation = {match.halo}" + (f"; declared by '{declared}'" if declared else
                                                                  "; causal form read from the graph"))
 

@@ -45,9 +45,14 @@ def resolve_group(mesh) -> CPGroup:
 def sequence_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """Concatenate every rank's contiguous shard along ``dim`` in rank order.
 
-    Backward is a reduce-scatter: each rank gets the sum of all remote uses of its shard.
+    Backward is a reduce-scatter: each rank gets the sum of all remote uses of its shard. The shard is
+    laid out sequence-first so the gathered buffer is already in global order (no chunk-and-concat copy).
     """
-    return funcol.all_gather_tensor_autograd(x, gather_dim=dim, group=group_name)
+    dim = dim % x.dim()
+    gathered = funcol.all_gather_single_autograd(x.movedim(dim, 0).contiguous(), 0, group_name)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = funcol.wait_tensor(gathered)
+    return gathered.movedim(0, dim)
 
 
 def causal_key_prefix(keys: torch.Tensor, dim: int, rank: int, query: torch.Tensor) -> torch.Tensor:
@@ -124,11 +129,7 @@ def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> tor
     With the ``ShardLayout`` from :func:`cp_passes.shard_batch`, the padding is cut off again.
     """
     cp = resolve_group(mesh)
-    if cp.size == 1:
-        full = local
-    else:
-        full = funcol.all_gather_tensor_autograd(local.contiguous(), gather_dim=dim, group=cp.name)
-        full = funcol.wait_tensor(full) if isinstance(full, funcol.AsyncCollectiveTensor) else full
+    full = local if cp.size == 1 else sequence_all_gather(local, dim, cp.name)
     if layout is not None:
         full = full.narrow(dim, 0, layout.seq_len)
     return full

@@ -1,12 +1,8 @@
 import pytest
-import torch
 
-from workers import WorkerPool
+from workers import WorkerPool, raise_recompile_limits
 
-# Every test compiles the same model classes with a new CPModule (a new backend), and dynamo caps
-# the compiled entries per code object; a test session needs more than a training job does.
-torch._dynamo.config.recompile_limit = 256
-torch._dynamo.config.accumulated_recompile_limit = 4096
+raise_recompile_limits()
 
 
 @pytest.fixture(scope="session")

@@ -44,3 +44,13 @@ def test_example_script_trains():
     out = run("examples/train_toy_llama.py", "--backend", "aot_eager", "--steps", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("step")] == ["step 0", "step 1"]
+
+
+def test_halo_benchmark_reports_the_lower_bound():
+    out = run("benchmarks/halo_bytes.py", "--seq-len", "32768", "--world-size", "8")
+    assert out.returncode == 0, out.stderr[-3000:]
+    totals = out.stdout.split("rank    halo total MiB")[1].splitlines()[2:]
+    assert [line.split()[0] for line in totals] == ["1", "4", "7"]
+    for line in totals:
+        rank, halo, gather, bound, halo_ratio, gather_ratio = line.split()
+        assert float(halo_ratio) == 1.0 and float(gather_ratio) > 20

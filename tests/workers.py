@@ -25,6 +25,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def raise_recompile_limits() -> None:
+    """Every test compiles the same model classes with a new CPModule (a new backend), and dynamo caps the
+    compiled entries per code object; a test session needs more than a training job does."""
+    import torch
+
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+
+
 def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHINDUCTOR_COMPILE_THREADS="1")
     import torch
@@ -33,6 +42,7 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     import scenarios
 
     torch.set_num_threads(1)
+    raise_recompile_limits()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     groups = {world: dist.group.WORLD}
     for size in (1, 2):
