@@ -22,7 +22,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .analysis import meta_val, sequence_symbol
+from .dump import trace_record, write_dump
 from .errors import CPCompileError
+from .explain import format_record
 from .passes import Plan, RewriteRecord, plan_graph, run_passes
 from .spec import CPSpec
 from .transports import CPGroup, resolve_group
@@ -71,6 +73,8 @@ class CPBackend:
         record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
         plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
         owner.compile_records.append(record)
+        if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
+            print(format_record(record), file=sys.stderr, flush=True)
         if owner.verbose and cp.rank == 0:
             print(
                 f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
@@ -82,9 +86,8 @@ class CPBackend:
         record.seconds = time.perf_counter() - start
         if owner.verbose and cp.rank == 0:
             print(f"cp_passes: compiled in {record.seconds:.1f} s", file=sys.stderr, flush=True)
+        trace_record(record)
         if owner.dump_dir:
-            from .dump import write_dump
-
             write_dump(owner.dump_dir, record, len(owner.compile_records) - 1)
         return compiled
 
@@ -169,8 +172,10 @@ class CPModule(torch.nn.Module):
     sequence input; it returns this rank's slice of every sequence output (and, for sums over the
     sequence such as a summed loss, this rank's share: add the ranks' values up for the total)."""
 
-    def __init__(self, model: torch.nn.Module, spec: CPSpec, cp: CPGroup, backend: str, dump_dir, verbose: bool):
+    def __init__(self, model: torch.nn.Module, spec: CPSpec, cp: CPGroup, backend: str, dump_dir, verbose: bool,
+                 explain_ranks=None):
         super().__init__()
+        self.explain_ranks = explain_ranks
         self.module = model
         self.spec = spec
         self.cp = cp
@@ -267,13 +272,34 @@ class CPModule(torch.nn.Module):
             ) from None
 
 
+def _explain_ranks(explain):
+    if explain is None:
+        value = os.environ.get("CP_PASSES_EXPLAIN", "").strip()
+        if not value or value == "0":
+            return None
+        if value in ("1", "all"):
+            return "all"
+        try:
+            return {int(r) for r in value.split(",")}
+        except ValueError:
+            raise ValueError(f"CP_PASSES_EXPLAIN must be 1, all, or comma-separated ranks, got {value!r}") from None
+    if explain is True:
+        return "all"
+    if explain is False:
+        return None
+    return {int(r) for r in explain}
+
+
 def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh, backend: str = "inductor",
-               dump_dir: str | os.PathLike | None = None, verbose: bool = True) -> CPModule:
+               dump_dir: str | os.PathLike | None = None, verbose: bool = True, explain=None) -> CPModule:
     """Compile ``model`` for context parallelism over ``mesh`` (a 1-D DeviceMesh or a ProcessGroup).
 
     ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None`` for the defaults of
     a plain causal LM. ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
-    ``dump_dir`` receives every graph and the rewrite table. Compilation happens on the first call.
+    ``dump_dir`` receives every graph and the rewrite table. ``explain`` prints the rewrite table to stderr
+    when a graph compiles: ``True`` on every rank, or a collection of ranks; ``None`` reads the environment
+    variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). Compilation happens on the
+    first call.
     """
     from .spec import load_spec
 
@@ -284,4 +310,4 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     spec = spec if spec is not None else CPSpec()
     if not isinstance(spec, CPSpec):
         raise TypeError(f"spec must be a CPSpec, a spec name or None, got {type(spec).__name__}")
-    return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose)
+    return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose, _explain_ranks(explain))

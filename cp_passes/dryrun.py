@@ -8,27 +8,23 @@ exported ATen graph. The record holds the rewrite table and every graph, as a co
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .analysis import meta_val
+from .analysis import meta_val, numel_hint, sequence_symbol
 from .backend import CompileRecord, rewrite_graph
+from .passes import plan_graph
 from .spec import CPSpec
 from .transports import resolve_group
 
 
-def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-            spec: CPSpec | None = None, *, mesh) -> CompileRecord:
-    """Rewrite ``build_model()`` for the CP group ``mesh`` as ``cp_compile`` would, with fake tensors only.
-
-    ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)``.
-    """
-    spec = spec if spec is not None else CPSpec()
-    cp = resolve_group(mesh)
+def _export(build_model, inputs, spec: CPSpec):
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:
         model = build_model()
@@ -38,12 +34,55 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     seq = torch.export.Dim("seq", min=2)
     dynamic = {name: ({spec.seq_dim: seq} if spec.is_sharded(name, t, seq_len) else None) for name, t in kwargs.items()}
     exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
-    gm = exported.graph_module
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return exported.graph_module, seq_len, parameter_bytes
+
+
+def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
+            spec: CPSpec | None = None, *, mesh, plan_ranks: Iterable[int] = ()) -> DryRun:
+    """Rewrite ``build_model()`` for the CP group ``mesh`` as ``cp_compile`` would, with fake tensors only.
+
+    ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)``. The rewrite (every graph,
+    the table, an activation estimate) is for ``mesh``'s rank; ``plan_ranks`` are only planned, for their
+    byte counts.
+    """
+    spec = spec if spec is not None else CPSpec()
+    cp = resolve_group(mesh)
+    gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    (sym,) = sequence_symbol(placeholders) or (None,)
+    per_rank = {}
+    if sym is not None:
+        for rank in plan_ranks:
+            per_rank[rank] = plan_graph(gm, sym, spec, dataclasses.replace(cp, rank=rank)).records
     record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
     record.history.append(("exported (torch.export, fake tensors)", gm.print_readable(print_output=False)))
-    fakes = [meta_val(n) for n in gm.graph.find_nodes(op="placeholder")]
-    rewrite_graph(gm, fakes, spec, cp, record)
-    return record
+    rewrite_graph(gm, [meta_val(n) for n in placeholders], spec, cp, record)
+    return DryRun(record, per_rank, activation_bytes(gm), parameter_bytes)
+
+
+_VIEWS = {"view", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "alias", "detach",
+          "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "movedim"}
+
+
+def activation_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of every tensor the forward graph materializes (views excluded): an upper estimate of the
+    activations autograd keeps for the backward at this rank's local length."""
+    total = 0
+    for node in gm.graph.nodes:
+        val = meta_val(node)
+        packet = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
+        if node.op == "call_function" and isinstance(val, torch.Tensor) and packet not in _VIEWS:
+            total += numel_hint(node) * val.element_size()
+    return total
+
+
+@dataclass
+class DryRun:
+    record: CompileRecord
+    per_rank: dict[int, list]
+    activation_bytes: int
+    parameter_bytes: int
 
 
 @contextlib.contextmanager

@@ -12,6 +12,16 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
 
 
+def trace_record(record) -> None:
+    """Send every graph and the rewrite table to torch's structured trace, so tlparse shows them
+    (set TORCH_TRACE=DIR). AOT graphs and Inductor's code are traced by torch itself."""
+    from torch._logging._internal import trace_structured_artifact
+
+    for i, (label, code) in enumerate(record.history):
+        trace_structured_artifact(f"cp_passes_{i:02d}_{_slug(label)}", "string", lambda code=code: code)
+    trace_structured_artifact("cp_passes_explain", "string", lambda: format_record(record))
+
+
 def write_dump(folder, record, index: int) -> list[str]:
     root = os.path.join(os.fspath(folder), f"rank{record.rank}", f"graph{index}")
     os.makedirs(root, exist_ok=True)

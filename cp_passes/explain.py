@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from tabulate import tabulate
 
-HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements/rank", "bytes/rank",
-           "lower bound (this rank)", "note")
+HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
+           "lower bound recv", "bytes sent", "note")
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -19,8 +19,8 @@ def _fmt_bytes(n: int) -> str:
 def table_rows(records) -> list[tuple]:
     return [
         (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
-         _fmt_bytes(r.bytes) if r.collective else "", _fmt_bytes(r.lower_bound_bytes) if r.collective else "",
-         r.note)
+         format_bytes(r.bytes) if r.collective else "", format_bytes(r.lower_bound_bytes) if r.collective else "",
+         format_bytes(r.sent_bytes) if r.collective else "", r.note)
         for r in records
     ]
 
@@ -32,8 +32,10 @@ def format_record(record) -> str:
         return head + "\n(no node touches the sequence in a way that needs a transport)"
     total = sum(r.bytes for r in record.records)
     bound = sum(r.lower_bound_bytes for r in record.records)
+    sent = sum(r.sent_bytes for r in record.records)
     return (f"{head}\n{tabulate(table_rows(record.records), headers=HEADERS)}\n"
-            f"total received by this rank per step (forward): {_fmt_bytes(total)}; lower bound {_fmt_bytes(bound)}")
+            f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}), sent "
+            f"{format_bytes(sent)}; the backward moves the same bytes the other way")
 
 
 def explain(compiled, print_table: bool = True) -> str:

@@ -150,3 +150,13 @@ class ToyLlama(nn.Module):
             return logits
         loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
         return loss, logits
+
+
+EXAMPLES = {
+    "toy-llama": ("the demo's ToyLlama: 2 layers, dim 64, GQA 4/2 heads", ToyLlamaConfig()),
+    "toy-llama-swa": ("ToyLlama with sliding-window attention (window 4096) and a causal conv (kernel 4)",
+                      ToyLlamaConfig(window=4096, conv_kernel=4)),
+    "llama-8b": ("a Llama-3-8B-shaped ToyLlama: 32 layers, dim 4096, 32 heads, 8 KV heads, ffn 14336",
+                 ToyLlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)),
+}
+"""Built-in examples for ``python -m cp_passes explain``: name -> (description, config)."""

@@ -6,6 +6,7 @@ listed at once) or rewritten as a whole; a half-rewritten graph never reaches th
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class RewriteRecord:
     elements: int = 0
     bytes: int = 0
     lower_bound_bytes: int = 0
+    sent_bytes: int = 0
     note: str = ""
 
 
@@ -99,6 +101,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     """Match every node that touches the sequence to a rule; raise one error listing every refusal."""
     plan = Plan()
     problems: list[Problem] = []
+    refused: set[torch.fx.Node] = set()
     partial: dict[torch.fx.Node, torch.fx.Node] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function":
@@ -108,6 +111,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             rewrite = _plan_node(ctx, partial)
         except Refusal as refusal:
             problems.append(refusal.problem)
+            refused.add(node)
             continue
         if ctx.out_partial:
             partial[node] = partial.get(next((t for t in ctx.tensor_inputs() if t in partial), None), node)
@@ -116,9 +120,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             plan.records.append(
                 RewriteRecord(node.name, op_name(node), source_line(node, code=False), module_path(node), rewrite.rule,
                               rewrite.transport, rewrite.collective, rewrite.elements, rewrite.bytes,
-                              rewrite.lower_bound_bytes, rewrite.note)
+                              rewrite.lower_bound_bytes, rewrite.sent_bytes, rewrite.note)
             )
-    problems.extend(_check_block_uses(gm, sym))
+    problems.extend(_check_block_uses(gm, sym, refused))
     if problems:
         raise CPCompileError(problems)
     (output,) = gm.graph.find_nodes(op="output")
@@ -135,7 +139,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     return plan
 
 
-def _check_block_uses(gm: torch.fx.GraphModule, sym) -> list[Problem]:
+def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set) -> list[Problem]:
     """A tensor with two sequence dims ([q, k] scores or masks) holds only this rank's diagonal block of the
     global matrix. It may feed other such blocks and an attention mask (which the attention rule replaces),
     nothing else."""
@@ -145,7 +149,7 @@ def _check_block_uses(gm: torch.fx.GraphModule, sym) -> list[Problem]:
             continue
         for user in node.users:
             is_mask = user.target is aten.scaled_dot_product_attention.default and bind_args(user)["attn_mask"] is node
-            if is_mask or len(seq_dims(user, sym)) >= 2:
+            if is_mask or user in refused or len(seq_dims(user, sym)) >= 2:
                 continue
             problems.append(Problem.at(
                 user,
@@ -192,6 +196,19 @@ def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
     return rule(ctx)
 
 
+def format_graph(gm: torch.fx.GraphModule) -> str:
+    """``print_readable`` with every node a pass created or changed tagged ``# cp_passes: pass=.. rule=..``."""
+    made = {n.name: (n.meta["cp_pass"], n.meta["cp_rule"]) for n in gm.graph.nodes if "cp_pass" in n.meta}
+    lines = []
+    for line in gm.print_readable(print_output=False).splitlines():
+        m = re.match(r"\s+(\w+)(?::\s*\"[^\"]*\")?\s*=", line)
+        if m and m.group(1) in made:
+            pass_name, rule = made[m.group(1)]
+            line = f"{line}  # cp_passes: pass={pass_name} rule={rule}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 def run_passes(gm: torch.fx.GraphModule, plan: Plan, history: list[tuple[str, str]]) -> torch.fx.GraphModule:
     """Apply each transport's rewrites in ``PASS_ORDER``, recording the graph after each pass."""
     for pass_name in PASS_ORDER:
@@ -201,7 +218,7 @@ def run_passes(gm: torch.fx.GraphModule, plan: Plan, history: list[tuple[str, st
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
-        history.append((f"after {pass_name} ({len(todo)} rewrites)", gm.print_readable(print_output=False)))
+        history.append((f"after {pass_name} ({len(todo)} rewrites)", format_graph(gm)))
     # A rewrite of a node that then went dead (an arange that only fed a replaced mask) changed nothing.
     alive = {n.name for n in gm.graph.nodes}
     plan.records[:] = [r for r in plan.records if r.node in alive or r.node.startswith("output[")]

@@ -86,8 +86,10 @@ def match_head_repeat(node: torch.fx.Node) -> HeadRepeat | None:
 # scaled_dot_product_attention: gather K/V along the sequence, mask causally at the rank's offset.
 
 
-PROBE_MAX_LEN = 4096
-"""Longest single-device sequence at which a model-built attention mask is evaluated to read its window."""
+PROBE_MAX_LEN = 4100
+"""Longest single-device sequence at which a model-built attention mask is evaluated to read its window
+(just over 4096, so that power-of-two windows up to 4096 show as bands). Wider windows are declared in the
+spec and checked for consistency up to this length."""
 
 
 def _run_positional_subgraph(ctx: RuleContext, out: torch.fx.Node, length: int) -> torch.Tensor:
@@ -140,7 +142,7 @@ def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
     return flat[0]
 
 
-def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int) -> int | None:
+def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int, declared: int | None) -> int | None:
     """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
     or ``None`` when it is plain causal up to the length cp_passes checked. Anything else is refused."""
     lengths = sorted({min(global_len, PROBE_MAX_LEN), max(2, min(global_len, PROBE_MAX_LEN) // 2 + 1)}, reverse=True)
@@ -152,8 +154,9 @@ def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int) -> int |
                        "build the mask as [.., seq, seq]")
         seen = int(allowed[-1].sum())
         width = window if window is not None else (seen if seen < length else None)
-        distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-        band = (distance >= 0) & ((distance < width) if width is not None else True)
+        band = torch.ones(length, length, dtype=torch.bool).tril()
+        if width is not None:
+            band &= ~torch.ones(length, length, dtype=torch.bool).tril(-width)
         if not torch.equal(allowed, band):
             ctx.refuse(
                 f"its attention mask is neither causal nor a causal sliding window (checked at sequence length "
@@ -161,6 +164,8 @@ def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int) -> int |
                 "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks",
             )
         window = width
+    if window is None and declared is not None and declared >= lengths[0]:
+        return declared  # a band wider than what was evaluated: the spec says how wide, the mask agrees so far
     if window is None and global_len > lengths[0]:
         ctx.refuse(
             f"its attention mask is causal up to {lengths[0]} positions, the longest cp_passes evaluates; a "
@@ -193,13 +198,13 @@ def sdpa_rule(ctx: RuleContext):
             )
 
     window = None
+    declared = ctx.spec.attention_for(module_path(ctx.node))
     if mask is not None:
-        window = read_window(ctx, mask, ctx.local_len() * ctx.world)
+        window = read_window(ctx, mask, ctx.local_len() * ctx.world, declared.window if declared else None)
         causal = True
         found = f"a band mask of window {window}" if window else "a causal mask"
     else:
         found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
-    declared = ctx.spec.attention_for(module_path(ctx.node))
     if declared is not None and (declared.window != window or not causal):
         said = f"window {declared.window}" if declared.window else "causal attention"
         ctx.refuse(
@@ -263,12 +268,12 @@ def sdpa_rule(ctx: RuleContext):
 
     note = "K/V moved before the head repeat (enable_gqa)" if k_src is not k else ""
     if halo:
-        rows = sum(transports.halo_counts(window - 1, local_len, rank, world)[1])  # what the transport receives
-        moved = rows * elements // local_len * itemsize
-        bound = min(window - 1, rank * local_len) * elements // local_len * itemsize
+        send, recv, _ = transports.halo_counts(window - 1, local_len, rank, world)  # what the transport moves
+        row_bytes = elements // local_len * itemsize
         return Rewrite(rule=rule, transport="halo", apply=apply,
                        collective=f"all_to_all {window - 1} rows of K+V | bw all_to_all",
-                       elements=rows * elements // local_len, bytes=moved, lower_bound_bytes=bound,
+                       elements=sum(recv) * elements // local_len, bytes=sum(recv) * row_bytes,
+                       lower_bound_bytes=min(window - 1, rank * local_len) * row_bytes, sent_bytes=sum(send) * row_bytes,
                        note=(note + "; " if note else "") + f"window {window} read from the model's mask")
     received = (world - 1) * elements * itemsize
     needed = (rank if causal else world - 1) * elements * itemsize
@@ -283,6 +288,7 @@ def sdpa_rule(ctx: RuleContext):
         elements=(world - 1) * elements,
         bytes=received,
         lower_bound_bytes=needed,
+        sent_bytes=(world - 1) * elements * itemsize,
         note=note,
     )
 
@@ -397,11 +403,11 @@ def conv_rule(ctx: RuleContext):
         node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
 
     local_len = ctx.local_len()
-    rows = sum(transports.halo_counts(match.halo, local_len, rank, world)[1])  # what the transport receives
+    send, recv, _ = transports.halo_counts(match.halo, local_len, rank, world)  # what the transport moves
     row_bytes = numel_hint(match.source) // local_len * meta_val(match.source).dtype.itemsize
     return Rewrite(rule=rule, transport="halo", apply=apply, collective=f"all_to_all {match.halo} rows | bw all_to_all",
-                   elements=rows * row_bytes // meta_val(match.source).dtype.itemsize, bytes=rows * row_bytes,
-                   lower_bound_bytes=min(match.halo, rank * local_len) * row_bytes,
+                   elements=sum(recv) * row_bytes // meta_val(match.source).dtype.itemsize, bytes=sum(recv) * row_bytes,
+                   lower_bound_bytes=min(match.halo, rank * local_len) * row_bytes, sent_bytes=sum(send) * row_bytes,
                    note=f"halo (k-1)*dilation = {match.halo}" + (f"; declared by '{declared}'" if declared else
                                                                  "; causal form read from the graph"))
 

@@ -73,6 +73,7 @@ class Rewrite:
     elements: int = 0
     bytes: int = 0
     lower_bound_bytes: int = 0
+    sent_bytes: int = 0
     note: str = ""
 
 

@@ -7,8 +7,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
 
 
 def test_help_lists_every_option():
@@ -16,8 +17,11 @@ def test_help_lists_every_option():
     assert out.returncode == 0
     for option in ("--nproc", "--steps", "--seq-len", "--backend", "--dump"):
         assert option in out.stdout
+    out = run("-m", "cp_passes", "explain", "--help")
+    for option in ("--world-size", "--seq-len", "--batch", "--rank", "--ranks", "--spec", "--dump", "llama-8b"):
+        assert option in out.stdout
     top = run("-m", "cp_passes", "--help")
-    assert "demo" in top.stdout and "specs" in top.stdout
+    assert "demo" in top.stdout and "explain" in top.stdout and "specs" in top.stdout
 
 
 def test_specs_lists_shipped_specs():
@@ -26,8 +30,9 @@ def test_specs_lists_shipped_specs():
 
 
 def test_demo_runs_and_matches_one_device(tmp_path):
+    trace = tmp_path / "trace"
     out = run("-m", "cp_passes", "demo", "--backend", "aot_eager", "--steps", "2", "--seq-len", "63",
-              "--dump", str(tmp_path))
+              "--dump", str(tmp_path), env={"TORCH_TRACE": str(trace)})
     assert out.returncode == 0, out.stderr[-3000:]
     steps = [line for line in out.stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 2
@@ -38,6 +43,8 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     assert "explain.txt" in index and "aot_forward.py" in index and "aot_backward.py" in index
     after = next(name for name in index if "after_sequence_gather" in name)
     assert "sequence_all_gather" in (tmp_path / "rank1" / "graph0" / after).read_text()
+    logs = "".join(p.read_text() for p in trace.iterdir())  # tlparse input: our artifacts are in it
+    assert '"name": "cp_passes_explain"' in logs and "cp_passes_04_after_sequence_gather" in logs
 
 
 def test_example_script_trains():
@@ -54,3 +61,32 @@ def test_halo_benchmark_reports_the_lower_bound():
     for line in totals:
         rank, halo, gather, bound, halo_ratio, gather_ratio = line.split()
         assert float(halo_ratio) == 1.0 and float(gather_ratio) > 20
+
+
+def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
+    out = run("-m", "cp_passes", "explain", "toy-llama", "--world-size", "8", "--seq-len", "4096", "--rank", "3",
+              "--ranks", "0", "3", "7", "--dump", str(tmp_path))
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "rank 3 of 8, local length 512" in text
+    # K+V at kv_heads per position: 2 * batch 1 * 2 heads * 16 dims * 4 bytes = 256 B; 512 tokens per rank
+    table = text.split("received / lower bound")[1]
+    row = next(line for line in table.splitlines() if line.startswith("layers.1.attn"))
+    assert row.split()[2:] == ["896.0", "KiB", "/", "0", "B", "896.0", "KiB", "/", "384.0", "KiB",
+                               "896.0", "KiB", "/", "896.0", "KiB"]
+    assert "activations <=" in text and "parameters 417.2 KiB" in text
+    folder = tmp_path / "rank3" / "graph0"
+    index = (folder / "index.txt").read_text().split()
+    assert index[:5] == ["00_exported_torch_export_fake_tensors.py", "01_aten_pre_dispatch.py",
+                         "02_after_positions_1_rewrites.py", "03_after_halo_0_rewrites.py",
+                         "04_after_sequence_gather_2_rewrites.py"]
+    after = (folder / index[4]).read_text()
+    assert after.count("# cp_passes: pass=sequence_gather rule=sdpa_causal") >= 2 * 5  # 5 nodes per attention
+    assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[2]).read_text()
+
+
+def test_explain_plans_halos_for_a_sliding_window_model():
+    out = run("-m", "cp_passes", "explain", "toy-llama-swa", "--world-size", "64", "--seq-len", "1048576")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("sdpa_window") >= 2 and out.stdout.count("causal_conv_slice") >= 2
+    assert "window 4096 read from the model's mask" in out.stdout

@@ -226,3 +226,16 @@ def test_mask_from_data_is_refused(group):
     err = refusal(group, mix)
     assert err.problems[0].op == "aten.scaled_dot_product_attention.default"
     assert "(data, not positions)" in err.problems[0].reason
+
+
+def test_window_wider_than_the_probe_needs_a_declaration(group):
+    from cp_passes.rewrites import PROBE_MAX_LEN
+
+    window = PROBE_MAX_LEN + 100
+    long_seq = 2 * PROBE_MAX_LEN // 8  # local length at rank 3 of 8: a global length beyond the probe
+    err = compile_error(group, toy(window=window), None, seq=long_seq)
+    assert f"causal up to {PROBE_MAX_LEN} positions" in err.problems[0].reason
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=window),))
+    compiled = cp_passes.cp_compile(toy(window=window), spec, mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (1, long_seq)))
+    assert {r.rule for r in compiled.compile_records[0].records} >= {"sdpa_window"}

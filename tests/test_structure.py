@@ -119,3 +119,21 @@ def test_window_by_gather_moves_more_than_the_halo(fake_world):
     (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
     assert h == bound and g == (WORLD - 1) * 16 * bound // 4  # 7 ranks x 16 rows against 4 rows
     assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][ALL_TO_ALL] == 0
+
+
+def test_explain_at_compile_time_by_environment(fake_world, capsys, monkeypatch):
+    monkeypatch.setenv("CP_PASSES_EXPLAIN", str(RANK))
+    compile_toy(fake_world)
+    err = capsys.readouterr().err
+    assert f"cp_passes rewrites: rank {RANK} of {WORLD}" in err and "layers.1.attn" in err
+    monkeypatch.setenv("CP_PASSES_EXPLAIN", "0,1")
+    compile_toy(fake_world)
+    assert "cp_passes rewrites" not in capsys.readouterr().err
+
+
+def test_created_nodes_name_their_pass_and_rule(fake_world):
+    record = compile_toy(fake_world, window=5, conv_kernel=3)
+    after_halo = record.history[3][1]
+    assert "cp_conv_halo" in after_halo and "# cp_passes: pass=halo rule=causal_conv_slice" in after_halo
+    assert "# cp_passes: pass=halo rule=sdpa_window" in after_halo
+    assert "cp_passes: pass=sequence_gather" not in after_halo
