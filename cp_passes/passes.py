@@ -6,6 +6,7 @@ listed at once) or rewritten as a whole; a half-rewritten graph never reaches th
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
@@ -15,7 +16,7 @@ import torch.fx
 from . import rewrites  # noqa: F401  (registers the rewriting rules)
 from .analysis import bind_args, has_symbol, meta_val, seq_dims
 from .errors import CPCompileError, Problem, module_path, op_name, source_line
-from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, lookup_rule
+from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, Transfer, lookup_rule
 
 aten = torch.ops.aten
 
@@ -27,21 +28,19 @@ PASS_ORDER = ("positions", "halo", "sequence_gather")
 
 
 @dataclass
-class RewriteRecord:
+class RewriteRecord(Transfer):
     """One row of the rewrite table: a node that a pass changed, or an output the caller must reduce."""
 
-    node: str
-    op: str
-    source: str
-    module: str
-    rule: str
-    transport: str
-    collective: str = ""
-    elements: int = 0
-    bytes: int = 0
-    lower_bound_bytes: int = 0
-    sent_bytes: int = 0
-    note: str = ""
+    node: str = ""
+    op: str = ""
+    source: str = ""
+    module: str = ""
+
+    @classmethod
+    def of(cls, node: torch.fx.Node, transfer: Transfer, name: str | None = None) -> "RewriteRecord":
+        stats = {f.name: getattr(transfer, f.name) for f in dataclasses.fields(Transfer)}
+        return cls(**stats, node=name or node.name, op=op_name(node), source=source_line(node, code=False),
+                   module=module_path(node))
 
 
 @dataclass
@@ -117,11 +116,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             partial[node] = partial.get(next((t for t in ctx.tensor_inputs() if t in partial), None), node)
         if rewrite is not None:
             plan.rewrites.append((node, rewrite))
-            plan.records.append(
-                RewriteRecord(node.name, op_name(node), source_line(node, code=False), module_path(node), rewrite.rule,
-                              rewrite.transport, rewrite.collective, rewrite.elements, rewrite.bytes,
-                              rewrite.lower_bound_bytes, rewrite.sent_bytes, rewrite.note)
-            )
+            plan.records.append(RewriteRecord.of(node, rewrite))
     problems.extend(_check_block_uses(gm, sym, refused))
     if problems:
         raise CPCompileError(problems)
@@ -131,11 +126,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         if isinstance(value, torch.fx.Node) and value in partial:
             origin = partial[value]
             plan.partial_outputs.append(i)
-            plan.records.append(
-                RewriteRecord(f"output[{i}]", op_name(origin), source_line(origin, code=False), module_path(origin),
-                              "partial_sum", "none (caller sums over ranks)",
-                              note="a sum over the sequence: this rank's share; add the ranks' values for the total")
-            )
+            share = Transfer("partial_sum", "none (caller sums over ranks)",
+                             note="a sum over the sequence: this rank's share; add the ranks' values for the total")
+            plan.records.append(RewriteRecord.of(origin, share, name=f"output[{i}]"))
     return plan
 
 

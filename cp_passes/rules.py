@@ -63,18 +63,24 @@ class Refusal(Exception):
 
 
 @dataclass
-class Rewrite:
-    """A planned graph edit. ``apply(env)`` runs in the pass named by ``transport``."""
+class Transfer:
+    """Which rule changed a node, with which transport, and what that moves for this rank per forward."""
 
     rule: str
     transport: str
-    apply: Callable
     collective: str = ""
     elements: int = 0
     bytes: int = 0
     lower_bound_bytes: int = 0
     sent_bytes: int = 0
     note: str = ""
+
+
+@dataclass
+class Rewrite(Transfer):
+    """A planned graph edit: ``apply(gm, pass_name)`` runs in the pass named by ``transport``."""
+
+    apply: Callable | None = None
 
 
 @dataclass
@@ -365,9 +371,8 @@ def _dim_rule(ctx: RuleContext):
             return None
     for t in tensors:
         if isinstance(t, torch.fx.Node) and ctx.is_seq(t):
-            dims_norm = dims if dims is not None or ctx.ndim(t) > 0 else None
             ctx.require_not_along_sequence(
-                t, dims_norm, f"applies {packet} along", _DIM_FIXES.get(packet.lstrip("_").replace("log_", ""))
+                t, dims, f"applies {packet} along", _DIM_FIXES.get(packet.lstrip("_").replace("log_", ""))
             )
     return None
 
