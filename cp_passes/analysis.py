@@ -82,8 +82,9 @@ def bind_args(node: torch.fx.Node) -> dict:
     return bound
 
 
-def sequence_symbol(placeholders: list[torch.fx.Node]):
-    """The one symbol that every sharded input's sequence dim carries."""
+def sequence_symbol(placeholders: list[torch.fx.Node]) -> set:
+    """Every size symbol the graph inputs carry: exactly one (the local sequence length) when the
+    sharded inputs agree and nothing else was left dynamic."""
     symbols = set()
     for node in placeholders:
         val = meta_val(node)
