@@ -35,7 +35,7 @@ def module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']*'\]\.?", "", path)
+    path = re.sub(r"^L\['[^']*'\](\[\d+\])?\.?", "", path)  # the root: L['self'], or L['args'][0] under decorators
     path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
     path = re.sub(r"\['([^']*)'\]", r".\1", path)

@@ -21,10 +21,10 @@ from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, Transfer, lookup_rule
 aten = torch.ops.aten
 
 # Pass order. Positions first: they only retarget arange nodes, never attention or conv inputs.
-# Halo next (causal convolutions and sliding-window attention), then full-sequence gathers. The
-# rewrites of one pass never touch nodes another pass rewrites, so each graph in the history shows
-# exactly one transport added. Later transports (doc ids, global reductions) slot in here.
-PASS_ORDER = ("positions", "halo", "sequence_gather")
+# Halo next (causal convolutions and sliding-window attention), then full-sequence gathers, then global
+# reductions (a mean's denominator). The rewrites of one pass never touch nodes another pass rewrites,
+# so each graph in the history shows exactly one transport added. Doc-id transports slot in here.
+PASS_ORDER = ("positions", "halo", "sequence_gather", "reductions")
 
 
 @dataclass

@@ -413,6 +413,37 @@ def conv_rule(ctx: RuleContext):
 
 
 # ---------------------------------------------------------------------------------------------
+# A mean over the sequence (a loss with reduction="mean"): this rank's sum over the global count.
+
+
+def global_mean_rewrite(ctx: RuleContext) -> Rewrite:
+    """``loss(reduction=mean)`` -> ``loss(reduction=sum) / global_count``: a per-rank partial sum whose ranks
+    add up to the single-device mean, so summed gradients match too."""
+    node, group = ctx.node, ctx.group_name
+    target_name = "target" if "target" in ctx.args else "other"
+    ignore_index = ctx.args.get("ignore_index")
+
+    def apply(gm: torch.fx.GraphModule, pass_name: str):
+        args = bind_args(node)
+        args["reduction"] = 2
+        node.args, node.kwargs = (), args
+        users = list(node.users)
+        count = insert_node(gm.graph, node.next, transports.global_count, (args[target_name], ignore_index, group),
+                            name="cp_global_count", origin=node, pass_name=pass_name, rule="global_mean")
+        mean = insert_node(gm.graph, count.next, aten.div.Tensor, (node, count), name="cp_global_mean",
+                           origin=node, pass_name=pass_name, rule="global_mean")
+        for user in users:
+            user.replace_input_with(node, mean)
+        node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, "global_mean"
+
+    counted = "targets != ignore_index" if ignore_index is not None else "elements"
+    return Rewrite(rule="global_mean", transport="reductions", apply=apply,
+                   collective="all_reduce of one count (no autograd)", elements=1, bytes=8 * (ctx.world - 1),
+                   lower_bound_bytes=8 * (ctx.world - 1), sent_bytes=8 * (ctx.world - 1),
+                   note=f"mean -> this rank's sum / global count of {counted}; ranks add up to the global mean")
+
+
+# ---------------------------------------------------------------------------------------------
 # arange over the sequence: the local slice of global positions.
 
 

@@ -469,12 +469,15 @@ def _loss(ctx: RuleContext):
     if reduction == 2:
         ctx.out_partial = True
     elif reduction == 1:
-        ctx.refuse(
-            "it averages over the sequence, but each rank sees only its own tokens: the mean of per-rank "
-            "means is not the global mean",
-            "use reduction='sum' and divide by the global number of valid tokens (a per-rank partial sum "
-            "that the caller adds up); with Hugging Face models pass num_items_in_batch=",
-        )
+        from .rewrites import global_mean_rewrite
+
+        if ctx.args.get("weight") is not None:
+            ctx.refuse(
+                "it averages over the sequence with class weights; the global weighted mean has no rule yet",
+                "use reduction='sum' and divide by the global sum of weights outside the compiled module",
+            )
+        ctx.out_partial = True
+        return global_mean_rewrite(ctx)
     return None
 
 

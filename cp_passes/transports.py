@@ -117,6 +117,15 @@ def halo_exchange(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, g
     return torch.cat(pieces, dim=dim)
 
 
+def global_count(target: torch.Tensor, ignore_index, group_name: str) -> torch.Tensor:
+    """How many targets all ranks hold (those ``!= ignore_index`` when given): the denominator of a global
+    mean. Metadata only: no autograd."""
+    target = target.detach()
+    local = (target != ignore_index).sum() if ignore_index is not None else torch.ones_like(target).sum()
+    total = funcol.all_reduce(local, "sum", group_name)
+    return funcol.wait_tensor(total) if isinstance(total, funcol.AsyncCollectiveTensor) else total
+
+
 def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0) -> torch.Tensor:
     """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``."""
     cp = resolve_group(mesh)

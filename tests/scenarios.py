@@ -69,8 +69,9 @@ def hf_batch(seq_len: int, batch: int = 2, seed: int = 2) -> dict:
     return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "shift_labels": b["labels"]}
 
 
-def hf_parity(group, backend: str, seq_lens: list[int]) -> list[dict]:
-    """LlamaForCausalLM with position_ids and pre-shifted labels; the loss is sum / global token count."""
+def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False) -> list[dict]:
+    """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
+    as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global."""
     model = hf_llama()
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
@@ -79,7 +80,8 @@ def hf_parity(group, backend: str, seq_lens: list[int]) -> list[dict]:
         count = (global_batch["shift_labels"] != -100).sum()
         local, layout = cp_passes.shard_batch(global_batch, group)
         model.zero_grad()
-        out = compiled(**local, labels=local["shift_labels"], num_items_in_batch=count)
+        extra = {} if mean_loss else {"num_items_in_batch": count}
+        out = compiled(**local, labels=local["shift_labels"], **extra)
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
                         "valid": layout.valid, "compiles": len(compiled.compile_records)})

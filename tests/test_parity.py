@@ -96,24 +96,27 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
             assert moved == bound  # a halo moves exactly what the window needs
 
 
-def _hf_reference(seq_len):
+def _hf_reference(seq_len, mean_loss):
     model = hf_llama()
     batch = hf_batch(seq_len)
     count = (batch["shift_labels"] != -100).sum()
-    out = model(**batch, labels=batch["shift_labels"], num_items_in_batch=count)
+    out = model(**batch, labels=batch["shift_labels"], **({} if mean_loss else {"num_items_in_batch": count}))
     out.loss.backward()
     return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-HF_CASES = [(2, "aot_eager", [16, 11]), (4, "aot_eager", [16])]
+# (P, backend, lengths, mean_loss): mean_loss leaves out num_items_in_batch, so the model averages
+# itself and cp_passes turns the mean into this rank's sum over the global count of valid labels.
+HF_CASES = [(2, "aot_eager", [16, 11], False), (4, "aot_eager", [16], False), (2, "aot_eager", [16, 11], True)]
 
 
-@pytest.mark.parametrize("P,backend,seq_lens", HF_CASES, ids=[f"P{c[0]}-{c[1]}" for c in HF_CASES])
-def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens):
-    per_rank = pool.run("hf_parity", P, backend=backend, seq_lens=seq_lens)
+@pytest.mark.parametrize("P,backend,seq_lens,mean_loss", HF_CASES,
+                         ids=[f"P{c[0]}-{c[1]}" + ("-mean" if c[3] else "") for c in HF_CASES])
+def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens, mean_loss):
+    per_rank = pool.run("hf_parity", P, backend=backend, seq_lens=seq_lens, mean_loss=mean_loss)
+    name = f"hf-LlamaForCausalLM{'-meanloss' if mean_loss else ''}-{backend}"
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"hf-LlamaForCausalLM-{backend}", [r[i] for r in per_rank], *_hf_reference(seq_len), seq_len,
-                 parity_report)
+        _compare(name, [r[i] for r in per_rank], *_hf_reference(seq_len, mean_loss), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P", [2, 4])

@@ -115,15 +115,28 @@ def test_hf_label_shift_inside_the_model_is_refused(group):
     assert "loss_utils.py" in info.value.problems[0].source and "shift_labels" in info.value.problems[0].fix
 
 
-def test_hf_mean_loss_is_refused(group):
+def test_hf_mean_loss_becomes_a_sum_over_the_global_count(group):
     from scenarios import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 128, (1, 8))
-    with pytest.raises(CPCompileError) as info:
-        compiled(input_ids=ids, labels=ids, shift_labels=ids)
-    assert info.value.problems[0].op == "aten.cross_entropy_loss.default"
-    assert "num_items_in_batch" in info.value.problems[0].fix
+    compiled(input_ids=ids, labels=ids, shift_labels=ids).loss.backward()
+    record = compiled.compile_records[0]
+    rules = {r.rule: r for r in record.records}
+    assert rules["global_mean"].module == "" and "loss_utils.py" in rules["global_mean"].source
+    assert [r.module for r in record.records if r.rule == "sdpa_causal"] == [
+        "model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert record.aot_ops["forward"]["_c10d_functional.all_reduce.default"] == 1
+    assert record.aot_ops["backward"]["_c10d_functional.all_reduce.default"] == 0  # the count has no autograd
+
+
+def test_class_weighted_mean_is_refused(group):
+    def mix(x):
+        flat = x.flatten(0, 1)
+        return F.cross_entropy(flat, flat.argmax(-1), weight=torch.ones(8))[None, None, None].expand(2, 8, 8)
+
+    err = refusal(group, mix)
+    assert err.problems[0].op == "aten.cross_entropy_loss.default" and "class weights" in err.problems[0].reason
 
 
 def test_hf_packed_sequence_mask_is_refused(group):

@@ -79,7 +79,7 @@ def test_history_labels_every_stage(fake_world):
     labels = [label for label, _ in record.history]
     assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
     assert labels[2:] == ["after positions (1 rewrites)", "after halo (0 rewrites)",
-                          "after sequence_gather (2 rewrites)"]
+                          "after sequence_gather (2 rewrites)", "after reductions (0 rewrites)"]
     assert "cp_kv_gathered" not in record.history[3][1] and "cp_kv_gathered" in record.history[4][1]
 
 
