@@ -54,8 +54,12 @@ def _retrace_aten(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]
     fakes = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
     with fx_traceback.preserve_node_meta():
         aten_gm = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True, tracing_mode="fake")(*fakes)
+    placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
+    for node, named in zip(placeholders, gm.graph.find_nodes(op="placeholder")):
+        node._rename(named.name)  # l_doc_ids_, l_self_modules_embed_parameters_weight_ rather than arg9_1
+    aten_gm.recompile()
     # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
-    return aten_gm, [meta_val(n) for n in aten_gm.graph.find_nodes(op="placeholder")]
+    return aten_gm, [meta_val(n) for n in placeholders]
 
 
 class CPBackend:

@@ -52,7 +52,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc_ids=None):
         b, s, _ = x.shape
         cfg = self.cfg
         q = self.wq(x).view(b, s, cfg.n_heads, self.head_dim).transpose(1, 2)
@@ -66,12 +66,17 @@ class Attention(nn.Module):
             v = v[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim).reshape(b, cfg.n_heads, s, self.head_dim)
         elif cfg.kv_repeat == "repeat_interleave" and n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        if cfg.window is None:
+        if cfg.window is None and doc_ids is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
             pos = torch.arange(s, device=x.device)
             distance = pos[:, None] - pos[None, :]
-            band = (distance >= 0) & (distance < cfg.window)
+            band = distance >= 0
+            if cfg.window is not None:
+                band = band & (distance < cfg.window)
+            if doc_ids is not None:  # packed documents: attend within the same document only
+                band = band & (doc_ids[:, :, None] == doc_ids[:, None, :])
+                band = band[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=band, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
@@ -109,20 +114,21 @@ class Block(nn.Module):
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, doc_ids=None):
         h = self.attn_norm(x)
         if self.conv is not None:
             h = h + self.conv(h)
-        x = x + self.attn(h, cos, sin)
+        x = x + self.attn(h, cos, sin, doc_ids)
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
 class ToyLlama(nn.Module):
-    """``forward(input_ids, position_ids=None, labels=None)``.
+    """``forward(input_ids, position_ids=None, labels=None, doc_ids=None)``.
 
     Without ``position_ids`` positions are ``arange(seq_len)``. With ``labels`` (already shifted,
-    ignore index -100) it returns ``(summed token cross-entropy, logits)``.
+    ignore index -100) it returns ``(summed token cross-entropy, logits)``. With ``doc_ids`` (packed
+    documents) attention stays inside each document.
     """
 
     def __init__(self, cfg: ToyLlamaConfig = ToyLlamaConfig()):
@@ -136,7 +142,7 @@ class ToyLlama(nn.Module):
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, input_ids, position_ids=None, labels=None):
+    def forward(self, input_ids, position_ids=None, labels=None, doc_ids=None):
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         angles = position_ids[..., None].float() * self.inv_freq
@@ -144,7 +150,7 @@ class ToyLlama(nn.Module):
         cos, sin = angles.cos(), angles.sin()
         x = self.embed(input_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, doc_ids)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits

@@ -102,8 +102,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     problems: list[Problem] = []
     refused: set[torch.fx.Node] = set()
     partial: dict[torch.fx.Node, torch.fx.Node] = {}
+    claimed = _claimed_by_attention(gm, sym)
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node in claimed:
             continue
         ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.name, partial)
         try:
@@ -117,7 +118,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         if rewrite is not None:
             plan.rewrites.append((node, rewrite))
             plan.records.append(RewriteRecord.of(node, rewrite))
-    problems.extend(_check_block_uses(gm, sym, refused))
+    problems.extend(_check_block_uses(gm, sym, refused | claimed))
     if problems:
         raise CPCompileError(problems)
     (output,) = gm.graph.find_nodes(op="output")
@@ -130,6 +131,26 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                              note="a sum over the sequence: this rank's share; add the ranks' values for the total")
             plan.records.append(RewriteRecord.of(origin, share, name=f"output[{i}]"))
     return plan
+
+
+def _claimed_by_attention(gm: torch.fx.GraphModule, sym) -> set:
+    """Nodes that only build an attention mask from sequence data: the attention rule evaluates them over
+    the whole sequence from gathered metadata, so their own rules (a cumsum, a diff) do not apply."""
+    from .rewrites import DataMask, data_mask
+
+    consumers, nodes = {}, set()
+    for node in gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default):
+        mask = bind_args(node)["attn_mask"]
+        if isinstance(mask, torch.fx.Node):
+            found = data_mask(mask, sym)
+            if isinstance(found, DataMask):
+                consumers[node] = mask
+                nodes.update(found.nodes)
+    claimed: set = set()
+    for n in reversed(list(gm.graph.nodes)):  # users before producers
+        if n in nodes and all(u in claimed or consumers.get(u) is n for u in n.users):
+            claimed.add(n)
+    return claimed
 
 
 def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set) -> list[Problem]:

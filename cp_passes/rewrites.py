@@ -131,6 +131,64 @@ def _run_positional_subgraph(ctx: RuleContext, out: torch.fx.Node, length: int) 
     return env[out]
 
 
+@dataclass
+class DataMask:
+    """An attention mask built from sequence-sharded data (doc ids, position ids) as well as positions.
+
+    It is evaluated over the whole sequence from gathered metadata, exactly as the single device does,
+    and each rank keeps its rows; the ops that only build it are claimed by the attention rule."""
+
+    nodes: list[torch.fx.Node]
+    tensor_leaves: list[torch.fx.Node]
+    size_leaves: list[torch.fx.Node]
+
+
+def data_mask(mask: torch.fx.Node, sym) -> DataMask | str | None:
+    """The subgraph behind ``mask`` if it reads sequence data; ``None`` for a mask of positions only; a
+    reason string when it reads something that cannot be gathered as metadata."""
+    nodes, tensor_leaves, size_leaves, seen, stack = [], [], [], set(), [mask]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        val = meta_val(n)
+        if isinstance(val, (torch.SymInt, torch.SymFloat)):
+            if sym in val.node.expr.free_symbols:
+                if seq_multiple(val, sym) is None:
+                    return f"its mask uses the length expression {val}, which cp_passes cannot rescale"
+                size_leaves.append(n)
+            else:
+                nodes.append(n)
+                stack.extend(n.all_input_nodes)
+        elif n.op == "placeholder":
+            if not isinstance(val, torch.Tensor) or not seq_dims(n, sym) or val.is_floating_point() or val.requires_grad:
+                return (f"its mask reads input '{n.name}' {tuple(getattr(val, 'shape', ()))}, which is not integer "
+                        f"sequence metadata (doc ids, positions)")
+            tensor_leaves.append(n)
+        elif n.op in ("call_function", "get_attr"):
+            if isinstance(val, torch.Tensor) and val.requires_grad:
+                return f"its mask depends on '{n.name}', a value with gradients (activations are not metadata)"
+            nodes.append(n)
+            stack.extend(n.all_input_nodes)
+        else:
+            return f"its mask reads {n.op} '{n.name}'"
+    if not tensor_leaves:
+        return None
+    order = {n: i for i, n in enumerate(mask.graph.nodes)}
+    nodes.sort(key=order.__getitem__)
+    return DataMask(nodes, sorted(tensor_leaves, key=order.__getitem__), sorted(size_leaves, key=order.__getitem__))
+
+
+def _mask_module(gm: torch.fx.GraphModule, dm: DataMask, mask: torch.fx.Node) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    env = {leaf: graph.placeholder(leaf.name) for leaf in dm.tensor_leaves + dm.size_leaves}
+    for n in dm.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[mask])
+    return torch.fx.GraphModule(gm, graph)
+
+
 def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
     if mask.dtype != torch.bool:
         if not bool(((mask == 0) | (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)).all()):
@@ -199,6 +257,16 @@ def sdpa_rule(ctx: RuleContext):
 
     window = None
     declared = ctx.spec.attention_for(module_path(ctx.node))
+    dm = data_mask(mask, ctx.sym) if mask is not None else None
+    if isinstance(dm, str):
+        ctx.refuse(dm + "; masks are evaluated from positions and gathered metadata only",
+                   "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
+                   "doc_ids), or pass is_causal=True")
+    if dm is not None:
+        if meta_val(mask).dtype != torch.bool:
+            ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
+        window = declared.window if declared else None
+        return _data_mask_rewrite(ctx, dm, mask, q, k, v, window)
     if mask is not None:
         window = read_window(ctx, mask, ctx.local_len() * ctx.world, declared.window if declared else None)
         causal = True
@@ -291,6 +359,59 @@ def sdpa_rule(ctx: RuleContext):
         sent_bytes=(world - 1) * elements * itemsize,
         note=note,
     )
+
+
+def _data_mask_rewrite(ctx: RuleContext, dm: DataMask, mask, q, k, v, window):
+    """K/V by gather (causal envelope) or halo (declared window); the model's own mask, evaluated over the
+    whole sequence from gathered metadata, cut to this rank's rows and those keys."""
+    world, rank, group, node = ctx.world, ctx.rank, ctx.group_name, ctx.node
+    halo = window is not None and ctx.spec.window_transport == "halo"
+    dim = ctx.ndim(k) - 2
+    rule = "sdpa_data_mask"
+    dropout_p, scale, gqa = ctx.arg("dropout_p"), ctx.arg("scale"), bool(ctx.arg("enable_gqa"))
+    leaf_dims = [seq_dims(leaf, ctx.sym)[0] for leaf in dm.tensor_leaves]
+
+    def apply(gm: torch.fx.GraphModule, pass_name: str):
+        def make(target, args, name):
+            return insert_node(gm.graph, node, target, args, name=name, origin=node, pass_name=pass_name, rule=rule)
+
+        if halo:
+            keys = make(transports.halo_exchange, (k, dim, window - 1, rank, world, group), "cp_k_halo")
+            values = make(transports.halo_exchange, (v, dim, window - 1, rank, world, group), "cp_v_halo")
+        else:
+            keys = make(transports.causal_key_prefix, (make(transports.sequence_all_gather, (k, dim, group),
+                                                            "cp_k_gathered"), dim, rank, q), "cp_k_visible")
+            values = make(transports.causal_key_prefix, (make(transports.sequence_all_gather, (v, dim, group),
+                                                              "cp_v_gathered"), dim, rank, q), "cp_v_visible")
+        leaves = [make(transports.metadata_all_gather, (leaf, d, group), f"cp_{leaf.name}_gathered")
+                  for leaf, d in zip(dm.tensor_leaves, leaf_dims)]
+        leaves += [make(operator.mul, (leaf, world), f"cp_{leaf.name}_global") for leaf in dm.size_leaves]
+        name = f"cp_mask_fn_{node.name}"
+        gm.add_submodule(name, _mask_module(gm, dm, mask))
+        with gm.graph.inserting_before(node):
+            global_mask = gm.graph.call_module(name, tuple(leaves))
+        global_mask.meta.update(cp_pass=pass_name, cp_rule=rule, stack_trace=node.meta.get("stack_trace"))
+        block = make(transports.mask_block_for_keys, (global_mask, q, rank, window, halo), "cp_mask_block")
+        node.args = (q, keys, values, block, dropout_p)
+        node.kwargs = {"is_causal": False, "scale": scale, "enable_gqa": gqa}
+        node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
+
+    local_len = ctx.local_len()
+    kv_bytes = (numel_hint(k) + numel_hint(v)) * meta_val(k).dtype.itemsize
+    meta_bytes = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in dm.tensor_leaves) * (world - 1)
+    if halo:
+        recv = sum(transports.halo_counts(window - 1, local_len, rank, world)[1])
+        moved = recv * kv_bytes // local_len
+        bound = min(window - 1, rank * local_len) * kv_bytes // local_len
+    else:
+        moved, bound = (world - 1) * kv_bytes, rank * kv_bytes
+    names = ", ".join(leaf.name for leaf in dm.tensor_leaves)
+    return Rewrite(rule=rule, transport="halo" if halo else "sequence_gather", apply=apply,
+                   collective=("all_to_all K, V" if halo else "all_gather K, V") + f" + all_gather {names} (no grad)",
+                   elements=(moved + meta_bytes) // meta_val(k).dtype.itemsize, bytes=moved + meta_bytes,
+                   lower_bound_bytes=bound + meta_bytes, sent_bytes=moved + meta_bytes,
+                   note=f"the model's mask from {names}, evaluated over the whole sequence; "
+                        + (f"window {window} (spec)" if window else "causal envelope, checked at run time"))
 
 
 # ---------------------------------------------------------------------------------------------

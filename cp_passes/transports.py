@@ -174,3 +174,38 @@ def window_mask_with_halo(query: torch.Tensor, window: int, rank: int) -> torch.
     k_pos = torch.arange(halo + local, device=query.device) + (rank * local - halo)
     distance = q_pos[:, None] - k_pos[None, :]
     return (k_pos[None, :] >= 0) & (distance >= 0) & (distance < window)
+
+
+def metadata_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """All-gather sequence metadata (positions, doc ids) along ``dim``: no autograd edge."""
+    dim = dim % x.dim()
+    gathered = funcol.all_gather_single(x.detach().movedim(dim, 0).contiguous(), 0, group_name)
+    if isinstance(gathered, funcol.AsyncCollectiveTensor):
+        gathered = funcol.wait_tensor(gathered)
+    return gathered.movedim(0, dim)
+
+
+def mask_block_for_keys(global_mask: torch.Tensor, query: torch.Tensor, rank: int, window: int | None,
+                        halo: bool) -> torch.Tensor:
+    """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings:
+    the prefix ``[0, (rank + 1) * L)`` after a gather, ``[rank * L - (window - 1), (rank + 1) * L)`` after a
+    halo (columns before the sequence start are False). Fails at run time if the model allows a key outside
+    the causal (window) envelope that the transport was planned for."""
+    local = query.shape[-2]
+    rows = global_mask.narrow(-2, rank * local, local)
+    q_pos = torch.arange(local, device=query.device) + rank * local
+    all_keys = torch.arange(rows.shape[-1], device=query.device)
+    distance = q_pos[:, None] - all_keys[None, :]
+    envelope = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+    torch._assert_async((rows & ~envelope).logical_not().all(),
+                        "cp_passes: the model's attention mask allows a key outside the causal window that the "
+                        "spec declares (or outside causal attention); declare the right AttentionRule")
+    if not halo:
+        return rows.narrow(-1, 0, (rank + 1) * local)
+    h = window - 1
+    missing = h - rank * local
+    missing = 0 if missing <= 0 else missing
+    block = rows.narrow(-1, rank * local - h + missing, h + local - missing)
+    if missing:
+        block = torch.cat([block.new_zeros((*block.shape[:-1], missing)), block], dim=-1)
+    return block

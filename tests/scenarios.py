@@ -107,3 +107,59 @@ def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int) -> dict:
     out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding)
     (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
     return {"out": out.detach(), "grad": x.grad}
+
+
+def packed_batch(seq_len: int, layout: list, vocab: int, seed: int = 3) -> dict:
+    """One packed row per entry of ``layout`` (lists of (slot, length)); unused slots -1000."""
+    rows, width = len(layout), max(len(r) for r in layout)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (rows, seq_len), generator=g)
+    lens = torch.full((rows, width), -1000)
+    padded = torch.full((rows, width), -1000)
+    for r, docs in enumerate(layout):
+        for d, (slot, length) in enumerate(docs):
+            lens[r, d], padded[r, d] = length, slot
+    return {"input_ids": ids, "labels": ids.clone(), "seq_lens": lens, "seq_lens_padded": padded}
+
+
+def packed_model_inputs(batch: dict, hf: bool) -> dict:
+    """What each model takes from a packed batch: ToyLlama reads doc_ids, transformers derives documents
+    from position_ids (restarting at 0) itself; both get labels shifted inside each document."""
+    keys = ("input_ids", "position_ids") + (() if hf else ("doc_ids",))
+    inputs = {k: batch[k] for k in keys}
+    inputs["labels"] = batch["shift_labels"]
+    if hf:
+        inputs["shift_labels"] = batch["shift_labels"]
+    return inputs
+
+
+def packed_parity(group, model: str, backend: str, cases: list, config: dict | None = None) -> list[dict]:
+    """One compiled model run on several packed batches (seq_len, layout)."""
+    hf = model == "hf"
+    net = hf_llama(use_cache=False) if hf else toy_model(**(config or {}))
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=config["window"]),)) \
+        if config and config.get("window") else None
+    compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False)
+    results = []
+    for seq_len, layout in cases:
+        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group)
+        net.zero_grad()
+        out = compiled(**packed_model_inputs(local, hf))
+        loss, logits = (out.loss, out.logits) if hf else out
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": _grads(net), "valid": shard.valid,
+                        "rules": [r.rule for r in compiled.compile_records[-1].records]})
+    return results
+
+
+def envelope_violation(group) -> str:
+    """A doc-id mask that reaches further back than the spec's declared window must fail the first step."""
+    net = toy_model()
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=2),))
+    compiled = cp_passes.cp_compile(net, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(packed_batch(8, [[(8, 8)]], 256), group)
+    try:
+        compiled(**packed_model_inputs(local, hf=False))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

@@ -139,18 +139,30 @@ def test_class_weighted_mean_is_refused(group):
     assert err.problems[0].op == "aten.cross_entropy_loss.default" and "class weights" in err.problems[0].reason
 
 
-def test_hf_packed_sequence_mask_is_refused(group):
-    """Without a cache, transformers 5.x derives a packed-document mask from position_ids with diff and
-    cumsum along the sequence; that needs the packed-documents transport, so it must be refused."""
+def test_hf_packed_sequence_mask_is_evaluated_from_gathered_positions(group):
+    """Without a cache, transformers 5.x derives a packed-document mask from position_ids with diff,
+    cumsum and indexing along the sequence; those ops only build the mask, so the attention rule claims
+    them and evaluates the mask over the whole sequence from gathered position ids."""
     from scenarios import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(use_cache=False), mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 128, (1, 8))
-    with pytest.raises(CPCompileError) as info:
-        compiled(input_ids=ids, position_ids=torch.arange(8)[None])
-    ops = [p.op for p in info.value.problems]
-    assert "aten.cumsum.default" in ops and "aten.scaled_dot_product_attention.default" in ops
-    assert any("masking_utils.py" in p.source for p in info.value.problems)
+    compiled(input_ids=ids, position_ids=torch.arange(8)[None])
+    record = compiled.compile_records[0]
+    assert [r.rule for r in record.records if r.rule.startswith("sdpa")] == ["sdpa_data_mask"] * 2
+    assert "cumsum" in record.history[1][1] and "cp_mask_fn_" in record.history[-1][1]
+    assert record.aot_ops["forward"]["_c10d_functional.all_gather_into_tensor.default"] == 2 * 2 + 2
+
+
+def test_mask_from_activations_is_refused(group):
+    def mix(x):
+        q = x[:, None]
+        keep = (x.sum(-1) > 0)[:, None, :, None] & (x.sum(-1) > 0)[:, None, None, :]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=keep)[:, 0]
+
+    err = refusal(group, mix)
+    assert "its mask reads input 'l_self_modules_embed_parameters_weight_' (32, 8), which is not integer " \
+           "sequence metadata" in err.problems[0].reason
 
 
 def test_graph_break_is_an_error_not_a_silent_eager_fallback(group):
@@ -231,14 +243,14 @@ def test_masks_that_are_not_windows_are_refused(group, mask, why):
     assert why in str(err)
 
 
-def test_mask_from_data_is_refused(group):
+def test_mask_from_a_parameter_is_refused(group):
     def mix(x):
         q = x[:, None]
         return F.scaled_dot_product_attention(q, q, q, attn_mask=(x[..., :1] > 0) & (x[..., :1] > 0).transpose(1, 2))[:, 0]
 
     err = refusal(group, mix)
     assert err.problems[0].op == "aten.scaled_dot_product_attention.default"
-    assert "(data, not positions)" in err.problems[0].reason
+    assert "its mask reads input 'l_self_modules_embed_parameters_weight_'" in err.problems[0].reason
 
 
 def test_window_wider_than_the_probe_needs_a_declaration(group):
