@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from . import rewrites  # noqa: F401  (registers the rewriting rules)
-from .analysis import bind_args, has_symbol, meta_val, seq_dims
+from . import rewrites as _rewriting_rules  # noqa: F401  (importing registers them)
+from .analysis import bind_args, has_symbol, seq_dims
 from .errors import CPCompileError, Problem, module_path, op_name, source_line
 from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, Transfer, lookup_rule
 

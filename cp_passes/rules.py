@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.fx
 
-from .analysis import bind_args, has_symbol, hint, meta_val, numel_hint, seq_dims, seq_multiple
+from .analysis import hint, meta_val, seq_dims, seq_multiple
 from .errors import Problem
 
 aten = torch.ops.aten
@@ -53,7 +53,7 @@ def lookup_rule(target):
     if packet is not None and packet in _RULES:
         return _RULES[packet]
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
-        return _pointwise_rule
+        return _positionwise_rule
     return None
 
 
@@ -162,10 +162,6 @@ _NO_RULE_FIX = (
 
 
 def _positionwise_rule(ctx: RuleContext):
-    return None
-
-
-def _pointwise_rule(ctx: RuleContext):
     return None
 
 
