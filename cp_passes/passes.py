@@ -14,7 +14,7 @@ import torch
 import torch.fx
 
 from . import rewrites as _rewriting_rules  # noqa: F401  (importing registers them)
-from .analysis import bind_args, has_symbol, seq_dims
+from .analysis import bind_args, has_symbol, meta_val, seq_dims
 from .errors import CPCompileError, Problem, module_path, op_name, source_line
 from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, Transfer, lookup_rule
 
@@ -103,10 +103,12 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     refused: set[torch.fx.Node] = set()
     partial: dict[torch.fx.Node, torch.fx.Node] = {}
     claimed = _claimed_by_attention(gm, sym)
+    length = next(size for n in gm.graph.find_nodes(op="placeholder") if isinstance(meta_val(n), torch.Tensor)
+                  for size in meta_val(n).shape if isinstance(size, torch.SymInt) and size.node.expr == sym)
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in claimed:
             continue
-        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.name, partial)
+        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.name, length, partial)
         try:
             rewrite = _plan_node(ctx, partial)
         except Refusal as refusal:

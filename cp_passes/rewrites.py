@@ -231,7 +231,7 @@ def read_window(ctx: RuleContext, mask: torch.fx.Node, global_len: int, declared
             "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
         )
     if window is None:
-        bool(ctx.sym_value() * ctx.world <= lengths[0])  # a guard: longer sequences recompile and re-check
+        bool(ctx.length * ctx.world <= lengths[0])  # a guard: longer sequences recompile and re-check
     return window
 
 
@@ -263,17 +263,18 @@ def sdpa_rule(ctx: RuleContext):
                    "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
                    "doc_ids), or pass is_causal=True")
     if dm is not None:
+        # The envelope (causal, or the declared window) plans the transport; the model's own mask, evaluated
+        # from gathered metadata, is checked against it at run time.
         if meta_val(mask).dtype != torch.bool:
             ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
-        window = declared.window if declared else None
-        return _data_mask_rewrite(ctx, dm, mask, q, k, v, window)
-    if mask is not None:
+        window, causal = (declared.window if declared else None), True
+    elif mask is not None:
         window = read_window(ctx, mask, ctx.local_len() * ctx.world, declared.window if declared else None)
         causal = True
         found = f"a band mask of window {window}" if window else "a causal mask"
     else:
         found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
-    if declared is not None and (declared.window != window or not causal):
+    if dm is None and declared is not None and (declared.window != window or not causal):
         said = f"window {declared.window}" if declared.window else "causal attention"
         ctx.refuse(
             f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
@@ -298,9 +299,10 @@ def sdpa_rule(ctx: RuleContext):
     itemsize = meta_val(k_src).dtype.itemsize
     local_len = ctx.local_len()
     halo = bool(window) and ctx.spec.window_transport == "halo"
-    rule = "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
+    rule = "sdpa_data_mask" if dm else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
     node = ctx.node
     dropout_p, scale = ctx.arg("dropout_p"), ctx.arg("scale")
+    leaf_dims = [seq_dims(leaf, ctx.sym)[0] for leaf in dm.tensor_leaves] if dm else []
 
     def apply(gm: torch.fx.GraphModule, pass_name: str):
         g = gm.graph
@@ -322,96 +324,67 @@ def sdpa_rule(ctx: RuleContext):
         else:
             keys, values = transport(k_src, "cp_k"), transport(v_src, "cp_v")
         mask_node = None
-        if halo:
+        if dm:
+            mask_node = make(transports.mask_block_for_keys, (_global_mask(gm, make, node, dm, mask, leaf_dims, world,
+                                                                           group), q, rank, window, halo), "cp_mask_block")
+        elif halo:
             mask_node = make(transports.window_mask_with_halo, (q, window, rank), "cp_window_mask")
-        elif causal:
+        if causal and not halo:
             keys = make(transports.causal_key_prefix, (keys, dim, rank, q), "cp_k_visible")
             values = make(transports.causal_key_prefix, (values, dim, rank, q), "cp_v_visible")
-            if rank > 0 or window:
+            if mask_node is None and (rank > 0 or window):
                 mask_node = make(transports.causal_mask_at_offset, (q, rank, window), "cp_causal_mask")
         # Rank 0 of a causal attention sees only its own keys: plain causal attention, no mask.
         node.args = (q, keys, values, mask_node, dropout_p)
         node.kwargs = {"is_causal": mask_node is None and causal, "scale": scale, "enable_gqa": gqa}
         node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
 
-    note = "K/V moved before the head repeat (enable_gqa)" if k_src is not k else ""
+    notes = ["K/V moved before the head repeat (enable_gqa)"] if k_src is not k else []
+    kv = "K+V" if together else "K, V"
     if halo:
         send, recv, _ = transports.halo_counts(window - 1, local_len, rank, world)  # what the transport moves
         row_bytes = elements // local_len * itemsize
-        return Rewrite(rule=rule, transport="halo", apply=apply,
-                       collective=f"all_to_all {window - 1} rows of K+V | bw all_to_all",
-                       elements=sum(recv) * elements // local_len, bytes=sum(recv) * row_bytes,
-                       lower_bound_bytes=min(window - 1, rank * local_len) * row_bytes, sent_bytes=sum(send) * row_bytes,
-                       note=(note + "; " if note else "") + f"window {window} read from the model's mask")
-    received = (world - 1) * elements * itemsize
-    needed = (rank if causal else world - 1) * elements * itemsize
-    if window:
-        needed = min(window - 1, rank * local_len) * elements // local_len * itemsize
-        note = (note + "; " if note else "") + f"window {window} read from the model's mask; spec asks for a gather"
-    return Rewrite(
-        rule=rule,
-        transport="sequence_gather",
-        apply=apply,
-        collective=("all_gather K+V" if together else "all_gather K, all_gather V") + " | bw reduce_scatter",
-        elements=(world - 1) * elements,
-        bytes=received,
-        lower_bound_bytes=needed,
-        sent_bytes=(world - 1) * elements * itemsize,
-        note=note,
-    )
-
-
-def _data_mask_rewrite(ctx: RuleContext, dm: DataMask, mask, q, k, v, window):
-    """K/V by gather (causal envelope) or halo (declared window); the model's own mask, evaluated over the
-    whole sequence from gathered metadata, cut to this rank's rows and those keys."""
-    world, rank, group, node = ctx.world, ctx.rank, ctx.group_name, ctx.node
-    halo = window is not None and ctx.spec.window_transport == "halo"
-    dim = ctx.ndim(k) - 2
-    rule = "sdpa_data_mask"
-    dropout_p, scale, gqa = ctx.arg("dropout_p"), ctx.arg("scale"), bool(ctx.arg("enable_gqa"))
-    leaf_dims = [seq_dims(leaf, ctx.sym)[0] for leaf in dm.tensor_leaves]
-
-    def apply(gm: torch.fx.GraphModule, pass_name: str):
-        def make(target, args, name):
-            return insert_node(gm.graph, node, target, args, name=name, origin=node, pass_name=pass_name, rule=rule)
-
-        if halo:
-            keys = make(transports.halo_exchange, (k, dim, window - 1, rank, world, group), "cp_k_halo")
-            values = make(transports.halo_exchange, (v, dim, window - 1, rank, world, group), "cp_v_halo")
-        else:
-            keys = make(transports.causal_key_prefix, (make(transports.sequence_all_gather, (k, dim, group),
-                                                            "cp_k_gathered"), dim, rank, q), "cp_k_visible")
-            values = make(transports.causal_key_prefix, (make(transports.sequence_all_gather, (v, dim, group),
-                                                              "cp_v_gathered"), dim, rank, q), "cp_v_visible")
-        leaves = [make(transports.metadata_all_gather, (leaf, d, group), f"cp_{leaf.name}_gathered")
-                  for leaf, d in zip(dm.tensor_leaves, leaf_dims)]
-        leaves += [make(operator.mul, (leaf, world), f"cp_{leaf.name}_global") for leaf in dm.size_leaves]
-        name = f"cp_mask_fn_{node.name}"
-        gm.add_submodule(name, _mask_module(gm, dm, mask))
-        with gm.graph.inserting_before(node):
-            global_mask = gm.graph.call_module(name, tuple(leaves))
-        global_mask.meta.update(cp_pass=pass_name, cp_rule=rule, stack_trace=node.meta.get("stack_trace"))
-        block = make(transports.mask_block_for_keys, (global_mask, q, rank, window, halo), "cp_mask_block")
-        node.args = (q, keys, values, block, dropout_p)
-        node.kwargs = {"is_causal": False, "scale": scale, "enable_gqa": gqa}
-        node.meta["cp_pass"], node.meta["cp_rule"] = pass_name, rule
-
-    local_len = ctx.local_len()
-    kv_bytes = (numel_hint(k) + numel_hint(v)) * meta_val(k).dtype.itemsize
-    meta_bytes = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in dm.tensor_leaves) * (world - 1)
-    if halo:
-        recv = sum(transports.halo_counts(window - 1, local_len, rank, world)[1])
-        moved = recv * kv_bytes // local_len
-        bound = min(window - 1, rank * local_len) * kv_bytes // local_len
+        moved = Rewrite(rule=rule, transport="halo", apply=apply,
+                        collective=f"all_to_all {window - 1} rows of {kv} | bw all_to_all",
+                        elements=sum(recv) * elements // local_len, bytes=sum(recv) * row_bytes,
+                        lower_bound_bytes=min(window - 1, rank * local_len) * row_bytes, sent_bytes=sum(send) * row_bytes)
     else:
-        moved, bound = (world - 1) * kv_bytes, rank * kv_bytes
-    names = ", ".join(leaf.name for leaf in dm.tensor_leaves)
-    return Rewrite(rule=rule, transport="halo" if halo else "sequence_gather", apply=apply,
-                   collective=("all_to_all K, V" if halo else "all_gather K, V") + f" + all_gather {names} (no grad)",
-                   elements=(moved + meta_bytes) // meta_val(k).dtype.itemsize, bytes=moved + meta_bytes,
-                   lower_bound_bytes=bound + meta_bytes, sent_bytes=moved + meta_bytes,
-                   note=f"the model's mask from {names}, evaluated over the whole sequence; "
-                        + (f"window {window} (spec)" if window else "causal envelope, checked at run time"))
+        needed = (rank if causal else world - 1) * elements * itemsize
+        if window:
+            needed = min(window - 1, rank * local_len) * elements // local_len * itemsize
+            notes.append("the spec asks for a gather")
+        moved = Rewrite(rule=rule, transport="sequence_gather", apply=apply,
+                        collective=f"all_gather {kv} | bw reduce_scatter", elements=(world - 1) * elements,
+                        bytes=(world - 1) * elements * itemsize, lower_bound_bytes=needed,
+                        sent_bytes=(world - 1) * elements * itemsize)
+    if dm:
+        names = ", ".join(leaf.name for leaf in dm.tensor_leaves)
+        meta_bytes = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in dm.tensor_leaves) * (world - 1)
+        moved.collective += f" + all_gather {names} (no grad)"
+        for field_name in ("bytes", "lower_bound_bytes", "sent_bytes"):
+            setattr(moved, field_name, getattr(moved, field_name) + meta_bytes)
+        notes.append(f"the model's mask from {names}, evaluated over the whole sequence; "
+                     + (f"window {window} (spec)" if window else "causal envelope, checked at run time"))
+    elif window:
+        notes.append(f"window {window} read from the model's mask")
+    moved.note = "; ".join(notes)
+    return moved
+
+
+def _global_mask(gm: torch.fx.GraphModule, make, node: torch.fx.Node, dm: DataMask, mask: torch.fx.Node,
+                 leaf_dims: list[int], world: int, group: str) -> torch.fx.Node:
+    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata and
+    global lengths."""
+    leaves = [make(transports.metadata_all_gather, (leaf, d, group), f"cp_{leaf.name}_gathered")
+              for leaf, d in zip(dm.tensor_leaves, leaf_dims)]
+    leaves += [make(operator.mul, (leaf, world), f"cp_{leaf.name}_global") for leaf in dm.size_leaves]
+    name = f"cp_mask_fn_{node.name}"
+    gm.add_submodule(name, _mask_module(gm, dm, mask))
+    with gm.graph.inserting_before(node):
+        global_mask = gm.graph.call_module(name, tuple(leaves))
+    made = leaves[0].meta  # created by ``make``: it knows the pass, the rule and the source
+    global_mask.meta.update({key: made[key] for key in ("cp_pass", "cp_rule", "stack_trace") if key in made})
+    return global_mask
 
 
 # ---------------------------------------------------------------------------------------------

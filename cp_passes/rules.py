@@ -91,6 +91,8 @@ class RuleContext:
     rank: int
     world: int
     group_name: str
+    length: torch.SymInt
+    """The local sequence length as the graph carries it (``sym`` is its symbol)."""
     partial: dict = field(default_factory=dict)
     args: dict = field(default_factory=dict)
     out_partial: bool = False
@@ -126,16 +128,7 @@ class RuleContext:
         return {d % max(ndim, 1) for d in dims}
 
     def local_len(self) -> int:
-        return hint(self.sym_value())
-
-    def sym_value(self):
-        for node in self.node.graph.nodes:
-            val = meta_val(node)
-            if isinstance(val, torch.Tensor):
-                for size in val.shape:
-                    if isinstance(size, torch.SymInt) and size.node.expr == self.sym:
-                        return size
-        raise AssertionError("no tensor carries the sequence symbol")
+        return hint(self.length)
 
     # -- verdicts ------------------------------------------------------------------------
     def refuse(self, why: str, fix: str):
