@@ -76,17 +76,39 @@ def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list
 
     Rank ``r`` needs global positions ``[r * L - halo, r * L)``: the last ``min(L, halo - k * L)`` rows
     of rank ``r - 1 - k`` for ``k = 0, 1, ...``, and zeros where the sequence has no predecessor.
-    Returns ``(send, recv, zeros)``; with a symbolic ``local_len`` the comparisons become guards.
+    Returns ``(send, recv, zeros)``.
+
+    With a symbolic ``local_len`` every comparison here is a guard, so the first decision is the one that
+    holds for every long shard, ``local_len >= halo``: then the halo is the last ``halo`` rows of rank
+    ``r - 1`` (``halo`` zeros on rank 0) and no other comparison is made, so one graph serves every such
+    length. Shorter shards compare per hop: a graph per pattern of whole, partial and empty hops (and one
+    where a partial hop or the zeros are a single row, a size torch specializes).
     """
+    if halo <= 0:
+        return [0] * world, [0] * world, 0
+    if local_len >= halo:
+        send = [halo if r == rank + 1 else 0 for r in range(world)]
+        recv = [halo if q == rank - 1 else 0 for q in range(world)]
+        return send, recv, halo if rank == 0 else 0
+
     def rows(k):
         need = halo - k * local_len
         return 0 if need <= 0 else (local_len if need >= local_len else need)
 
     send = [rows(r - rank - 1) if r > rank else 0 for r in range(world)]
     recv = [rows(rank - q - 1) if q < rank else 0 for q in range(world)]
+    return send, recv, leading_zeros(halo, local_len, rank)
+
+
+def leading_zeros(halo: int, local_len, rank: int):
+    """How many of the ``halo`` positions before rank ``rank``'s shard precede the sequence start:
+    ``max(0, halo - rank * local_len)``, deciding ``local_len >= halo`` first like :func:`halo_counts`."""
+    if rank == 0:
+        return halo
+    if halo <= 0 or local_len >= halo:
+        return 0
     covered = rank * local_len
-    zeros = 0 if covered >= halo else halo - covered
-    return send, recv, zeros
+    return 0 if covered >= halo else halo - covered
 
 
 def halo_exchange(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, group_name: str,
@@ -203,8 +225,7 @@ def mask_block_for_keys(global_mask: torch.Tensor, query: torch.Tensor, rank: in
     if not halo:
         return rows.narrow(-1, 0, (rank + 1) * local)
     h = window - 1
-    missing = h - rank * local
-    missing = 0 if missing <= 0 else missing
+    missing = leading_zeros(h, local, rank)
     block = rows.narrow(-1, rank * local - h + missing, h + local - missing)
     if missing:
         block = torch.cat([block.new_zeros((*block.shape[:-1], missing)), block], dim=-1)

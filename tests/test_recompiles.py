@@ -1,0 +1,81 @@
+"""How many graphs a halo model compiles as the local length varies: one for every length that is at
+least the halo, on a fake process group (one process, aot_eager)."""
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_passes
+from cp_passes.models import ToyLlama, ToyLlamaConfig
+from cp_passes.transports import halo_counts, leading_zeros
+
+WORLD = 4
+
+
+def needed_rows(halo, local, rank, source):
+    """Rows rank ``rank`` needs from rank ``source``: global ``[rank*L - halo, rank*L) & [source*L, (source+1)*L)``."""
+    start, stop = rank * local - halo, rank * local
+    return max(0, min(stop, (source + 1) * local) - max(start, source * local))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("halo", range(1, 13))
+def test_halo_counts_are_the_rows_each_rank_needs(world, halo):
+    for local in range(1, 13):
+        for rank in range(world):
+            send, recv, zeros = halo_counts(halo, local, rank, world)
+            assert recv == [needed_rows(halo, local, rank, q) for q in range(world)], (local, rank)
+            assert send == [needed_rows(halo, local, r, rank) for r in range(world)], (local, rank)
+            assert zeros == leading_zeros(halo, local, rank) == max(0, halo - rank * local), (local, rank)
+
+
+@contextlib.contextmanager
+def fake_rank(rank, world):
+    """Rank ``rank`` of a fake process group of ``world`` ranks as the default group, for this block only."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("needs a process without a default process group (another module set one up)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def run_lengths(group, lengths, spec=None, doc_ids=False, **config):
+    """Call a ToyLlama compiled on ``group`` at each local length (one document per row with ``doc_ids``);
+    return the module."""
+    torch.manual_seed(0)
+    model = ToyLlama(ToyLlamaConfig(n_layers=1, **config))
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    last = dist.get_rank(group) == dist.get_world_size(group) - 1
+    for length in lengths:
+        ids = torch.randint(0, 256, (2, length))
+        inputs = dict(labels=ids, doc_ids=torch.zeros_like(ids)) if doc_ids else dict(labels=ids)
+        if last:
+            # The fake group cannot run an all_to_all with nothing to send (the last rank's halo forward):
+            # the graph compiles, then the fake collective refuses to run.
+            with pytest.raises(RuntimeError, match="inputBuffer is empty"):
+                compiled(ids, **inputs)
+        else:
+            loss, _ = compiled(ids, **inputs)
+            loss.backward()
+    return compiled
+
+
+WINDOW5 = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=5),))
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("config,lengths", [
+    (dict(window=5, conv_kernel=4), range(4, 17)),  # halos 4 (attention) and 3 (conv)
+    (dict(window=10), range(9, 15)),  # halo 9
+    (dict(window=5, spec=WINDOW5, doc_ids=True), range(4, 9)),  # a mask from doc ids, cut to the halo's keys
+], ids=["window5_conv4", "window10", "doc_mask_window5"])
+def test_one_graph_for_every_length_at_least_the_halo(rank, config, lengths):
+    with fake_rank(rank, WORLD) as group:
+        compiled = run_lengths(group, lengths, **config)
+        assert [r.local_len for r in compiled.compile_records] == [lengths[0]]
