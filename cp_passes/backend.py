@@ -47,6 +47,9 @@ class CompileRecord:
     aot_ops: dict[str, collections.Counter] = field(default_factory=dict)
     output_code: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    recompile_reasons: list[str] = field(default_factory=list)
+    """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
+    recompile reasons, with the source line that added the guard)."""
 
 
 def _retrace_aten(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
@@ -73,7 +76,8 @@ class CPBackend:
         start = time.perf_counter()
         cp = owner.cp
         aten_gm, fakes = _retrace_aten(gm)
-        record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend)
+        record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend,
+                               recompile_reasons=list(owner._guard_failures))
         record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
         plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
         owner.compile_records.append(record)
@@ -192,9 +196,16 @@ class CPModule(torch.nn.Module):
         self.compile_records: list[CompileRecord] = []
         self._local_len = 0
         self._checked_lengths: set[int] = set()
+        self._guard_failures: list[str] = []
         self._signature = inspect.signature(model.forward)
-        compiled = torch.compile(model, backend=CPBackend(self), fullgraph=True, dynamic=False)
+        # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
+        # graph failed when a call recompiles.
+        compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,
+                                          guard_fail_fn=self._guard_failed)(model)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: parameters stay listed once
+
+    def _guard_failed(self, failure) -> None:
+        self._guard_failures.append(failure.reason)
 
     def _named_inputs(self, args, kwargs):
         try:
@@ -266,6 +277,9 @@ class CPModule(torch.nn.Module):
         seq_len = self._mark_sequence_inputs(args, kwargs)
         self._check_equal_lengths(seq_len)
         self._local_len = seq_len
+        # A recompile anywhere checks every cache entry of the (shared) code and reports each entry's failed
+        # guard to the hook of the module that compiled it: keep only what this call reports.
+        self._guard_failures.clear()
         try:
             return self._compiled(*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from tabulate import tabulate
 
 HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
@@ -38,13 +40,25 @@ def format_record(record) -> str:
             f"{format_bytes(sent)}; the backward moves the same bytes the other way")
 
 
+def format_graphs(records) -> str:
+    """How many graphs there are, the local length each was compiled at, and why each later one was: the
+    guard that the graph compiled just before it failed (``record.recompile_reasons`` has every graph's)."""
+    lines = [f"cp_passes: {len(records)} graph{'s' if len(records) != 1 else ''} compiled"]
+    for i, r in enumerate(records):
+        line = f"  graph {i}: local length {r.local_len}"
+        if i and r.recompile_reasons:
+            line += "; recompiled because " + re.sub(r"^\S+/\S+: ", "", r.recompile_reasons[0].splitlines()[0])
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def explain(compiled, print_table: bool = True) -> str:
-    """The rewrite table of every graph ``compiled`` (a CPModule) has compiled so far."""
+    """The graphs ``compiled`` (a CPModule) has compiled so far, then the rewrite table of each."""
     records = compiled.compile_records
     if not records:
         text = "cp_passes: nothing compiled yet (the first call compiles)"
     else:
-        text = "\n\n".join(format_record(r) for r in records)
+        text = "\n\n".join([format_graphs(records)] + [format_record(r) for r in records])
     if print_table:
         print(text)
     return text

@@ -79,3 +79,15 @@ def test_one_graph_for_every_length_at_least_the_halo(rank, config, lengths):
     with fake_rank(rank, WORLD) as group:
         compiled = run_lengths(group, lengths, **config)
         assert [r.local_len for r in compiled.compile_records] == [lengths[0]]
+        assert "cp_passes: 1 graph compiled\n  graph 0: local length " in cp_passes.explain(compiled, print_table=False)
+
+
+def test_explain_counts_graphs_and_says_why_a_length_recompiled():
+    with fake_rank(1, WORLD) as group:
+        compiled = run_lengths(group, [2, 6, 7, 9], window=5)  # halo 4: 2 is shorter, 6 and up share a graph
+        text = cp_passes.explain(compiled, print_table=False)
+    assert [r.local_len for r in compiled.compile_records] == [2, 6]
+    lines = text.splitlines()
+    assert lines[:2] == ["cp_passes: 2 graphs compiled", "  graph 0: local length 2"]
+    assert lines[2].startswith("  graph 1: local length 6; recompiled because ") and "input_ids" in lines[2]
+    assert "transports.py" in lines[2]  # the guard's source: the halo counts
