@@ -1,9 +1,10 @@
 """Packed documents (THD batches): one global document-id map, per-document positions and labels.
 
 Rows arrive packed with per-document lengths, as ``seq_lens`` / ``seq_lens_padded`` ``[batch, docs]``
-(unused slots -1000) or ``cu_seqlens`` ``[docs + 1]`` (one row). Everything here runs on the global
-row, before sharding, so every rank derives the same map; validity comes from the lengths, never from
-token ids (an EOS that equals the pad id stays valid).
+(unused slots -1000) or ``cu_seqlens`` / ``cu_seqlens_padded`` offsets ``[batch, docs + 1]`` (1-D for one
+row), from 0 to the row length. Everything here runs on the global row, before sharding, so every rank
+derives the same map; validity comes from the lengths, never from token ids (an EOS that equals the pad
+id stays valid).
 """
 
 from __future__ import annotations
@@ -29,32 +30,84 @@ class Document:
 
 
 def _row_documents(batch: dict, rows: int, seq_len: int) -> list[list[Document]]:
-    if "cu_seqlens" in batch:
-        cu = torch.as_tensor(batch["cu_seqlens"]).reshape(-1, torch.as_tensor(batch["cu_seqlens"]).shape[-1])
-        cu_padded = torch.as_tensor(batch.get("cu_seqlens_padded", cu)).reshape(cu.shape)
-        lens, padded = cu.diff(dim=-1), cu_padded.diff(dim=-1)
-    elif "seq_lens" in batch:
-        lens = torch.as_tensor(batch["seq_lens"]).reshape(rows, -1)
-        padded = torch.as_tensor(batch.get("seq_lens_padded", lens)).reshape(lens.shape)
-    else:
-        raise ValueError("a packed batch needs seq_lens (and optionally seq_lens_padded) or cu_seqlens")
-    if lens.shape[0] != rows:
-        raise ValueError(f"document lengths describe {lens.shape[0]} rows, but the batch has {rows}")
+    for form in ("seq_lens", "cu_seqlens"):
+        if f"{form}_padded" in batch and form not in batch:
+            raise ValueError(f"{form}_padded needs {form} (the real lengths) next to it")
+    forms = [form for form in ("seq_lens", "cu_seqlens") if form in batch]
+    documents = [_documents(*_lengths(batch, form, rows, seq_len), seq_len, form) for form in forms]
+    if len(documents) == 2:
+        for row, (a, b) in enumerate(zip(*documents)):
+            a, b = ([(d.start, d.length, d.slot) for d in docs if d.slot] for docs in (a, b))
+            if a != b:
+                raise ValueError(f"row {row}: seq_lens give the documents {a} but cu_seqlens give {b} (as (start, "
+                                 f"length, padded length)); give one form of the lengths, or make the two agree")
+    return documents[0]
+
+
+def _lengths(batch: dict, form: str, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, docs]`` lengths and padded lengths from ``seq_lens`` or ``cu_seqlens`` (and their ``_padded``)."""
+    real = _as_table(batch, form, rows)
+    padded = _as_table(batch, f"{form}_padded", rows, real) if f"{form}_padded" in batch else real
+    if form == "seq_lens":
+        return real, padded
+    keys = [key for key in (form, f"{form}_padded") if key in batch]
+    for key, offsets in zip(keys, (real, padded)):
+        if offsets.shape[1] == 0:
+            raise ValueError(f"{key} is empty: each row needs its document offsets from 0 to the row length")
+        for row, first in enumerate(offsets[:, 0].tolist()):
+            if first != 0:
+                raise ValueError(f"{key}: row {row} starts at {first}; document offsets start at 0")
+        down = (offsets.diff(dim=1) < 0).nonzero()
+        if len(down):
+            row, d = down[0].tolist()
+            raise ValueError(f"{key}: row {row} falls from {int(offsets[row, d])} to {int(offsets[row, d + 1])} "
+                             f"at document {d}; offsets must not decrease")
+    for row, last in enumerate(padded[:, -1].tolist()):
+        if last != seq_len:
+            raise ValueError(f"{keys[-1]}: row {row} ends at {last}, but the row has {seq_len} positions")
+    return real.diff(dim=1), padded.diff(dim=1)
+
+
+def _as_table(batch: dict, key: str, rows: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch[key]`` as an integer ``[rows, n]`` tensor (a 1-D one for a one-row batch)."""
+    fill = UNUSED_SLOT if key.startswith("seq_lens") else "the last offset"
+    try:
+        table = torch.as_tensor(batch[key])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{key} must be a tensor or equal-length lists of ints ({e}); fill the short rows "
+                         f"with {fill}") from None
+    if table.numel() and (table.dtype == torch.bool or table.is_floating_point() or table.is_complex()):
+        raise TypeError(f"{key} must hold integers, got {table.dtype}")
+    if table.dim() == 1 and rows == 1:
+        table = table[None]
+    width = "docs" if key.startswith("seq_lens") else "docs + 1"
+    if table.dim() != 2 or table.shape[0] != rows:
+        one_row = " (a 1-D one describes a single row)" if table.dim() == 1 else ""
+        raise ValueError(f"{key} has shape {list(table.shape)}, but a batch of {rows} rows needs [{rows}, {width}]"
+                         f"{one_row}; fill the unused slots of short rows with {fill}")
+    if like is not None and table.shape != like.shape:
+        real = key.removesuffix("_padded")
+        raise ValueError(f"{key} has shape {list(table.shape)} but {real} has {list(like.shape)}; "
+                         f"they must match slot for slot")
+    return table
+
+
+def _documents(lens: torch.Tensor, padded: torch.Tensor, seq_len: int, form: str) -> list[list[Document]]:
     out = []
-    for row in range(rows):
+    for row in range(lens.shape[0]):
         docs, start = [], 0
         for d, (n, s) in enumerate(zip(lens[row].tolist(), padded[row].tolist())):
             if n == UNUSED_SLOT and s == UNUSED_SLOT:
                 continue
             if n < 0 or s < 0:
-                raise ValueError(f"row {row}, document {d}: negative length {n} (padded {s}); unused slots are "
-                                 f"{UNUSED_SLOT} in both seq_lens and seq_lens_padded")
+                raise ValueError(f"{form}: row {row}, document {d}: negative length {n} (padded {s}); unused slots "
+                                 f"are {UNUSED_SLOT} in both seq_lens and seq_lens_padded")
             if s < n:
-                raise ValueError(f"row {row}, document {d}: padded length {s} is shorter than its length {n}")
+                raise ValueError(f"{form}: row {row}, document {d}: padded length {s} is shorter than its length {n}")
             docs.append(Document(start, n, s))
             start += s
         if start != seq_len:
-            raise ValueError(f"row {row}: document lengths sum to {start}, but the row has {seq_len} positions")
+            raise ValueError(f"{form}: row {row}: document lengths sum to {start}, but the row has {seq_len} positions")
         out.append(docs)
     return out
 
