@@ -10,8 +10,12 @@ id stays valid).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .batch_checks import CheckedBatch
 
 UNUSED_SLOT = -1000
 """Marks an unused document slot in ``seq_lens`` / ``seq_lens_padded``."""
@@ -125,19 +129,18 @@ def _aligned(docs: list[Document], alignment: int) -> tuple[list[Document], list
     return new_docs, source
 
 
-def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_keys, position_keys,
-         packed_alignment: int = 1) -> dict:
+def pack(checked: CheckedBatch, packed_alignment: int = 1) -> dict:
     """The global packed batch: sequence tensors re-laid for ``packed_alignment``, and ``doc_ids``,
     per-document ``position_ids``, ``valid`` and (from unshifted ``labels``) ``shift_labels`` added.
 
     Raises ValueError naming the row and the document for lengths that do not describe the row and for
     given positions that jump inside a document or do not restart at zero.
     """
-    if seq_dim != 1:
-        raise ValueError(f"packed batches need [batch, seq] tensors (seq_dim 1), got seq_dim {seq_dim}")
-    ids = batch["input_ids"]
-    rows, seq_len = ids.shape[0], ids.shape[1]
+    batch, rows, seq_len, padding = checked.batch, checked.rows, checked.seq_len, checked.padding
     documents = _row_documents(batch, rows, seq_len)
+    for key in checked.seq_keys:
+        if padding.is_position(key):
+            _validate_positions(batch[key], documents, key)
     sources = None
     if packed_alignment > 1:
         aligned = [_aligned(docs, packed_alignment) for docs in documents]
@@ -161,25 +164,24 @@ def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_
     for key, value in batch.items():
         if key in LENGTH_KEYS:
             continue
-        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[:2] == ids.shape[:2]:
-            if sources is not None:
-                fill = ignore_index if key in label_keys else (0 if key not in ("input_ids",) else pad_token_id)
+        if key in checked.seq_keys:
+            if padding.is_position(key):
+                value = positions.to(value.dtype)
+            elif sources is not None:
                 gathered = value.gather(1, sources.clamp(min=0).view(rows, -1, *[1] * (value.dim() - 2))
                                         .expand(rows, seq_len, *value.shape[2:]))
                 mask = (sources >= 0).view(rows, -1, *[1] * (value.dim() - 2))
-                value = torch.where(mask, gathered, torch.full_like(gathered, fill))
-            if key in position_keys:
-                _validate_positions(value, documents, key)
-                value = positions.to(value.dtype)
+                value = torch.where(mask, gathered, torch.full_like(gathered, padding.value(key, value)))
         out[key] = value
     out["doc_ids"] = doc_ids
     out.setdefault("position_ids", positions)
-    if "labels" in out and "shift_labels" not in out:
+    if "labels" in checked.seq_keys and "shift_labels" not in out:
+        ignore_index = padding.spec.ignore_index
         labels = out["labels"]
         nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
         same_doc = torch.cat([doc_ids[:, 1:] == doc_ids[:, :-1], torch.zeros_like(valid[:, :1])], dim=1)
         keep = same_doc & valid & torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
-        if "loss_mask" in out:
+        if "loss_mask" in checked.seq_keys:
             lm = out["loss_mask"].bool()
             keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
         out["shift_labels"] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
@@ -188,13 +190,16 @@ def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_
 
 
 def _validate_positions(positions: torch.Tensor, documents: list[list[Document]], key: str) -> None:
+    # a one-row tensor expanded to every row (stride 0) must restart at every document of every row
+    shared = " (its one row is used for every row)" if len(documents) > 1 and positions.stride(0) == 0 else ""
     for row, docs in enumerate(documents):
         for d, doc in enumerate(docs):
             got = positions[row, doc.start:doc.start + doc.length]
             if doc.length and int(got[0]) != 0:
-                raise ValueError(f"{key}: row {row}, document {d} starts at position {int(got[0])}, not 0")
+                raise ValueError(f"{key}: row {row}, document {d} starts at position {int(got[0])}, not 0{shared}")
             steps = got.diff()
             if bool((steps != 1).any()):
                 i = int((steps != 1).nonzero()[0]) + 1
                 raise ValueError(f"{key}: row {row}, document {d} jumps from position {int(got[i - 1])} to "
-                                 f"{int(got[i])} at its token {i} (positions must rise by 1 inside a document)")
+                                 f"{int(got[i])} at its token {i} (positions must rise by 1 inside a document)"
+                                 f"{shared}")

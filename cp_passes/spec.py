@@ -63,10 +63,15 @@ class CPSpec:
     """Arguments never sharded even if their ``seq_dim`` happens to equal the sequence length."""
 
     pad_token_id: int = 0
-    """Value that :func:`cp_passes.shard_batch` pads token inputs with."""
+    """Value that :func:`cp_passes.shard_batch` pads token inputs (``token_keys``) with."""
 
     ignore_index: int = -100
     """Value that :func:`cp_passes.shard_batch` pads label inputs with (the loss ignores it)."""
+
+    token_keys: tuple[str, ...] = ("input_ids",)
+    """Batch keys holding token ids: padded with ``pad_token_id``. :func:`cp_passes.shard_batch` refuses an
+    integer sequence tensor that neither this nor ``label_keys``, ``position_keys``, its ``mask_keys`` or
+    ``replicated_inputs`` names, since it cannot tell what its padding should be."""
 
     label_keys: tuple[str, ...] = ("labels", "shift_labels")
     """Batch keys holding labels: padded with ``ignore_index``."""
@@ -97,7 +102,7 @@ class CPSpec:
                 f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
                 f"positions), got {self.seq_dim!r}"
             )
-        for field in ("seq_inputs", "replicated_inputs", "label_keys", "position_keys", "causal_convs"):
+        for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs"):
             _check_names(field, getattr(self, field))
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
