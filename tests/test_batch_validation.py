@@ -30,6 +30,7 @@ def whole(batch, spec=None, world=2, **kwargs) -> dict:
 @pytest.mark.parametrize("lengths,message", [
     ({"cu_seqlens": [1, 4, 9]}, r"cu_seqlens: row 0 starts at 1; document offsets start at 0"),
     ({"cu_seqlens": [0, 5, 4, 8]}, r"cu_seqlens: row 0 falls from 5 to 4 at document 1"),
+    ({"cu_seqlens": [0, 4, 7]}, r"cu_seqlens: row 0 ends at 7, but the row has 8 positions"),
     ({"cu_seqlens": [0, 4, 7], "cu_seqlens_padded": [1, 5, 9]}, r"cu_seqlens_padded: row 0 starts at 1"),
     ({"cu_seqlens": [], "cu_seqlens_padded": []}, r"cu_seqlens is empty"),
     ({"cu_seqlens_padded": [0, 4, 8]}, r"cu_seqlens_padded needs cu_seqlens"),
