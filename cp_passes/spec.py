@@ -9,6 +9,7 @@ attention semantics are read from the attention op itself (``is_causal``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import importlib
 import importlib.util
@@ -131,6 +132,20 @@ class CPSpec:
     def conv_declared(self, module: str) -> str | None:
         """The ``causal_convs`` glob that matches ``module``, if any."""
         return next((g for g in self.causal_convs if fnmatch.fnmatchcase(module, g)), None)
+
+    def check_module_globs(self, paths: list[str]) -> None:
+        """Raise ValueError for a module glob (``attention``, ``causal_convs``) that matches none of ``paths``
+        (the model's ``named_modules()``): a typo there would silently declare nothing."""
+        globs = [(f"AttentionRule.modules={a.modules!r}", a.modules) for a in self.attention]
+        globs += [(f"causal_convs entry {g!r}", g) for g in self.causal_convs]
+        for what, glob in globs:
+            if not any(fnmatch.fnmatchcase(p, glob) for p in paths):
+                close = difflib.get_close_matches(glob, paths, n=3, cutoff=0.3)
+                raise ValueError(
+                    f"spec {self.name!r}: {what} matches no module of the model"
+                    + (f"; closest module paths: {close}" if close else "")
+                    + " (globs match dotted paths from model.named_modules(), e.g. 'model.layers.*.self_attn')"
+                )
 
     def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
         """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""
