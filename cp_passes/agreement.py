@@ -41,10 +41,10 @@ def _gather(cp: CPGroup, obj) -> list:
     return everyone
 
 
-def describe_inputs(leaves: list[tuple[str | None, object]], sharded: dict[int, str]) -> list[str]:
-    """One line per tensor input: name, shape, dtype, and whether it is sharded."""
-    return [f"{name or '<positional>'}: {tuple(t.shape)} {t.dtype}{' (sharded)' if id(t) in sharded else ''}"
-            for name, t in leaves if isinstance(t, torch.Tensor)]
+def describe_inputs(leaves: list[tuple[str | None, object]]) -> list[str]:
+    """One line per tensor input: name, shape and dtype."""
+    return [f"{name or '<positional>'}: {tuple(t.shape)} {t.dtype}" for name, t in leaves
+            if isinstance(t, torch.Tensor)]
 
 
 def _first_difference(descriptions: list[list[str]]) -> str:

@@ -273,8 +273,8 @@ class CPModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         leaves = self._leaves(args, kwargs)
+        check_inputs(self.cp, describe_inputs(leaves))  # first: every rank then takes the same decisions
         seq_len = self._mark_sequence_inputs(leaves)
-        check_inputs(self.cp, describe_inputs(leaves, self._sharded))
         self._local_len = seq_len
         self._agreed = self._entered = False
         try:
