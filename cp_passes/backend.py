@@ -8,6 +8,8 @@ capture (dynamo, sequence dim symbolic) -> re-trace to a pre-dispatch ATen graph
 from __future__ import annotations
 
 import collections
+import difflib
+import functools
 import inspect
 import os
 import sys
@@ -15,19 +17,19 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx
-import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from .agreement import agree_on_compile, check_inputs, collective_fingerprint, describe_inputs
 from .analysis import meta_val, sequence_symbol
+from .batch_checks import resolve_spec
+from .capture import capture, compile_error
 from .dump import trace_record, write_dump
 from .errors import CPCompileError
 from .explain import format_record
 from .passes import Plan, RewriteRecord, plan_graph, run_passes
 from .spec import CPSpec
-from .transports import CPGroup, resolve_group
+from .transports import COLLECTIVES, CPGroup, resolve_group
 
 BACKENDS = ("inductor", "aot_eager")
 
@@ -52,21 +54,11 @@ class CompileRecord:
     recompile reasons, with the source line that added the guard)."""
 
 
-def _retrace_aten(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
-    """Re-trace dynamo's torch-level graph to pre-dispatch ATen, keeping stack traces and module paths."""
-    fakes = [n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")]
-    with fx_traceback.preserve_node_meta():
-        aten_gm = make_fx(torch.fx.Interpreter(gm).run, pre_dispatch=True, tracing_mode="fake")(*fakes)
-    placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
-    for node, named in zip(placeholders, gm.graph.find_nodes(op="placeholder")):
-        node._rename(named.name)  # l_doc_ids_, l_self_modules_embed_parameters_weight_ rather than arg9_1
-    aten_gm.recompile()
-    # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
-    return aten_gm, [meta_val(n) for n in placeholders]
-
-
 class CPBackend:
-    """A dynamo backend bound to one ``CPModule``; each compiled graph adds a ``CompileRecord``."""
+    """A dynamo backend bound to one ``CPModule``; each compiled graph adds a ``CompileRecord``.
+
+    Whether it compiles or fails, every rank then agrees with the others (``agreement.agree_on_compile``)
+    before the new graph issues its first collective."""
 
     def __init__(self, owner: "CPModule"):
         self.owner = owner
@@ -75,29 +67,46 @@ class CPBackend:
         owner = self.owner
         start = time.perf_counter()
         cp = owner.cp
-        aten_gm, fakes = _retrace_aten(gm)
         record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend,
                                recompile_reasons=list(owner._guard_failures))
-        record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
-        plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
+        try:
+            record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
+            aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len)
+            symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
+            plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
+            sym = next(iter(symbols))
+            fingerprint = collective_fingerprint(aten_gm, set(COLLECTIVES), sym)
+            if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
+                print(format_record(record), file=sys.stderr, flush=True)
+            if owner.verbose and cp.rank == 0:
+                print(
+                    f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
+                    f"{sum(1 for _ in aten_gm.graph.nodes)} nodes with {owner.backend} (first compile takes a "
+                    f"while)...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            compiled = _lower(aten_gm, example_inputs, owner.backend, record)
+        except Exception as error:
+            owner._agreed = True
+            agree_on_compile(cp, error, [])
+            raise
+        owner._agreed = True
+        agree_on_compile(cp, None, fingerprint)
         owner.compile_records.append(record)
-        if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
-            print(format_record(record), file=sys.stderr, flush=True)
-        if owner.verbose and cp.rank == 0:
-            print(
-                f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
-                f"{sum(1 for _ in aten_gm.graph.nodes)} nodes with {owner.backend} (first compile takes a while)...",
-                file=sys.stderr,
-                flush=True,
-            )
-        compiled = _lower(aten_gm, example_inputs, owner.backend, record)
         record.seconds = time.perf_counter() - start
         if owner.verbose and cp.rank == 0:
             print(f"cp_passes: compiled in {record.seconds:.1f} s", file=sys.stderr, flush=True)
         trace_record(record)
         if owner.dump_dir:
             write_dump(owner.dump_dir, record, len(owner.compile_records) - 1)
-        return compiled
+
+        @functools.wraps(compiled)
+        def run(*args):
+            owner._entered = True
+            return compiled(*args)
+
+        return run
 
 
 def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec: CPSpec, cp: CPGroup,
@@ -195,7 +204,8 @@ class CPModule(torch.nn.Module):
         self.verbose = verbose
         self.compile_records: list[CompileRecord] = []
         self._local_len = 0
-        self._checked_lengths: set[int] = set()
+        self._sharded: dict[int, str] = {}
+        self._agreed = self._entered = False
         self._guard_failures: list[str] = []
         self._signature = inspect.signature(model.forward)
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
@@ -223,26 +233,29 @@ class CPModule(torch.nn.Module):
                 named.append((name, value))
         return named
 
-    def _mark_sequence_inputs(self, args, kwargs) -> int:
-        spec = self.spec
+    def _leaves(self, args, kwargs) -> list[tuple[str | None, torch.Tensor]]:
         leaves = []
         for name, value in self._named_inputs(args, kwargs):
             for path, leaf in torch.utils._pytree.tree_flatten_with_path(value)[0]:
                 if isinstance(leaf, torch.Tensor):
                     key = path[-1].key if path and hasattr(path[-1], "key") else name
                     leaves.append((key if isinstance(key, str) else name, leaf))
-        seq_len = None
-        for name, t in leaves:
-            if spec.seq_inputs is not None and name not in spec.seq_inputs:
-                continue
-            if name not in spec.replicated_inputs and t.dim() > spec.seq_dim:
-                seq_len = t.shape[spec.seq_dim]
-                break
+        return leaves
+
+    def _mark_sequence_inputs(self, leaves) -> int:
+        """Mark the sequence dim of every sharded input dynamic (and record which tensors they are); return
+        the local length. Inputs that look sharded but that the spec does not list are refused."""
+        spec = self.spec
+        seq_len = next((t.shape[spec.seq_dim] for name, t in leaves
+                        if (spec.seq_inputs is None or name in spec.seq_inputs) and name not in spec.replicated_inputs
+                        and t.dim() > spec.seq_dim), None)
         if seq_len is None:
-            raise ValueError(
-                f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}"
-                + (f" among seq_inputs={spec.seq_inputs}" if spec.seq_inputs is not None else "")
-            )
+            listed = f" among seq_inputs={spec.seq_inputs}" if spec.seq_inputs is not None else ""
+            names = [name for name, _ in leaves if name]
+            hint = _did_you_mean(spec.seq_inputs or (), names)
+            raise ValueError(f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}{listed} "
+                             f"(the call passes {names}){hint}")
+        self._sharded = {}
         for name, t in leaves:
             if spec.seq_inputs is not None and name in spec.seq_inputs and t.shape[spec.seq_dim] != seq_len:
                 raise ValueError(
@@ -255,42 +268,43 @@ class CPModule(torch.nn.Module):
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
                         f"use fewer ranks or a longer sequence"
                     )
+                self._sharded[id(t)] = name or "<positional>"
                 # maybe_: Inductor may still specialize a kernel (conv backward does in 2.13) after the
                 # passes have read the symbolic graph; that only costs a recompile for a new length.
                 torch._dynamo.maybe_mark_dynamic(t, spec.seq_dim)
+            elif name not in spec.replicated_inputs and t.dim() > spec.seq_dim and t.shape[spec.seq_dim] == seq_len:
+                raise ValueError(
+                    f"input {name!r} {tuple(t.shape)} has the local sequence length {seq_len} on dim {spec.seq_dim}, "
+                    f"but spec {spec.name!r} does not list it in seq_inputs={spec.seq_inputs}"
+                    f"{_did_you_mean(spec.seq_inputs, [name]) if name else ''}; add it to seq_inputs if each rank "
+                    f"passes its slice (spec.replace(seq_inputs=spec.seq_inputs + ({name!r},))), or to "
+                    f"replicated_inputs if every rank passes the same whole tensor"
+                )
         return seq_len
 
-    def _check_equal_lengths(self, seq_len: int) -> None:
-        if self.cp.size == 1 or seq_len in self._checked_lengths:
-            return
-        device = "cuda" if dist.get_backend(self.cp.group) == "nccl" else "cpu"
-        t = torch.tensor([seq_len, -seq_len], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.cp.group)
-        if int(t[0]) != seq_len or int(-t[1]) != seq_len:
-            raise ValueError(
-                f"rank {self.cp.rank} has local sequence length {seq_len}, but lengths across the CP group range "
-                f"from {int(-t[1])} to {int(t[0])}; shard with cp_passes.shard_batch, which pads to equal shards"
-            )
-        self._checked_lengths.add(seq_len)
-
     def forward(self, *args, **kwargs):
-        seq_len = self._mark_sequence_inputs(args, kwargs)
-        self._check_equal_lengths(seq_len)
+        leaves = self._leaves(args, kwargs)
+        check_inputs(self.cp, describe_inputs(leaves))  # first: every rank then takes the same decisions
+        seq_len = self._mark_sequence_inputs(leaves)
         self._local_len = seq_len
         # A recompile anywhere checks every cache entry of the (shared) code and reports each entry's failed
         # guard to the hook of the module that compiled it: keep only what this call reports.
         self._guard_failures.clear()
+        self._agreed = self._entered = False
         try:
             return self._compiled(*args, **kwargs)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if isinstance(e.inner_exception, CPCompileError):
-                raise e.inner_exception.with_traceback(None) from None
-            raise
-        except torch._dynamo.exc.Unsupported as e:
-            raise CPCompileError(
-                "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
-                f"unchecked), but dynamo could not trace it:\n{e}"
-            ) from None
+        except Exception as error:
+            if self._entered:
+                raise  # a run-time error inside a compiled graph, not a compile failure
+            if not self._agreed:  # failed before reaching the backend: the other ranks wait in agree_on_compile
+                self._agreed = True
+                agree_on_compile(self.cp, error, [])
+            raise compile_error(error, self.backend) from None
+
+
+def _did_you_mean(names, candidates) -> str:
+    close = [(n, c) for n in names for c in difflib.get_close_matches(n, [c for c in candidates if c and c != n], 1)]
+    return "".join(f"; did you mean {c!r} for {n!r}?" for n, c in close)
 
 
 def _explain_ranks(explain):
@@ -322,13 +336,8 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). Compilation happens on the
     first call.
     """
-    from .spec import load_spec
-
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if isinstance(spec, str):
-        spec = load_spec(spec)
-    spec = spec if spec is not None else CPSpec()
-    if not isinstance(spec, CPSpec):
-        raise TypeError(f"spec must be a CPSpec, a spec name or None, got {type(spec).__name__}")
+    spec = resolve_spec(spec)
+    spec.check_module_globs([name for name, _ in model.named_modules()])
     return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose, _explain_ranks(explain))

@@ -1,16 +1,21 @@
 """Packed documents (THD batches): one global document-id map, per-document positions and labels.
 
 Rows arrive packed with per-document lengths, as ``seq_lens`` / ``seq_lens_padded`` ``[batch, docs]``
-(unused slots -1000) or ``cu_seqlens`` ``[docs + 1]`` (one row). Everything here runs on the global
-row, before sharding, so every rank derives the same map; validity comes from the lengths, never from
-token ids (an EOS that equals the pad id stays valid).
+(unused slots -1000) or ``cu_seqlens`` / ``cu_seqlens_padded`` offsets ``[batch, docs + 1]`` (1-D for one
+row), from 0 to the row length. Everything here runs on the global row, before sharding, so every rank
+derives the same map; validity comes from the lengths, never from token ids (an EOS that equals the pad
+id stays valid).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .batch_checks import CheckedBatch
 
 UNUSED_SLOT = -1000
 """Marks an unused document slot in ``seq_lens`` / ``seq_lens_padded``."""
@@ -29,32 +34,84 @@ class Document:
 
 
 def _row_documents(batch: dict, rows: int, seq_len: int) -> list[list[Document]]:
-    if "cu_seqlens" in batch:
-        cu = torch.as_tensor(batch["cu_seqlens"]).reshape(-1, torch.as_tensor(batch["cu_seqlens"]).shape[-1])
-        cu_padded = torch.as_tensor(batch.get("cu_seqlens_padded", cu)).reshape(cu.shape)
-        lens, padded = cu.diff(dim=-1), cu_padded.diff(dim=-1)
-    elif "seq_lens" in batch:
-        lens = torch.as_tensor(batch["seq_lens"]).reshape(rows, -1)
-        padded = torch.as_tensor(batch.get("seq_lens_padded", lens)).reshape(lens.shape)
-    else:
-        raise ValueError("a packed batch needs seq_lens (and optionally seq_lens_padded) or cu_seqlens")
-    if lens.shape[0] != rows:
-        raise ValueError(f"document lengths describe {lens.shape[0]} rows, but the batch has {rows}")
+    for form in ("seq_lens", "cu_seqlens"):
+        if f"{form}_padded" in batch and form not in batch:
+            raise ValueError(f"{form}_padded needs {form} (the real lengths) next to it")
+    forms = [form for form in ("seq_lens", "cu_seqlens") if form in batch]
+    documents = [_documents(*_lengths(batch, form, rows, seq_len), seq_len, form) for form in forms]
+    if len(documents) == 2:
+        for row, (a, b) in enumerate(zip(*documents)):
+            a, b = ([(d.start, d.length, d.slot) for d in docs if d.slot] for docs in (a, b))
+            if a != b:
+                raise ValueError(f"row {row}: seq_lens give the documents {a} but cu_seqlens give {b} (as (start, "
+                                 f"length, padded length)); give one form of the lengths, or make the two agree")
+    return documents[0]
+
+
+def _lengths(batch: dict, form: str, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows, docs]`` lengths and padded lengths from ``seq_lens`` or ``cu_seqlens`` (and their ``_padded``)."""
+    real = _as_table(batch, form, rows)
+    padded = _as_table(batch, f"{form}_padded", rows, real) if f"{form}_padded" in batch else real
+    if form == "seq_lens":
+        return real, padded
+    keys = [key for key in (form, f"{form}_padded") if key in batch]
+    for key, offsets in zip(keys, (real, padded)):
+        if offsets.shape[1] == 0:
+            raise ValueError(f"{key} is empty: each row needs its document offsets from 0 to the row length")
+        for row, first in enumerate(offsets[:, 0].tolist()):
+            if first != 0:
+                raise ValueError(f"{key}: row {row} starts at {first}; document offsets start at 0")
+        down = (offsets.diff(dim=1) < 0).nonzero()
+        if len(down):
+            row, d = down[0].tolist()
+            raise ValueError(f"{key}: row {row} falls from {int(offsets[row, d])} to {int(offsets[row, d + 1])} "
+                             f"at document {d}; offsets must not decrease")
+    for row, last in enumerate(padded[:, -1].tolist()):
+        if last != seq_len:
+            raise ValueError(f"{keys[-1]}: row {row} ends at {last}, but the row has {seq_len} positions")
+    return real.diff(dim=1), padded.diff(dim=1)
+
+
+def _as_table(batch: dict, key: str, rows: int, like: torch.Tensor | None = None) -> torch.Tensor:
+    """``batch[key]`` as an integer ``[rows, n]`` tensor (a 1-D one for a one-row batch)."""
+    fill = UNUSED_SLOT if key.startswith("seq_lens") else "the last offset"
+    try:
+        table = torch.as_tensor(batch[key])
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{key} must be a tensor or equal-length lists of ints ({e}); fill the short rows "
+                         f"with {fill}") from None
+    if table.numel() and (table.dtype == torch.bool or table.is_floating_point() or table.is_complex()):
+        raise TypeError(f"{key} must hold integers, got {table.dtype}")
+    if table.dim() == 1 and rows == 1:
+        table = table[None]
+    width = "docs" if key.startswith("seq_lens") else "docs + 1"
+    if table.dim() != 2 or table.shape[0] != rows:
+        one_row = " (a 1-D one describes a single row)" if table.dim() == 1 else ""
+        raise ValueError(f"{key} has shape {list(table.shape)}, but a batch of {rows} rows needs [{rows}, {width}]"
+                         f"{one_row}; fill the unused slots of short rows with {fill}")
+    if like is not None and table.shape != like.shape:
+        real = key.removesuffix("_padded")
+        raise ValueError(f"{key} has shape {list(table.shape)} but {real} has {list(like.shape)}; "
+                         f"they must match slot for slot")
+    return table
+
+
+def _documents(lens: torch.Tensor, padded: torch.Tensor, seq_len: int, form: str) -> list[list[Document]]:
     out = []
-    for row in range(rows):
+    for row in range(lens.shape[0]):
         docs, start = [], 0
         for d, (n, s) in enumerate(zip(lens[row].tolist(), padded[row].tolist())):
             if n == UNUSED_SLOT and s == UNUSED_SLOT:
                 continue
             if n < 0 or s < 0:
-                raise ValueError(f"row {row}, document {d}: negative length {n} (padded {s}); unused slots are "
-                                 f"{UNUSED_SLOT} in both seq_lens and seq_lens_padded")
+                raise ValueError(f"{form}: row {row}, document {d}: negative length {n} (padded {s}); unused slots "
+                                 f"are {UNUSED_SLOT} in both seq_lens and seq_lens_padded")
             if s < n:
-                raise ValueError(f"row {row}, document {d}: padded length {s} is shorter than its length {n}")
+                raise ValueError(f"{form}: row {row}, document {d}: padded length {s} is shorter than its length {n}")
             docs.append(Document(start, n, s))
             start += s
         if start != seq_len:
-            raise ValueError(f"row {row}: document lengths sum to {start}, but the row has {seq_len} positions")
+            raise ValueError(f"{form}: row {row}: document lengths sum to {start}, but the row has {seq_len} positions")
         out.append(docs)
     return out
 
@@ -72,19 +129,18 @@ def _aligned(docs: list[Document], alignment: int) -> tuple[list[Document], list
     return new_docs, source
 
 
-def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_keys, position_keys,
-         packed_alignment: int = 1) -> dict:
+def pack(checked: CheckedBatch, packed_alignment: int = 1) -> dict:
     """The global packed batch: sequence tensors re-laid for ``packed_alignment``, and ``doc_ids``,
     per-document ``position_ids``, ``valid`` and (from unshifted ``labels``) ``shift_labels`` added.
 
     Raises ValueError naming the row and the document for lengths that do not describe the row and for
     given positions that jump inside a document or do not restart at zero.
     """
-    if seq_dim != 1:
-        raise ValueError(f"packed batches need [batch, seq] tensors (seq_dim 1), got seq_dim {seq_dim}")
-    ids = batch["input_ids"]
-    rows, seq_len = ids.shape[0], ids.shape[1]
+    batch, rows, seq_len, padding = checked.batch, checked.rows, checked.seq_len, checked.padding
     documents = _row_documents(batch, rows, seq_len)
+    for key in checked.seq_keys:
+        if padding.is_position(key):
+            _validate_positions(batch[key], documents, key)
     sources = None
     if packed_alignment > 1:
         aligned = [_aligned(docs, packed_alignment) for docs in documents]
@@ -108,25 +164,24 @@ def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_
     for key, value in batch.items():
         if key in LENGTH_KEYS:
             continue
-        if isinstance(value, torch.Tensor) and value.dim() > 1 and value.shape[:2] == ids.shape[:2]:
-            if sources is not None:
-                fill = ignore_index if key in label_keys else (0 if key not in ("input_ids",) else pad_token_id)
+        if key in checked.seq_keys:
+            if padding.is_position(key):
+                value = positions.to(value.dtype)
+            elif sources is not None:
                 gathered = value.gather(1, sources.clamp(min=0).view(rows, -1, *[1] * (value.dim() - 2))
                                         .expand(rows, seq_len, *value.shape[2:]))
                 mask = (sources >= 0).view(rows, -1, *[1] * (value.dim() - 2))
-                value = torch.where(mask, gathered, torch.full_like(gathered, fill))
-            if key in position_keys:
-                _validate_positions(value, documents, key)
-                value = positions.to(value.dtype)
+                value = torch.where(mask, gathered, torch.full_like(gathered, padding.value(key, value)))
         out[key] = value
     out["doc_ids"] = doc_ids
     out.setdefault("position_ids", positions)
-    if "labels" in out and "shift_labels" not in out:
+    if "labels" in checked.seq_keys and "shift_labels" not in out:
+        ignore_index = padding.spec.ignore_index
         labels = out["labels"]
         nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
         same_doc = torch.cat([doc_ids[:, 1:] == doc_ids[:, :-1], torch.zeros_like(valid[:, :1])], dim=1)
         keep = same_doc & valid & torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
-        if "loss_mask" in out:
+        if "loss_mask" in checked.seq_keys:
             lm = out["loss_mask"].bool()
             keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
         out["shift_labels"] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
@@ -135,13 +190,16 @@ def pack(batch: dict, seq_dim: int, ignore_index: int, pad_token_id: int, label_
 
 
 def _validate_positions(positions: torch.Tensor, documents: list[list[Document]], key: str) -> None:
+    # a one-row tensor expanded to every row (stride 0) must restart at every document of every row
+    shared = " (its one row is used for every row)" if len(documents) > 1 and positions.stride(0) == 0 else ""
     for row, docs in enumerate(documents):
         for d, doc in enumerate(docs):
             got = positions[row, doc.start:doc.start + doc.length]
             if doc.length and int(got[0]) != 0:
-                raise ValueError(f"{key}: row {row}, document {d} starts at position {int(got[0])}, not 0")
+                raise ValueError(f"{key}: row {row}, document {d} starts at position {int(got[0])}, not 0{shared}")
             steps = got.diff()
             if bool((steps != 1).any()):
                 i = int((steps != 1).nonzero()[0]) + 1
                 raise ValueError(f"{key}: row {row}, document {d} jumps from position {int(got[i - 1])} to "
-                                 f"{int(got[i])} at its token {i} (positions must rise by 1 inside a document)")
+                                 f"{int(got[i])} at its token {i} (positions must rise by 1 inside a document)"
+                                 f"{shared}")

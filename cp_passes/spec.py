@@ -9,6 +9,7 @@ attention semantics are read from the attention op itself (``is_causal``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import fnmatch
 import importlib
 import importlib.util
@@ -63,10 +64,15 @@ class CPSpec:
     """Arguments never sharded even if their ``seq_dim`` happens to equal the sequence length."""
 
     pad_token_id: int = 0
-    """Value that :func:`cp_passes.shard_batch` pads token inputs with."""
+    """Value that :func:`cp_passes.shard_batch` pads token inputs (``token_keys``) with."""
 
     ignore_index: int = -100
     """Value that :func:`cp_passes.shard_batch` pads label inputs with (the loss ignores it)."""
+
+    token_keys: tuple[str, ...] = ("input_ids",)
+    """Batch keys holding token ids: padded with ``pad_token_id``. :func:`cp_passes.shard_batch` refuses an
+    integer sequence tensor that neither this nor ``label_keys``, ``position_keys``, its ``mask_keys`` or
+    ``replicated_inputs`` names, since it cannot tell what its padding should be."""
 
     label_keys: tuple[str, ...] = ("labels", "shift_labels")
     """Batch keys holding labels: padded with ``ignore_index``."""
@@ -97,7 +103,7 @@ class CPSpec:
                 f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
                 f"positions), got {self.seq_dim!r}"
             )
-        for field in ("seq_inputs", "replicated_inputs", "label_keys", "position_keys", "causal_convs"):
+        for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs"):
             _check_names(field, getattr(self, field))
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
@@ -126,6 +132,20 @@ class CPSpec:
     def conv_declared(self, module: str) -> str | None:
         """The ``causal_convs`` glob that matches ``module``, if any."""
         return next((g for g in self.causal_convs if fnmatch.fnmatchcase(module, g)), None)
+
+    def check_module_globs(self, paths: list[str]) -> None:
+        """Raise ValueError for a module glob (``attention``, ``causal_convs``) that matches none of ``paths``
+        (the model's ``named_modules()``): a typo there would silently declare nothing."""
+        globs = [(f"AttentionRule.modules={a.modules!r}", a.modules) for a in self.attention]
+        globs += [(f"causal_convs entry {g!r}", g) for g in self.causal_convs]
+        for what, glob in globs:
+            if not any(fnmatch.fnmatchcase(p, glob) for p in paths):
+                close = difflib.get_close_matches(glob, paths, n=3, cutoff=0.3)
+                raise ValueError(
+                    f"spec {self.name!r}: {what} matches no module of the model"
+                    + (f"; closest module paths: {close}" if close else "")
+                    + " (globs match dotted paths from model.named_modules(), e.g. 'model.layers.*.self_attn')"
+                )
 
     def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
         """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""

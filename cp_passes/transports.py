@@ -201,6 +201,8 @@ def window_mask_with_halo(query: torch.Tensor, window: int, rank: int) -> torch.
 def metadata_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """All-gather sequence metadata (positions, doc ids) along ``dim``: no autograd edge."""
     dim = dim % x.dim()
+    if x.dtype == torch.bool:  # Inductor's CPU code generation asserts on a gathered bool buffer (torch 2.13)
+        return metadata_all_gather(x.to(torch.uint8), dim, group_name).to(torch.bool)
     gathered = funcol.all_gather_single(x.detach().movedim(dim, 0).contiguous(), 0, group_name)
     if isinstance(gathered, funcol.AsyncCollectiveTensor):
         gathered = funcol.wait_tensor(gathered)
@@ -212,16 +214,16 @@ def mask_block_for_keys(global_mask: torch.Tensor, query: torch.Tensor, rank: in
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings:
     the prefix ``[0, (rank + 1) * L)`` after a gather, ``[rank * L - (window - 1), (rank + 1) * L)`` after a
     halo (columns before the sequence start are False). Fails at run time if the model allows a key outside
-    the causal (window) envelope that the transport was planned for."""
+    the causal (window) envelope that the transport was planned for: every rank checks every row of the
+    global mask, so all ranks reach the same verdict and none is left waiting in a collective."""
     local = query.shape[-2]
-    rows = global_mask.narrow(-2, rank * local, local)
-    q_pos = torch.arange(local, device=query.device) + rank * local
-    all_keys = torch.arange(rows.shape[-1], device=query.device)
-    distance = q_pos[:, None] - all_keys[None, :]
+    positions = torch.arange(global_mask.shape[-1], device=query.device)
+    distance = positions[:, None] - positions[None, :]
     envelope = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
-    torch._assert_async((rows & ~envelope).logical_not().all(),
+    torch._assert_async((global_mask & ~envelope).logical_not().all(),
                         "cp_passes: the model's attention mask allows a key outside the causal window that the "
                         "spec declares (or outside causal attention); declare the right AttentionRule")
+    rows = global_mask.narrow(-2, rank * local, local)
     if not halo:
         return rows.narrow(-1, 0, (rank + 1) * local)
     h = window - 1
@@ -230,3 +232,7 @@ def mask_block_for_keys(global_mask: torch.Tensor, query: torch.Tensor, rank: in
     if missing:
         block = torch.cat([block.new_zeros((*block.shape[:-1], missing)), block], dim=-1)
     return block
+
+
+COLLECTIVES = (sequence_all_gather, halo_exchange, metadata_all_gather, global_count)
+"""The transports that issue a collective: every rank must call them in the same order."""

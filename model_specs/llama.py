@@ -2,13 +2,15 @@
 
 Everything else is read from the graph: causal attention from SDPA's is_causal, GQA from
 enable_gqa or the K/V head repeat, positions from position_ids or an arange over the sequence.
+``doc_ids`` is the document map that shard_batch adds to packed batches (models that mask by
+document read it).
 """
 
 from cp_passes.spec import CPSpec
 
 SPEC = CPSpec(
     name="llama",
-    seq_inputs=("input_ids", "position_ids", "labels", "shift_labels"),
+    seq_inputs=("input_ids", "position_ids", "labels", "shift_labels", "doc_ids"),
     label_keys=("labels", "shift_labels"),
     position_keys=("position_ids",),
 )

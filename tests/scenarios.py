@@ -152,14 +152,67 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     return results
 
 
-def envelope_violation(group) -> str:
-    """A doc-id mask that reaches further back than the spec's declared window must fail the first step."""
+def _error(call) -> str:
+    """``call()``'s exception as ``Type: message``, or "no error"."""
+    try:
+        call()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def envelope_violation(group, layout: list | None = None) -> str:
+    """A doc-id mask that reaches further back than the spec's declared window must fail the first step, on
+    every rank, even when only some ranks' rows leave the window."""
     net = toy_model()
     spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=2),))
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(packed_batch(8, [[(8, 8)]], 256), group)
-    try:
-        compiled(**packed_model_inputs(local, hf=False))
-    except RuntimeError as e:
-        return str(e)
-    return "no error"
+    local, _ = cp_passes.shard_batch(packed_batch(8, layout or [[(8, 8)]], 256), group)
+    return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
+
+
+def diverging_inputs(group, change: str) -> str:
+    """One call with the same inputs everywhere (it compiles), then one where the last rank's inputs differ:
+    a longer shard (``length``), another batch size (``rows``) or int32 positions (``dtype``)."""
+    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(toy_batch(16), group)
+    inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    compiled(**inputs)
+    if group.rank() == group.size() - 1:
+        if change == "length":
+            inputs = {k: torch.cat([v, v], dim=1) for k, v in inputs.items()}
+        elif change == "rows":
+            inputs = {k: v[:1] for k, v in inputs.items()}
+        else:
+            inputs["position_ids"] = inputs["position_ids"].int()
+    return _error(lambda: compiled(**inputs))
+
+
+class BreaksOnSomeRanks(torch.nn.Module):
+    """ToyLlama whose forward has a graph break where ``breaks`` is set: those ranks cannot compile."""
+
+    def __init__(self, breaks: bool):
+        super().__init__()
+        self.toy = toy_model()
+        self.breaks = breaks
+
+    def forward(self, input_ids):
+        if self.breaks:
+            torch._dynamo.graph_break()
+        return self.toy(input_ids)
+
+
+def compile_fails_on_one_rank(group) -> str:
+    """The last rank cannot compile; the others compile fine and must not enter the graph's collectives."""
+    model = BreaksOnSomeRanks(breaks=group.rank() == group.size() - 1)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    return _error(lambda: compiled(**local))
+
+
+def schedules_differ(group) -> str:
+    """The last rank's model has a sliding window (a halo) where the others gather the whole sequence."""
+    window = 3 if group.rank() == group.size() - 1 else None
+    compiled = cp_passes.cp_compile(toy_model(window=window), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    return _error(lambda: compiled(**local))

@@ -7,6 +7,8 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from cp_passes import CPSpec
+from cp_passes.batch_checks import check_batch
 from cp_passes.packing import pack
 from scenarios import hf_llama, packed_batch, packed_model_inputs, toy_model
 
@@ -40,8 +42,7 @@ def packing(draw, world: int):
 def reference(model: str, seq_len: int, layout: list, config=None):
     hf = model == "hf"
     net = hf_llama(use_cache=False) if hf else toy_model(**(config or {}))
-    batch = pack(packed_batch(seq_len, layout, 128 if hf else 256), 1, -100, 0, ("labels", "shift_labels"),
-                 ("position_ids",))
+    batch = pack(check_batch(packed_batch(seq_len, layout, 128 if hf else 256), CPSpec(), ()))
     out = net(**packed_model_inputs(batch, hf))
     loss, logits = (out.loss, out.logits) if hf else out
     loss.backward()

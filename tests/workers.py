@@ -12,6 +12,7 @@ import datetime
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -62,34 +63,47 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 class WorkerPool:
     def __init__(self, world: int = 4):
-        ctx = mp.get_context("spawn")
         self.world = world
-        self.tasks = [ctx.Queue() for _ in range(world)]
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.tasks = [ctx.Queue() for _ in range(self.world)]
         self.results = ctx.Queue()
         port = _free_port()
-        self.procs = [ctx.Process(target=_worker, args=(r, world, port, self.tasks[r], self.results), daemon=True)
-                      for r in range(world)]
+        self.procs = [ctx.Process(target=_worker, args=(r, self.world, port, self.tasks[r], self.results), daemon=True)
+                      for r in range(self.world)]
         for p in self.procs:
             p.start()
 
-    def run(self, name: str, size: int, **kwargs) -> list:
-        """Run ``scenarios.<name>(group, **kwargs)`` on ranks 0..size-1; return their results in rank order."""
+    def run(self, name: str, size: int, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
+        """Run ``scenarios.<name>(group, **kwargs)`` on ranks 0..size-1; return their results in rank order.
+
+        A task that has not finished on every rank after ``timeout`` seconds is a hang: the pool is replaced
+        (hung ranks cannot take another task) and the test fails."""
         assert size in (1, 2, self.world), size
         for r in range(size):
             self.tasks[r].put((name, size, kwargs))
-        out, errors = {}, []
+        out, errors, answered = {}, [], set()
+        deadline = time.monotonic() + timeout
         for _ in range(size):
             try:
-                rank, ok, payload = self.results.get(timeout=TASK_TIMEOUT_S)
+                rank, ok, payload = self.results.get(timeout=max(deadline - time.monotonic(), 0.1))
             except queue.Empty:
-                dead = [p.pid for p in self.procs if not p.is_alive()]
-                raise RuntimeError(f"{name} on {size} ranks timed out after {TASK_TIMEOUT_S} s (dead workers: {dead})")
+                waiting = sorted(set(range(size)) - answered)
+                self.close(force=True)
+                self._start()
+                raise RuntimeError(f"{name} on {size} ranks hung: ranks {waiting} still running after {timeout} s")
+            answered.add(rank)
             (out.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
         if errors:
             raise RuntimeError(f"{name} failed on {size} ranks\n" + "\n".join(errors))
         return [out[r] for r in range(size)]
 
-    def close(self) -> None:
+    def close(self, force: bool = False) -> None:
+        if force:
+            for p in self.procs:
+                p.kill()
         for q in self.tasks:
             q.put(None)
         for p in self.procs:

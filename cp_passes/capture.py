@@ -1,0 +1,164 @@
+"""Capture: dynamo's torch-level graph re-traced to pre-dispatch ATen, with one proven sequence symbol.
+
+The wrapper marks the sequence dim of every sharded input dynamic. Before anything is planned, this step
+proves that the data really flows through a symbolic length: every sharded input's sequence dim must be
+the one sequence symbol after tracing. If code in the model turned the length into a constant (a
+loop over chunks, an ``int()``, a reshape to a fixed size), the graph would be right for one length only
+and the analysis would not see the sequence at all, so the model is refused, naming the line that did it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .analysis import meta_val
+from .errors import CPCompileError, source_line
+
+_KEEP_SYMBOLIC = (
+    "keep the sequence length symbolic there (no Python loop over chunks of the sequence, no int() of a size, "
+    "no reshape to a fixed length); for a recurrent kernel, run it outside the compiled module. "
+    "TORCH_LOGS=\"+dynamic\" shows every guard on the length"
+)
+
+
+def sharded_placeholders(gm: torch.fx.GraphModule, sharded: dict[int, str]) -> list[tuple[torch.fx.Node, str]]:
+    """Dynamo's placeholders for the sharded inputs (``sharded`` maps ``id(tensor)`` to the input's name)."""
+    found = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        grapharg = node.meta.get("grapharg")
+        example = getattr(grapharg, "example", None) if grapharg is not None else None
+        if isinstance(example, torch.Tensor) and id(example) in sharded:
+            found.append((node, sharded[id(example)]))
+    return found
+
+
+def _where_specialized(shape_env, source_name: str) -> str:
+    """Where dynamo turned the size ``source_name`` into a constant, as far as the shape env recorded it."""
+    for sym, sources in shape_env.var_to_sources.items():
+        if any(s.name == source_name for s in sources):
+            sloc = shape_env.replacements_slocs.get(sym)
+            if sloc is not None:
+                return str(sloc)
+    return "during dynamo's capture"
+
+
+class _Retracer(torch.fx.Interpreter):
+    """Runs dynamo's graph under make_fx and remembers the node at which the sequence symbol became a constant."""
+
+    def __init__(self, gm: torch.fx.GraphModule, shape_env, sym):
+        super().__init__(gm)
+        self.shape_env, self.sym = shape_env, sym
+        self.specialized_at: torch.fx.Node | None = None
+
+    def run_node(self, n: torch.fx.Node):
+        out = super().run_node(n)
+        if self.specialized_at is None and self.sym is not None and self.shape_env.replace(self.sym).is_number:
+            self.specialized_at = n
+        return out
+
+
+def _seq_size(node: torch.fx.Node, seq_dim: int):
+    val = meta_val(node)
+    return val.shape[seq_dim] if isinstance(val, torch.Tensor) and val.dim() > seq_dim else None
+
+
+def _specialized_error(name: str, length: int, where: str) -> CPCompileError:
+    return CPCompileError(
+        f"the tracer specialized the local sequence length of input {name!r} to {length} at {where}: that code "
+        f"turns the length into a Python int, so the compiled graph would hold for this length only and cp_passes "
+        f"could not tell positions from sizes (the model would run on each shard with no exchange). Fix: "
+        + _KEEP_SYMBOLIC
+    )
+
+
+def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, local_len: int):
+    """Re-trace dynamo's graph to pre-dispatch ATen (stack traces and module paths kept) after proving that
+    every sharded input carries one symbolic sequence length. Returns ``(aten_gm, fakes)``."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    fake_mode = torch._guards.detect_fake_mode([meta_val(n) for n in placeholders])
+    shape_env = fake_mode.shape_env
+    inputs = sharded_placeholders(gm, sharded)
+    if not inputs:
+        raise CPCompileError(
+            "none of the sharded inputs reaches the compiled graph, so nothing in it depends on the sequence; "
+            "check the spec's seq_inputs against the arguments the model reads"
+        )
+    sizes = []
+    for node, name in inputs:
+        size = _seq_size(node, seq_dim)
+        if not isinstance(size, torch.SymInt) or shape_env.replace(size.node.expr).is_number:
+            source = node.meta["grapharg"].source.name
+            raise _specialized_error(name, local_len, _where_specialized(shape_env, f"{source}.size()[{seq_dim}]"))
+        sizes.append(size)
+    for size in sizes[1:]:
+        torch._check(size == sizes[0])  # the wrapper checked the lengths are equal: one symbol for all of them
+    sym = shape_env.replace(sizes[0].node.expr)
+    retracer = _Retracer(gm, shape_env, sym if sym.is_Symbol else None)
+    with fx_traceback.preserve_node_meta():
+        aten_gm = make_fx(retracer.run, pre_dispatch=True, tracing_mode="fake")(*[meta_val(n) for n in placeholders])
+    if shape_env.replace(sym).is_number:
+        at = retracer.specialized_at
+        where = source_line(at) if at is not None else "an unknown node"
+        raise _specialized_error(inputs[0][1], local_len, where)
+    aten_placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
+    for node, named in zip(aten_placeholders, placeholders):
+        node._rename(named.name)  # l_doc_ids_, l_self_modules_embed_parameters_weight_ rather than arg9_1
+    aten_gm.recompile()
+    # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
+    return aten_gm, [meta_val(n) for n in aten_placeholders]
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+
+
+def _trimmed(error: BaseException, lines: int = 30) -> str:
+    text = str(error).strip().splitlines()
+    return "\n".join(text[:lines] + (["    ..."] if len(text) > lines else []))
+
+
+def compile_error(error: BaseException, backend: str) -> CPCompileError:
+    """Whatever stopped the capture or the lowering, as a CPCompileError that says what construct it was and
+    what to do."""
+    from torch._dynamo import exc
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    chain = list(_chain(error))
+    own = next((e for e in chain if isinstance(e, CPCompileError)), None)
+    if own is not None:
+        return own
+    data_dependent = next((e for e in chain if isinstance(e, GuardOnDataDependentSymNode)), None)
+    if data_dependent is not None:
+        return CPCompileError(
+            "the model computes a shape or a branch from tensor data (.tolist(), .item(), the size of nonzero() or "
+            "of a boolean-mask index), which cannot be traced into one graph. Fix: compute such sizes outside the "
+            "compiled module and pass them in, or use a form with static shapes (masks instead of boolean "
+            f"indexing). Dynamo said:\n{_trimmed(data_dependent)}"
+        )
+    if isinstance(error, exc.UserError):
+        return CPCompileError(
+            "dynamo refused a construct in the model (typically Python control flow on tensor values, such as a "
+            "loop over the experts that nonzero() selects). Fix: use a form without it (transformers MoE models: "
+            "experts_implementation=\"batched_mm\"), or run that part outside the compiled module. Dynamo "
+            f"said:\n{_trimmed(error)}"
+        )
+    if isinstance(error, exc.Unsupported):
+        return CPCompileError(
+            "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
+            f"unchecked), but dynamo could not trace it:\n{_trimmed(error)}"
+        )
+    if isinstance(error, exc.BackendCompilerFailed):
+        inner = error.inner_exception
+        return CPCompileError(
+            f"lowering the rewritten graph with {backend} failed ({type(inner).__name__}); cp_passes rewrote it "
+            f"without error, so this is a bug in cp_passes' output or in the compiler. backend=\"aot_eager\" runs "
+            f"the same graph without Inductor; dump_dir= shows every graph. The compiler said:\n{_trimmed(inner)}"
+        )
+    return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")

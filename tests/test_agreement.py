@@ -1,0 +1,54 @@
+"""No rank is left waiting: when one rank fails or diverges, every rank raises, before any graph collective.
+
+Real gloo processes; the last rank is the odd one out. A hang fails the test after HANG_S seconds (the pool
+is then replaced). P = 4 runs with the full matrix (``-m full``)."""
+
+import pytest
+
+HANG_S = 240
+WORLDS = [2, pytest.param(4, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("change", ["length", "rows", "dtype"])
+def test_inputs_that_differ_across_ranks_fail_on_every_rank(pool, world, change):
+    """The second call reuses rank 0's compiled graph; before, only the first call of a length was checked,
+    so rank 0 entered the graph's all-gather while the last rank waited in the check (or gloo aborted)."""
+    local, last = 16 // world, world - 1
+    differs = {
+        "length": f"rank {last} has input_ids: (2, {2 * local}) torch.int64, rank 0 has input_ids: (2, {local})",
+        "rows": f"rank {last} has input_ids: (1, {local}) torch.int64, rank 0 has input_ids: (2, {local})",
+        "dtype": f"rank {last} has position_ids: (2, {local}) torch.int32, rank 0 has position_ids: (2, {local}) "
+                 f"torch.int64",
+    }[change]
+    errors = pool.run("diverging_inputs", world, timeout=HANG_S, change=change)
+    for error in errors:
+        assert error.startswith("ValueError: the CP ranks were called with different inputs"), error
+        assert differs in error, error
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_that_cannot_compile_stops_every_rank(pool, world):
+    errors = pool.run("compile_fails_on_one_rank", world, timeout=HANG_S)
+    assert errors[-1].startswith("CPCompileError: cp_passes needs the whole forward as one graph"), errors[-1]
+    for error in errors[:-1]:
+        assert error.startswith(f"CPCompileError: rank {world - 1} failed to compile, so no rank runs this "
+                                f"graph"), error
+        assert "graph_break" in error
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_ranks_that_plan_different_collectives_stop_before_running(pool, world):
+    errors = pool.run("schedules_differ", world, timeout=HANG_S)
+    for error in errors:
+        assert "planned different collective schedules" in error, error
+        assert "collective #1 is halo_exchange(" in error and "but sequence_all_gather(" in error, error
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_mask_leaving_the_window_in_some_ranks_rows_fails_on_every_rank(pool, world):
+    """The first half of the rows are documents of two tokens (inside the declared window of 2), the second
+    half one document of four. Each rank checks every row of the global mask, so all stop at the same step."""
+    errors = pool.run("envelope_violation", world, timeout=HANG_S, layout=[[(2, 2), (2, 2), (4, 4)]])
+    for error in errors:
+        assert "allows a key outside the causal window that the spec declares" in error, error

@@ -1,0 +1,170 @@
+"""A model that cp_passes cannot prove right is refused with a message that says what and how to fix it;
+plain mistakes in a spec or a call are errors, not crashes or silent no-ops. Fake process group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import cp_passes
+from cp_passes import CPCompileError, CPSpec
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    return dist.group.WORLD
+
+
+def toy():
+    from scenarios import toy_model
+
+    return toy_model()
+
+
+def kimi_linear():
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, linear_head_dim=16, linear_num_heads=4, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["linear_attention", "full_attention"], use_cache=False, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return KimiLinearForCausalLM(config).float()
+
+
+def test_a_model_that_fixes_the_sequence_length_is_refused_naming_the_line(group):
+    """Kimi Delta Attention's torch fallback loops over 64-token chunks: the activations' length becomes the
+    constant 64 while position_ids keep a symbol. This ran with no exchange at all and wrong logits."""
+    compiled = cp_passes.cp_compile(kimi_linear(), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=torch.randint(0, 128, (1, 64)), position_ids=torch.arange(64)[None] + 3 * 64)
+    message = str(info.value)
+    assert "the tracer specialized the local sequence length of input 'input_ids' to 64" in message
+    assert "modeling_kimi_linear.py" in message and "in chunk_kimi_delta_attention" in message
+
+
+class ChunkedTokens(nn.Module):
+    """Tokens reshaped into fixed chunks of 8 (the length becomes a constant); positions only summed."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+
+    def forward(self, ids, position_ids):
+        x = self.embed(ids).reshape(ids.shape[0], 8, 8)
+        return x, position_ids.float().sum()
+
+
+def test_one_sharded_input_losing_its_symbol_is_enough_to_refuse(group):
+    compiled = cp_passes.cp_compile(ChunkedTokens(), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)), torch.arange(8)[None].expand(2, 8))
+    assert "specialized the local sequence length of input 'ids' to 8" in str(info.value)
+    assert "test_never_wrong.py" in str(info.value) and "reshape(ids.shape[0], 8, 8)" in str(info.value)
+
+
+def test_a_seq_inputs_typo_names_the_input_and_suggests_the_name(group):
+    spec = CPSpec(seq_inputs=("input_ids", "position_id"))
+    compiled = cp_passes.cp_compile(toy(), spec, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(ValueError) as info:
+        compiled(input_ids=torch.randint(0, 32, (2, 8)), position_ids=torch.arange(8)[None].expand(2, 8))
+    message = str(info.value)
+    assert "input 'position_ids' (2, 8) has the local sequence length 8 on dim 1" in message
+    assert "did you mean 'position_ids' for 'position_id'?" in message
+
+
+def test_no_listed_sequence_input_suggests_the_name(group):
+    compiled = cp_passes.cp_compile(toy(), CPSpec(seq_inputs=("input_id",)), mesh=group, backend="aot_eager",
+                                    verbose=False)
+    with pytest.raises(ValueError, match="found no sequence input.*did you mean 'input_ids' for 'input_id'"):
+        compiled(input_ids=torch.randint(0, 32, (2, 8)))
+
+
+def test_the_llama_spec_shards_doc_ids_and_other_specs_must_list_them(group):
+    ids, doc_ids = torch.randint(0, 32, (1, 8)), torch.zeros(1, 8, dtype=torch.long)
+    compiled = cp_passes.cp_compile(toy(), "llama", mesh=group, backend="aot_eager", verbose=False)
+    compiled(input_ids=ids, doc_ids=doc_ids)
+    assert [r.rule for r in compiled.compile_records[0].records if r.rule.startswith("sdpa")] == ["sdpa_data_mask"] * 2
+    spec = cp_passes.load_spec("llama").replace(seq_inputs=("input_ids",))
+    compiled = cp_passes.cp_compile(toy(), spec, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(ValueError, match=r"input 'doc_ids' \(1, 8\) has the local sequence length.*add it to "
+                                         r"seq_inputs"):
+        compiled(input_ids=ids, doc_ids=doc_ids)
+
+
+@pytest.mark.parametrize("spec,what,closest", [
+    (CPSpec(attention=(cp_passes.AttentionRule("layer.*.attn", window=4),)),
+     "AttentionRule.modules='layer.*.attn'", "layers.0.attn"),
+    (CPSpec(causal_convs=("layers.*.conv1d",)), "causal_convs entry 'layers.*.conv1d'", "layers.0.conv"),
+])
+def test_a_spec_glob_that_matches_no_module_names_the_closest_paths(group, spec, what, closest):
+    from scenarios import toy_model
+
+    with pytest.raises(ValueError) as info:
+        cp_passes.cp_compile(toy_model(conv_kernel=3), spec, mesh=group, backend="aot_eager", verbose=False)
+    assert f"{what} matches no module of the model; closest module paths: [" in str(info.value)
+    assert closest in str(info.value)
+
+
+class Experts(nn.Module):
+    """A mixture of experts that loops over the experts nonzero() selects, or splits by data-dependent sizes."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.form = form
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        choice = ids % 4
+        out = torch.zeros_like(x)
+        if self.form == "loop":
+            for e in torch.nonzero(torch.bincount(choice.flatten(), minlength=4)).flatten():
+                out = out + torch.where((choice == e)[..., None], self.experts[e](x), 0)
+            return out
+        sizes = torch.bincount(choice.flatten(), minlength=4)
+        order = choice.flatten().argsort()
+        parts = torch.split(x.flatten(0, 1)[order], sizes.tolist())
+        return torch.cat([expert(p) for expert, p in zip(self.experts, parts)]).view_as(x)
+
+
+@pytest.mark.parametrize("form", ["loop", "split"])
+def test_data_dependent_code_is_a_compile_error_that_says_what_to_do(group, form):
+    compiled = cp_passes.cp_compile(Experts(form), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    message = str(info.value)
+    assert "Fix:" in message and ("experts_implementation" in message or "outside the compiled module" in message)
+    assert "test_never_wrong.py" in message, message
+
+
+class ValidMask(nn.Module):
+    """Attention masked by a boolean validity input, gathered as metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, ids, valid):
+        x = self.embed(ids)[:, None]
+        pos = torch.arange(ids.shape[1])
+        mask = (pos[:, None] >= pos[None, :]) & valid[:, None, :, None] & valid[:, None, None, :]
+        return self.proj(torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)[:, 0])
+
+
+def test_a_mask_from_a_boolean_input_lowers_with_inductor(group):
+    """Inductor's CPU code generation asserted on the gathered bool buffer (CppCSEVariable, mask.dtype)."""
+    compiled = cp_passes.cp_compile(ValidMask(), mesh=group, backend="inductor", verbose=False)
+    out = compiled(torch.randint(0, 32, (2, 8)), torch.ones(2, 8, dtype=torch.bool))
+    out.sum().backward()
+    assert out.shape == (2, 8, 16)
+    assert compiled.compile_records[0].aot_ops["forward"]["_c10d_functional.all_gather_into_tensor.default"] == 2
