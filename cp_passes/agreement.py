@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from .analysis import meta_val
+from .analysis import hint, meta_val
 from .errors import CPCompileError, source_line
 from .transports import CPGroup
 
@@ -77,7 +77,7 @@ def check_inputs(cp: CPGroup, lines: list[str]) -> None:
     )
 
 
-def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set, sym) -> list[str]:
+def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set) -> list[str]:
     """The ordered collectives of a rewritten graph, each with the shapes and dtypes it moves (rank-specific
     arguments left out: every rank must issue these, in this order)."""
     out = []
@@ -90,9 +90,8 @@ def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set, sym) -> l
             if name == "rank":
                 continue
             val = meta_val(value)
-            if isinstance(val, torch.Tensor):
-                shape = ", ".join(str(s).replace(str(sym), "S") for s in val.shape)
-                parts.append(f"{name}=[{shape}] {val.dtype}")
+            if isinstance(val, torch.Tensor):  # concrete sizes: a rank may have specialized a symbolic one
+                parts.append(f"{name}={[hint(s) for s in val.shape]} {val.dtype}")
             elif not isinstance(value, torch.fx.Node):
                 parts.append(f"{name}={value!r}")
         out.append(f"{node.target.__name__}({', '.join(parts)}) at {source_line(node, code=False)}")

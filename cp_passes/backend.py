@@ -72,10 +72,8 @@ class CPBackend:
         try:
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
             aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len)
-            symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
-            sym = next(iter(symbols))
-            fingerprint = collective_fingerprint(aten_gm, set(COLLECTIVES), sym)
+            fingerprint = collective_fingerprint(aten_gm, set(COLLECTIVES))
             if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
                 print(format_record(record), file=sys.stderr, flush=True)
             if owner.verbose and cp.rank == 0:
