@@ -5,9 +5,11 @@ Two checks, both collective over the CP group and both reached by every rank:
 - per call, before the graph runs: the names, shapes and dtypes of the tensor inputs (so the local
   lengths, batch sizes and dtypes of sharded inputs) are the same on every rank. One all-reduce of a
   digest; only on a mismatch are the descriptions gathered to say which rank differs and how.
-- per compile, before the new graph's first collective: every rank compiled (a rank that failed
-  reports its error to the others) and every rank planned the same ordered collectives (a fingerprint
-  of each collective with its shapes and dtypes). A failure raises on every rank.
+- per call, just before the graph's first collective: every rank compiled, or every rank reuses a
+  graph (a rank whose cached graph still holds while another compiles would run its collectives
+  alone), no rank failed (a rank that failed reports its error to the others), and the ranks that
+  compiled planned the same ordered collectives (a fingerprint of each collective with its shapes and
+  dtypes). One all-reduce of five integers; a problem raises on every rank.
 """
 
 from __future__ import annotations
@@ -64,8 +66,7 @@ def check_inputs(cp: CPGroup, lines: list[str]) -> None:
     """Raise ValueError on every rank unless every rank passes inputs of the same names, shapes and dtypes."""
     if _alone(cp):
         return
-    text = "\n".join(lines)
-    digest = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest(), "little")
+    digest = _digest("\n".join(lines))
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(cp))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cp.group)
     if int(both[0]) == digest and -int(both[1]) == digest:
@@ -98,24 +99,49 @@ def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set) -> list[s
     return out
 
 
-def agree_on_compile(cp: CPGroup, error: BaseException | None, fingerprint: list[str]) -> None:
-    """Every rank reports whether it compiled and which collectives it will issue; raise on every rank if one
-    failed or if the schedules differ."""
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=_DIGEST_BYTES).digest(), "little")
+
+
+def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: bool, fingerprint: list[str],
+                         recompile_reasons: list[str] = ()) -> None:
+    """Called on every rank exactly once per call, just before the graph would issue its first collective:
+    at the end of a compile (``compiled``, with its error if it failed), before a cached graph runs, or where
+    the capture failed before reaching the backend. One all-reduce says whether the ranks differ (a failure,
+    a rank that compiled a new graph while another reuses its own, different collectives); only then are the
+    reports gathered, and every rank raises the same verdict (a failed rank raises its own error)."""
     if _alone(cp):
         return
-    report = (f"{type(error).__name__}: {error}" if error is not None else None, fingerprint)
+    fp = _digest("\n".join(fingerprint)) if compiled else 0
+    flags = torch.tensor([int(error is not None), int(compiled), -int(compiled), fp, -fp], dtype=torch.int64,
+                         device=_device(cp))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
+    failed, some_compiled, all_compiled, fp_max, fp_min = (int(flags[0]), int(flags[1]), -int(flags[2]),
+                                                          int(flags[3]), -int(flags[4]))
+    if not failed and some_compiled == all_compiled and fp_max == fp_min:
+        return
+    report = (f"{type(error).__name__}: {error}" if error is not None else None, compiled, fingerprint,
+              list(recompile_reasons))
     everyone = _gather(cp, report)
-    failed = [(rank, err) for rank, (err, _) in enumerate(everyone) if err is not None]
-    if failed:
+    failures = [(rank, err) for rank, (err, *_) in enumerate(everyone) if err is not None]
+    if failures:
         if error is not None:
             return  # this rank raises its own error
-        rank, err = failed[0]
-        others = f" (and ranks {[r for r, _ in failed[1:]]})" if len(failed) > 1 else ""
+        rank, err = failures[0]
+        others = f" (and ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
         raise CPCompileError(f"rank {rank}{others} failed to compile, so no rank runs this graph. Rank {rank}'s "
                              f"error:\n{err}")
-    schedules = [fp for _, fp in everyone]
-    if all(fp == schedules[0] for fp in schedules):
-        return
+    new = [rank for rank, (_, made, *_) in enumerate(everyone) if made]
+    if len(new) != cp.size:
+        reused = [rank for rank in range(cp.size) if rank not in new]
+        why = "; ".join(everyone[new[0]][3]) or "its first call"
+        raise CPCompileError(
+            f"ranks {new} compiled a new graph for this call while ranks {reused} reuse the graph they have, so "
+            f"they would issue different collectives; no rank ran. The ranks' graphs were guarded differently "
+            f"(a guard that depends on the rank): a cp_passes bug, please report it with this message. Rank "
+            f"{new[0]} compiled because: {why}"
+        )
+    schedules = [fp for _, _, fp, _ in everyone]
     rank = next(r for r, fp in enumerate(schedules) if fp != schedules[0])
     mine, base = schedules[rank], schedules[0]
     i = next(i for i in range(max(len(mine), len(base))) if i >= len(mine) or i >= len(base) or mine[i] != base[i])

@@ -20,7 +20,7 @@ import torch
 import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-from .agreement import agree_on_compile, check_inputs, collective_fingerprint, describe_inputs
+from .agreement import agree_before_running, check_inputs, collective_fingerprint, describe_inputs
 from .analysis import meta_val, sequence_symbol
 from .batch_checks import resolve_spec
 from .capture import capture, compile_error
@@ -57,7 +57,7 @@ class CompileRecord:
 class CPBackend:
     """A dynamo backend bound to one ``CPModule``; each compiled graph adds a ``CompileRecord``.
 
-    Whether it compiles or fails, every rank then agrees with the others (``agreement.agree_on_compile``)
+    Whether it compiles or fails, every rank then agrees with the others (``agreement.agree_before_running``)
     before the new graph issues its first collective."""
 
     def __init__(self, owner: "CPModule"):
@@ -87,10 +87,10 @@ class CPBackend:
             compiled = _lower(aten_gm, example_inputs, owner.backend, record)
         except Exception as error:
             owner._agreed = True
-            agree_on_compile(cp, error, [])
+            agree_before_running(cp, error, True, [], owner._guard_failures)
             raise
         owner._agreed = True
-        agree_on_compile(cp, None, fingerprint)
+        agree_before_running(cp, None, True, fingerprint, owner._guard_failures)
         owner.compile_records.append(record)
         record.seconds = time.perf_counter() - start
         if owner.verbose and cp.rank == 0:
@@ -101,6 +101,9 @@ class CPBackend:
 
         @functools.wraps(compiled)
         def run(*args):
+            if not owner._agreed:  # a cached graph: the ranks still agree that none of them compiled
+                owner._agreed = True
+                agree_before_running(cp, None, False, [])
             owner._entered = True
             return compiled(*args)
 
@@ -294,9 +297,9 @@ class CPModule(torch.nn.Module):
         except Exception as error:
             if self._entered:
                 raise  # a run-time error inside a compiled graph, not a compile failure
-            if not self._agreed:  # failed before reaching the backend: the other ranks wait in agree_on_compile
+            if not self._agreed:  # failed before reaching the backend: the other ranks wait for its report
                 self._agreed = True
-                agree_on_compile(self.cp, error, [])
+                agree_before_running(self.cp, error, False, [], self._guard_failures)
             raise compile_error(error, self.backend) from None
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from torch.fx.experimental.symbolic_shapes import guard_int
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,12 @@ def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list
     of rank ``r - 1 - k`` for ``k = 0, 1, ...``, and zeros where the sequence has no predecessor.
     Returns ``(send, recv, zeros)``.
 
-    With a symbolic ``local_len`` every comparison here is a guard, so the first decision is the one that
-    holds for every long shard, ``local_len >= halo``: then the halo is the last ``halo`` rows of rank
-    ``r - 1`` (``halo`` zeros on rank 0) and no other comparison is made, so one graph serves every such
-    length. Shorter shards compare per hop: a graph per pattern of whole, partial and empty hops (and one
-    where a partial hop or the zeros are a single row, a size torch specializes).
+    With a symbolic ``local_len`` every comparison here is a guard, and every rank must add the same
+    guards (a rank whose cached graph still holds while another's fails would run its collectives
+    alone). So the first and only decision is the same on every rank, ``local_len >= halo``: then the
+    halo is the last ``halo`` rows of rank ``r - 1`` (``halo`` zeros on rank 0) and one graph serves
+    every such length. A shorter shard pins the length (one graph per length, on every rank) before
+    the per-hop arithmetic.
     """
     if halo <= 0:
         return [0] * world, [0] * world, 0
@@ -90,10 +92,10 @@ def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list
         send = [halo if r == rank + 1 else 0 for r in range(world)]
         recv = [halo if q == rank - 1 else 0 for q in range(world)]
         return send, recv, halo if rank == 0 else 0
+    local_len = guard_int(local_len)
 
     def rows(k):
-        need = halo - k * local_len
-        return 0 if need <= 0 else (local_len if need >= local_len else need)
+        return max(0, min(local_len, halo - k * local_len))
 
     send = [rows(r - rank - 1) if r > rank else 0 for r in range(world)]
     recv = [rows(rank - q - 1) if q < rank else 0 for q in range(world)]
@@ -102,13 +104,12 @@ def halo_counts(halo: int, local_len, rank: int, world: int) -> tuple[list, list
 
 def leading_zeros(halo: int, local_len, rank: int):
     """How many of the ``halo`` positions before rank ``rank``'s shard precede the sequence start:
-    ``max(0, halo - rank * local_len)``, deciding ``local_len >= halo`` first like :func:`halo_counts`."""
-    if rank == 0:
-        return halo
-    if halo <= 0 or local_len >= halo:
+    ``max(0, halo - rank * local_len)``, with the same guards as :func:`halo_counts` on every rank."""
+    if halo <= 0:
         return 0
-    covered = rank * local_len
-    return 0 if covered >= halo else halo - covered
+    if local_len >= halo:
+        return halo if rank == 0 else 0
+    return max(0, halo - rank * guard_int(local_len))
 
 
 def halo_exchange(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, group_name: str,

@@ -202,6 +202,30 @@ class BreaksOnSomeRanks(torch.nn.Module):
         return self.toy(input_ids)
 
 
+class Scaled(torch.nn.Module):
+    """ToyLlama's logits times a Python float: dynamo guards on its value."""
+
+    def __init__(self):
+        super().__init__()
+        self.toy = toy_model()
+        self.factor = 1.0
+
+    def forward(self, input_ids):
+        return self.toy(input_ids) * self.factor
+
+
+def recompile_on_one_rank(group) -> str:
+    """After a first call everywhere, only the last rank changes a guarded value: it compiles a new graph while
+    the others would reuse theirs and issue their collectives alone."""
+    model = Scaled()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    compiled(**local)
+    if group.rank() == group.size() - 1:
+        model.factor = 2.0
+    return _error(lambda: compiled(**local))
+
+
 def compile_fails_on_one_rank(group) -> str:
     """The last rank cannot compile; the others compile fine and must not enter the graph's collectives."""
     model = BreaksOnSomeRanks(breaks=group.rank() == group.size() - 1)

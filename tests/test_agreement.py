@@ -38,6 +38,18 @@ def test_a_rank_that_cannot_compile_stops_every_rank(pool, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_a_rank_that_recompiles_alone_stops_every_rank(pool, world):
+    """Guards that hold on some ranks only: before, the last rank compiled while the others ran their cached
+    graph's collectives without it."""
+    errors = pool.run("recompile_on_one_rank", world, timeout=HANG_S)
+    reused = list(range(world - 1))
+    for error in errors:
+        assert error.startswith(f"CPCompileError: ranks [{world - 1}] compiled a new graph for this call while "
+                                f"ranks {reused} reuse the graph they have"), error
+        assert "factor" in error, error
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_ranks_that_plan_different_collectives_stop_before_running(pool, world):
     errors = pool.run("schedules_differ", world, timeout=HANG_S)
     for error in errors:

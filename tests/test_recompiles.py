@@ -46,7 +46,7 @@ def fake_rank(rank, world):
         dist.destroy_process_group()
 
 
-def run_lengths(group, lengths, spec=None, doc_ids=False, **config):
+def run_lengths(group, lengths, spec=None, doc_ids=False, backward=True, **config):
     """Call a ToyLlama compiled on ``group`` at each local length (one document per row with ``doc_ids``);
     return the module."""
     torch.manual_seed(0)
@@ -63,7 +63,8 @@ def run_lengths(group, lengths, spec=None, doc_ids=False, **config):
                 compiled(ids, **inputs)
         else:
             loss, _ = compiled(ids, **inputs)
-            loss.backward()
+            if backward:
+                loss.backward()
     return compiled
 
 
@@ -91,4 +92,23 @@ def test_explain_counts_graphs_and_says_why_a_length_recompiled():
     lines = text.splitlines()
     assert lines[:2] == ["cp_passes: 2 graphs compiled", "  graph 0: local length 2"]
     assert lines[2].startswith("  graph 1: local length 6; recompiled because ") and "input_ids" in lines[2]
-    assert "transports.py" in lines[2]  # the guard's source: the halo counts
+    assert "expected 2, actual 6" in lines[2]  # a shard shorter than the halo pins the length
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(window=6), marks=pytest.mark.full),
+    pytest.param(dict(window=10, conv_kernel=4), marks=pytest.mark.full),
+    dict(window=6, spec=cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=6),)),
+         doc_ids=True),
+], ids=["window6", "window10_conv4", "doc_mask_window6"])
+def test_every_rank_compiles_a_new_graph_at_the_same_lengths(config):
+    """A rank that reuses its graph while another compiles a new one would run its collectives alone: every
+    rank's guards must fail at the same lengths, shards shorter than the halo included (rank-specific hop
+    counts used to give each rank its own guards: P = 4 packed parity hung at local lengths 4 then 2)."""
+    lengths = [4, 2, 2, 3, 8, 5, 12, 4]
+    compiled_at = []
+    for rank in range(WORLD):
+        with fake_rank(rank, WORLD) as group:
+            compiled = run_lengths(group, lengths, backward=False, **config)
+        compiled_at.append([r.local_len for r in compiled.compile_records])
+    assert all(c == compiled_at[0] for c in compiled_at), compiled_at

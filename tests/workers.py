@@ -80,7 +80,8 @@ class WorkerPool:
         """Run ``scenarios.<name>(group, **kwargs)`` on ranks 0..size-1; return their results in rank order.
 
         A task that has not finished on every rank after ``timeout`` seconds is a hang: the pool is replaced
-        (hung ranks cannot take another task) and the test fails."""
+        (hung ranks cannot take another task) and the test fails. A task that failed on some rank also
+        replaces the pool, so that one failure does not leave the next test's collectives mismatched."""
         assert size in (1, 2, self.world), size
         for r in range(size):
             self.tasks[r].put((name, size, kwargs))
@@ -96,7 +97,9 @@ class WorkerPool:
                 raise RuntimeError(f"{name} on {size} ranks hung: ranks {waiting} still running after {timeout} s")
             answered.add(rank)
             (out.__setitem__(rank, payload) if ok else errors.append(f"rank {rank}:\n{payload}"))
-        if errors:
+        if errors:  # the failed ranks may have left a collective half done: later tasks get fresh ranks
+            self.close(force=True)
+            self._start()
             raise RuntimeError(f"{name} failed on {size} ranks\n" + "\n".join(errors))
         return [out[r] for r in range(size)]
 
