@@ -44,9 +44,11 @@ def _gather(cp: CPGroup, obj) -> list:
 
 
 def describe_inputs(leaves: list[tuple[str | None, object]]) -> list[str]:
-    """One line per tensor input: name, shape and dtype."""
-    return [f"{name or '<positional>'}: {tuple(t.shape)} {t.dtype}" for name, t in leaves
-            if isinstance(t, torch.Tensor)]
+    """One line per tensor input (name, shape, dtype, whether it requires grad), and the grad mode: what the
+    compiled graph's guards read that the ranks must agree on."""
+    lines = [f"{name or '<positional>'}: {tuple(t.shape)} {t.dtype}{' requires_grad' if t.requires_grad else ''}"
+             for name, t in leaves if isinstance(t, torch.Tensor)]
+    return lines + [f"grad mode: {'on' if torch.is_grad_enabled() else 'off'}"]
 
 
 def _first_difference(descriptions: list[list[str]]) -> str:
@@ -104,7 +106,7 @@ def _digest(text: str) -> int:
 
 
 def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: bool, fingerprint: list[str],
-                         recompile_reasons: list[str] = ()) -> None:
+                         recompile_reasons: tuple[str, ...] | list[str] = ()) -> None:
     """Called on every rank exactly once per call, just before the graph would issue its first collective:
     at the end of a compile (``compiled``, with its error if it failed), before a cached graph runs, or where
     the capture failed before reaching the backend. One all-reduce says whether the ranks differ (a failure,
@@ -137,9 +139,10 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
         why = "; ".join(everyone[new[0]][3]) or "its first call"
         raise CPCompileError(
             f"ranks {new} compiled a new graph for this call while ranks {reused} reuse the graph they have, so "
-            f"they would issue different collectives; no rank ran. The ranks' graphs were guarded differently "
-            f"(a guard that depends on the rank): a cp_passes bug, please report it with this message. Rank "
-            f"{new[0]} compiled because: {why}"
+            f"they would issue different collectives; no rank ran. A guard of the compiled graphs holds on some "
+            f"ranks only: the model reads Python state that differs across ranks (an attribute, a flag, a "
+            f"non-tensor argument), or cp_passes guarded on the rank (a bug: please report it). Rank {new[0]} "
+            f"compiled because: {why}"
         )
     schedules = [fp for _, _, fp, _ in everyone]
     rank = next(r for r, fp in enumerate(schedules) if fp != schedules[0])

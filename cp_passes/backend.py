@@ -22,13 +22,12 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from .agreement import agree_before_running, check_inputs, collective_fingerprint, describe_inputs
 from .analysis import meta_val, sequence_symbol
-from .batch_checks import resolve_spec
-from .capture import capture, compile_error
+from .capture import capture
 from .dump import trace_record, write_dump
-from .errors import CPCompileError
+from .errors import CPCompileError, compile_error, stage_error
 from .explain import format_record
 from .passes import Plan, RewriteRecord, plan_graph, run_passes
-from .spec import CPSpec
+from .spec import CPSpec, resolve_spec
 from .transports import COLLECTIVES, CPGroup, resolve_group
 
 BACKENDS = ("inductor", "aot_eager")
@@ -69,35 +68,31 @@ class CPBackend:
         cp = owner.cp
         record = CompileRecord(cp.rank, cp.size, owner._local_len, owner.backend,
                                recompile_reasons=list(owner._guard_failures))
-        try:
+        stage = "capture"
+        try:  # everything that can fail happens before the agreement: after it, the other ranks run the graph
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
             aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len)
+            stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
             fingerprint = collective_fingerprint(aten_gm, set(COLLECTIVES))
-            if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
-                print(format_record(record), file=sys.stderr, flush=True)
-            if owner.verbose and cp.rank == 0:
-                print(
-                    f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
-                    f"{sum(1 for _ in aten_gm.graph.nodes)} nodes with {owner.backend} (first compile takes a "
-                    f"while)...",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self._announce(record, plan, aten_gm)
+            stage = "lowering"
             compiled = _lower(aten_gm, example_inputs, owner.backend, record)
+            stage = "record"
+            record.seconds = time.perf_counter() - start
+            trace_record(record)
+            if owner.dump_dir:
+                write_dump(owner.dump_dir, record, len(owner.compile_records))
         except Exception as error:
+            failure = stage_error(error, stage, owner.backend)
             owner._agreed = True
-            agree_before_running(cp, error, True, [], owner._guard_failures)
-            raise
+            agree_before_running(cp, failure, True, [], owner._guard_failures)
+            raise failure from error
         owner._agreed = True
         agree_before_running(cp, None, True, fingerprint, owner._guard_failures)
         owner.compile_records.append(record)
-        record.seconds = time.perf_counter() - start
         if owner.verbose and cp.rank == 0:
             print(f"cp_passes: compiled in {record.seconds:.1f} s", file=sys.stderr, flush=True)
-        trace_record(record)
-        if owner.dump_dir:
-            write_dump(owner.dump_dir, record, len(owner.compile_records) - 1)
 
         @functools.wraps(compiled)
         def run(*args):
@@ -108,6 +103,18 @@ class CPBackend:
             return compiled(*args)
 
         return run
+
+    def _announce(self, record: CompileRecord, plan: Plan, gm: torch.fx.GraphModule) -> None:
+        owner, cp = self.owner, self.owner.cp
+        if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
+            print(format_record(record), file=sys.stderr, flush=True)
+        if owner.verbose and cp.rank == 0:
+            print(
+                f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
+                f"{sum(1 for _ in gm.graph.nodes)} nodes with {owner.backend} (first compile takes a while)...",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec: CPSpec, cp: CPGroup,
@@ -274,15 +281,18 @@ class CPModule(torch.nn.Module):
                 # passes have read the symbolic graph; that only costs a recompile for a new length.
                 torch._dynamo.maybe_mark_dynamic(t, spec.seq_dim)
             elif name not in spec.replicated_inputs and t.dim() > spec.seq_dim and t.shape[spec.seq_dim] == seq_len:
+                what = f"input {name!r}" if name else "a positional input"
                 raise ValueError(
-                    f"input {name!r} {tuple(t.shape)} has the local sequence length {seq_len} on dim {spec.seq_dim}, "
-                    f"but spec {spec.name!r} does not list it in seq_inputs={spec.seq_inputs}"
+                    f"{what} {tuple(t.shape)} has the local sequence length {seq_len} on dim {spec.seq_dim} in this "
+                    f"call, but spec {spec.name!r} does not list it in seq_inputs={spec.seq_inputs}"
                     f"{_did_you_mean(spec.seq_inputs, [name]) if name else ''}; add it to seq_inputs if each rank "
                     f"passes its slice (spec.replace(seq_inputs=spec.seq_inputs + ({name!r},))), or to "
-                    f"replicated_inputs if every rank passes the same whole tensor"
+                    f"replicated_inputs if every rank passes the same whole tensor (its size only equals the "
+                    f"local length by chance)"
                 )
         return seq_len
 
+    @torch.compiler.disable  # inside an outer torch.compile, dynamo would trace the model without cp_passes
     def forward(self, *args, **kwargs):
         leaves = self._leaves(args, kwargs)
         check_inputs(self.cp, describe_inputs(leaves))  # first: every rank then takes the same decisions
@@ -293,14 +303,22 @@ class CPModule(torch.nn.Module):
         self._guard_failures.clear()
         self._agreed = self._entered = False
         try:
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         except Exception as error:
             if self._entered:
                 raise  # a run-time error inside a compiled graph, not a compile failure
+            failure = compile_error(error)
             if not self._agreed:  # failed before reaching the backend: the other ranks wait for its report
                 self._agreed = True
-                agree_before_running(self.cp, error, False, [], self._guard_failures)
-            raise compile_error(error, self.backend) from None
+                agree_before_running(self.cp, failure, False, [], self._guard_failures)
+            raise failure from None
+        if not self._entered:  # the same on every rank: nothing ran that could exchange anything
+            raise CPCompileError(
+                "the model ran without a compiled graph, so every rank computed on its own shard alone: dynamo is "
+                "disabled (TORCHDYNAMO_DISABLE, torch._dynamo.config.disable) or skipped the model's forward. "
+                "Enable dynamo for the CP model"
+            )
+        return out
 
 
 def _did_you_mean(names, candidates) -> str:
@@ -340,5 +358,5 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     spec = resolve_spec(spec)
-    spec.check_module_globs([name for name, _ in model.named_modules()])
+    spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
     return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose, _explain_ranks(explain))

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_checks import check_batch, resolve_spec
+from .batch_checks import check_batch
 from .packing import pack
-from .spec import CPSpec
+from .spec import CPSpec, resolve_spec
 from .transports import resolve_group
 
 
@@ -93,8 +93,8 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
     start = rank * local
     out = {}
     for key, value in batch.items():
-        added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing
-        if not (key in checked.seq_keys or (added and spec.is_sharded(key, value, seq_len))):
+        added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing: always sharded
+        if not (key in checked.seq_keys or added):
             out[key] = value
             continue
         if padded > seq_len:

@@ -12,23 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from .packing import LENGTH_KEYS, PAD_DOC_ID
-from .spec import CPSpec, load_spec
+from .spec import CPSpec
 
 MASK_KEYS = ("attention_mask", "loss_mask")
 """Batch keys padded with 0 besides shard_batch's ``mask_keys``."""
 SHAPE_KEYS = ("input_ids", "inputs_embeds")
 """Keys whose tensor gives the batch its rows and length, in order of preference."""
-
-
-def resolve_spec(spec) -> CPSpec:
-    """``spec`` as cp_compile takes it: a CPSpec, a spec name or ``.py`` path, or None (the default)."""
-    if spec is None:
-        return CPSpec()
-    if isinstance(spec, str):
-        return load_spec(spec)
-    if not isinstance(spec, CPSpec):
-        raise TypeError(f"spec must be a CPSpec, a spec name such as 'llama', or None; got {type(spec).__name__}")
-    return spec
 
 
 @dataclass(frozen=True)

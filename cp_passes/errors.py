@@ -86,3 +86,76 @@ class CPCompileError(RuntimeError):
         super().__init__(
             f"cp_passes cannot shard this model along the sequence ({count} problem{'s' if count > 1 else ''}):\n{body}"
         )
+
+
+def _chain(error: BaseException):
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = getattr(error, "inner_exception", None) or error.__cause__ or error.__context__
+
+
+def _trimmed(error: BaseException, lines: int = 30) -> str:
+    text = str(error).strip().splitlines()
+    return "\n".join(text[:lines] + (["    ..."] if len(text) > lines else []))
+
+
+def compile_error(error: BaseException) -> CPCompileError:
+    """Whatever stopped dynamo's capture (or the backend: its CPCompileError is inside dynamo's wrapper), as a
+    CPCompileError that says what construct it was and what to do."""
+    from torch._dynamo import exc
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    chain = list(_chain(error))
+    own = next((e for e in chain if isinstance(e, CPCompileError)), None)
+    if own is not None:
+        return own
+    data_dependent = next((e for e in chain if isinstance(e, GuardOnDataDependentSymNode)), None)
+    if data_dependent is not None:
+        return CPCompileError(
+            "the model computes a shape or a branch from tensor data (.tolist(), .item(), the size of nonzero() or "
+            "of a boolean-mask index), which cannot be traced into one graph. Fix: compute such sizes outside the "
+            "compiled module and pass them in, or use a form with static shapes (masks instead of boolean "
+            f"indexing). Dynamo said:\n{_trimmed(data_dependent)}"
+        )
+    if isinstance(error, exc.FailOnRecompileLimitHit):
+        return CPCompileError(
+            "dynamo reached its limit of graphs for this model (torch._dynamo.config.recompile_limit): every new "
+            "local length shorter than a halo compiles a graph of its own, and so do changed guards (explain() "
+            "lists each graph and why it was compiled). Fix: keep the local length fixed or at least the largest "
+            "halo (shard_batch's pad_multiple=), or raise the limit"
+        )
+    if isinstance(error, exc.UserError):
+        return CPCompileError(
+            "dynamo refused a construct in the model (typically Python control flow on tensor values, such as a "
+            "loop over the experts that nonzero() selects). Fix: use a form without it (transformers MoE models: "
+            "experts_implementation=\"batched_mm\"), or run that part outside the compiled module. Dynamo "
+            f"said:\n{_trimmed(error)}"
+        )
+    if isinstance(error, exc.Unsupported):
+        return CPCompileError(
+            "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
+            f"unchecked), but dynamo could not trace it:\n{_trimmed(error)}"
+        )
+    return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")
+
+
+def stage_error(error: BaseException, stage: str, backend: str) -> CPCompileError:
+    """An error raised in the backend at ``stage`` ("capture", "rewrite", "lowering", "record"), named by it."""
+    if isinstance(error, CPCompileError):
+        return error
+    if stage == "lowering":
+        return CPCompileError(
+            f"lowering the rewritten graph with {backend} failed ({type(error).__name__}); cp_passes rewrote it "
+            f"without error, so this is a bug in cp_passes' output or in the compiler. backend=\"aot_eager\" runs "
+            f"the same graph without Inductor. The compiler said:\n{_trimmed(error)}"
+        )
+    if stage == "capture":
+        found = compile_error(error)
+        if not found.args[0].startswith("cp_passes could not capture"):
+            return found
+    what = {"capture": "re-tracing the captured graph to ATen", "rewrite": "rewriting the graph",
+            "record": "recording the compile (structured trace, dump_dir)"}[stage]
+    return CPCompileError(f"cp_passes failed while {what} ({type(error).__name__}): {_trimmed(error)}\n"
+                          f"This is a cp_passes bug unless the message says otherwise; please report it.")

@@ -183,3 +183,14 @@ def load_spec(name_or_path: str) -> CPSpec:
     if not isinstance(spec, CPSpec):
         raise ValueError(f"{name_or_path!r} defines no module-level SPEC = CPSpec(...) (found {type(spec).__name__})")
     return spec
+
+
+def resolve_spec(spec) -> CPSpec:
+    """``spec`` as cp_compile takes it: a CPSpec, a spec name or ``.py`` path, or None (the default)."""
+    if spec is None:
+        return CPSpec()
+    if isinstance(spec, str):
+        return load_spec(spec)
+    if not isinstance(spec, CPSpec):
+        raise TypeError(f"spec must be a CPSpec, a spec name such as 'llama', or None; got {type(spec).__name__}")
+    return spec

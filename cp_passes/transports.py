@@ -218,9 +218,9 @@ def mask_block_for_keys(global_mask: torch.Tensor, query: torch.Tensor, rank: in
     the causal (window) envelope that the transport was planned for: every rank checks every row of the
     global mask, so all ranks reach the same verdict and none is left waiting in a collective."""
     local = query.shape[-2]
-    positions = torch.arange(global_mask.shape[-1], device=query.device)
-    distance = positions[:, None] - positions[None, :]
-    envelope = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+    envelope = torch.ones(global_mask.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if window is not None:
+        envelope = envelope.triu(1 - window)
     torch._assert_async((global_mask & ~envelope).logical_not().all(),
                         "cp_passes: the model's attention mask allows a key outside the causal window that the "
                         "spec declares (or outside causal attention); declare the right AttentionRule")

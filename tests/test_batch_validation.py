@@ -165,3 +165,14 @@ def test_a_spec_name_is_accepted_and_anything_else_is_a_type_error():
     by_name, by_spec = whole(batch, "llama"), whole(batch, load_spec("llama"))
     assert by_name.keys() == by_spec.keys() and all(torch.equal(by_name[k], by_spec[k]) for k in by_name)
     assert "spec must be a CPSpec, a spec name such as 'llama', or None; got int" in refusal(batch, 3, TypeError)
+
+
+def test_keys_that_packing_adds_are_sharded_whatever_the_spec_lists():
+    """doc_ids, position_ids and shift_labels are sequence tensors by construction: a spec whose seq_inputs
+    omits them used to hand every rank the whole [B, S] tensor."""
+    batch = {"input_ids": torch.arange(10, 18)[None], "labels": torch.arange(10, 18)[None],
+             "cu_seqlens": torch.tensor([0, 3, 8])}
+    out, _ = shard_for_rank(batch, 1, 2, CPSpec(seq_inputs=("input_ids", "labels")))
+    for key in ("doc_ids", "position_ids", "shift_labels"):
+        assert out[key].shape == (1, 4), (key, out[key].shape)
+    assert out["doc_ids"].tolist() == [[1, 1, 1, 1]] and out["position_ids"].tolist() == [[1, 2, 3, 4]]

@@ -168,3 +168,19 @@ def test_a_mask_from_a_boolean_input_lowers_with_inductor(group):
     out.sum().backward()
     assert out.shape == (2, 8, 16)
     assert compiled.compile_records[0].aot_ops["forward"]["_c10d_functional.all_gather_into_tensor.default"] == 2
+
+
+def test_inside_an_outer_torch_compile_the_model_is_still_rewritten(group):
+    """An outer torch.compile used to trace through the CP module (crashing on maybe_mark_dynamic, or tracing the
+    plain model): the CP module's forward is opaque to dynamo and compiles its own graph."""
+    compiled = cp_passes.cp_compile(toy(), mesh=group, backend="aot_eager", verbose=False)
+    step = torch.compile(lambda ids: compiled(ids).sum(), backend="aot_eager")
+    step(torch.randint(0, 32, (2, 8)))
+    assert [r.rule for r in compiled.compile_records[0].records] == ["arange_positions", "sdpa_causal", "sdpa_causal"]
+
+
+def test_a_forced_eager_run_fails_instead_of_running_unsharded(group):
+    """torch.compiler.set_stance("force_eager") runs every compiled function eagerly, without an error."""
+    compiled = cp_passes.cp_compile(toy(), mesh=group, backend="aot_eager", verbose=False)
+    with torch.compiler.set_stance("force_eager"), pytest.raises(CPCompileError, match="without a compiled graph"):
+        compiled(torch.randint(0, 32, (2, 8)))
