@@ -314,9 +314,9 @@ class CPModule(torch.nn.Module):
             raise failure from None
         if not self._entered:  # the same on every rank: nothing ran that could exchange anything
             raise CPCompileError(
-                "the model ran without a compiled graph, so every rank computed on its own shard alone: dynamo is "
-                "disabled (TORCHDYNAMO_DISABLE, torch._dynamo.config.disable) or skipped the model's forward. "
-                "Enable dynamo for the CP model"
+                "the model ran without a compiled graph, so every rank computed on its own shard alone: dynamo ran "
+                "it eagerly (torch.compiler.set_stance(\"force_eager\") or a stance that falls back to eager) or "
+                "skipped the model's forward. Let dynamo compile the CP model"
             )
         return out
 

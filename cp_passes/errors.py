@@ -104,6 +104,14 @@ def _trimmed(error: BaseException, lines: int = 30) -> str:
 def compile_error(error: BaseException) -> CPCompileError:
     """Whatever stopped dynamo's capture (or the backend: its CPCompileError is inside dynamo's wrapper), as a
     CPCompileError that says what construct it was and what to do."""
+    known = _recognised(error)
+    if known is not None:
+        return known
+    return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")
+
+
+def _recognised(error: BaseException) -> CPCompileError | None:
+    """The CPCompileError for an error whose cause cp_passes can name, else None."""
     from torch._dynamo import exc
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -138,7 +146,7 @@ def compile_error(error: BaseException) -> CPCompileError:
             "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
             f"unchecked), but dynamo could not trace it:\n{_trimmed(error)}"
         )
-    return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")
+    return None
 
 
 def stage_error(error: BaseException, stage: str, backend: str) -> CPCompileError:
@@ -151,10 +159,9 @@ def stage_error(error: BaseException, stage: str, backend: str) -> CPCompileErro
             f"without error, so this is a bug in cp_passes' output or in the compiler. backend=\"aot_eager\" runs "
             f"the same graph without Inductor. The compiler said:\n{_trimmed(error)}"
         )
-    if stage == "capture":
-        found = compile_error(error)
-        if not found.args[0].startswith("cp_passes could not capture"):
-            return found
+    known = _recognised(error) if stage == "capture" else None
+    if known is not None:
+        return known
     what = {"capture": "re-tracing the captured graph to ATen", "rewrite": "rewriting the graph",
             "record": "recording the compile (structured trace, dump_dir)"}[stage]
     return CPCompileError(f"cp_passes failed while {what} ({type(error).__name__}): {_trimmed(error)}\n"
