@@ -11,8 +11,8 @@ import argparse
 import torch
 from tabulate import tabulate
 
-from cp_passes.dryrun import dry_run, fake_group
-from cp_passes.models import ToyLlama, ToyLlamaConfig
+from cp_passes.tools.dryrun import dry_run, fake_group
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 from cp_passes.spec import CPSpec
 
 

@@ -80,6 +80,14 @@ class CPSpec:
     position_keys: tuple[str, ...] = ("position_ids",)
     """Batch keys holding positions: padded by continuing the count, so padding stays well defined."""
 
+    doc_key: str = "doc_ids"
+    """Batch key of the document-id map (-1 on padding): :func:`cp_passes.shard_batch` pads it with -1 and, for
+    packed rows, writes it."""
+
+    packed_labels: tuple[str, str] = ("labels", "shift_labels")
+    """For packed rows: the key of unshifted labels :func:`cp_passes.shard_batch` reads, and the key it writes
+    them to shifted inside each document. Packing writes positions to ``position_keys[0]``."""
+
     gather_kv_together: bool = True
     """Gather K and V of one attention call in a single collective (same bytes, one launch)."""
 
@@ -103,8 +111,14 @@ class CPSpec:
                 f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
                 f"positions), got {self.seq_dim!r}"
             )
-        for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs"):
+        for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs",
+                      "packed_labels"):
             _check_names(field, getattr(self, field))
+        if not isinstance(self.doc_key, str) or not self.doc_key:
+            raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")
+        if len(self.packed_labels) != 2 or not self.position_keys:
+            raise ValueError(f"CPSpec.packed_labels must be (unshifted key, shifted key), got {self.packed_labels!r}; "
+                             f"position_keys must name at least one key, got {self.position_keys!r}")
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):

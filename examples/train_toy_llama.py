@@ -13,8 +13,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import cp_passes
-from cp_passes.launch import launch
-from cp_passes.models import ToyLlama
+from cp_passes.tools.launch import launch
+from cp_passes.tools.models import ToyLlama
 
 
 def train(steps: int, seq_len: int, backend: str) -> None:

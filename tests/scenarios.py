@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import cp_passes
-from cp_passes.models import ToyLlama, ToyLlamaConfig
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 
 def toy_batch(seq_len: int, batch: int = 2, vocab: int = 256, seed: int = 1) -> dict:

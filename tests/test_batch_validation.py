@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cp_passes import CPSpec, load_spec
-from cp_passes.batch import shard_for_rank
+from cp_passes.data.batch import shard_for_rank
 
 IDS = torch.arange(10, 18)[None]  # one row of 8 tokens
 TWO = torch.arange(16).view(2, 8)  # two rows of 8 tokens

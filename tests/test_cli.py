@@ -42,7 +42,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     index = (tmp_path / "rank1" / "graph0" / "index.txt").read_text().split()
     assert "explain.txt" in index and "aot_forward.py" in index and "aot_backward.py" in index
     after = next(name for name in index if "after_sequence_gather" in name)
-    assert "sequence_all_gather" in (tmp_path / "rank1" / "graph0" / after).read_text()
+    assert "cp_passes.sequence_gather" in (tmp_path / "rank1" / "graph0" / after).read_text()
     logs = "".join(p.read_text() for p in trace.iterdir())  # tlparse input: our artifacts are in it
     assert '"name": "cp_passes_explain"' in logs and "cp_passes_04_after_sequence_gather" in logs
 

@@ -8,8 +8,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from cp_passes import CPSpec
-from cp_passes.batch_checks import check_batch
-from cp_passes.packing import pack
+from cp_passes.data.checks import check_batch
+from cp_passes.data.packing import pack
 from scenarios import hf_llama, packed_batch, packed_model_inputs, toy_model
 
 OUT_TOL = 1e-5

@@ -6,8 +6,8 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cp_passes.batch import shard_for_rank
-from cp_passes.packing import PAD_DOC_ID, UNUSED_SLOT
+from cp_passes.data.batch import shard_for_rank
+from cp_passes.data.packing import PAD_DOC_ID, UNUSED_SLOT
 
 IGNORE = -100
 

@@ -127,7 +127,7 @@ def test_shard_batch_and_gather_sequence(pool, P):
     padded = -(-seq_len // P) * P
     local = padded // P
     for rank, r in enumerate(per_rank):
-        assert r["layout"] == (seq_len, padded, tuple((i * local, (i + 1) * local) for i in range(P)))
+        assert r["layout"] == (seq_len, padded, tuple(((i * local, (i + 1) * local),) for i in range(P)))
         assert torch.equal(r["full"], ids)
         weights = torch.arange(1, padded + 1, dtype=torch.float32)
         weights[seq_len:] = 0

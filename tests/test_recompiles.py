@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
-from cp_passes.models import ToyLlama, ToyLlamaConfig
-from cp_passes.transports import halo_counts, leading_zeros
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from cp_passes.layout import Layout
 
 WORLD = 4
 
@@ -25,10 +25,10 @@ def needed_rows(halo, local, rank, source):
 def test_halo_counts_are_the_rows_each_rank_needs(world, halo):
     for local in range(1, 13):
         for rank in range(world):
-            send, recv, zeros = halo_counts(halo, local, rank, world)
+            send, recv, zeros = Layout(world).halo_counts(halo, rank, local)
             assert recv == [needed_rows(halo, local, rank, q) for q in range(world)], (local, rank)
             assert send == [needed_rows(halo, local, r, rank) for r in range(world)], (local, rank)
-            assert zeros == leading_zeros(halo, local, rank) == max(0, halo - rank * local), (local, rank)
+            assert zeros == Layout(world).leading_zeros(halo, rank, local) == max(0, halo - rank * local), (local, rank)
 
 
 @contextlib.contextmanager
@@ -73,11 +73,13 @@ WINDOW5 = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", w
 
 @pytest.mark.parametrize("rank", [1, 3])
 @pytest.mark.parametrize("config,lengths", [
-    (dict(window=5, conv_kernel=4), range(4, 17)),  # halos 4 (attention) and 3 (conv)
-    (dict(window=10), range(9, 15)),  # halo 9
-    (dict(window=5, spec=WINDOW5, doc_ids=True), range(4, 9)),  # a mask from doc ids, cut to the halo's keys
+    (dict(window=5, conv_kernel=4), range(2, 17)),  # halos 4 (attention) and 3 (conv), shorter shards too
+    (dict(window=10), range(3, 15)),  # halo 9 (at local length 2 the global 8 cannot show the window)
+    (dict(window=5, spec=WINDOW5, doc_ids=True), range(2, 9)),  # a mask from doc ids, cut to the halo's keys
 ], ids=["window5_conv4", "window10", "doc_mask_window5"])
-def test_one_graph_for_every_length_at_least_the_halo(rank, config, lengths):
+def test_one_graph_for_every_length(rank, config, lengths):
+    """The halo's row counts are computed at run time inside cp_passes::halo and the masks from the layout's
+    positions, so no length guard is added: shards shorter than the halo (spanning several ranks) included."""
     with fake_rank(rank, WORLD) as group:
         compiled = run_lengths(group, lengths, **config)
         assert [r.local_len for r in compiled.compile_records] == [lengths[0]]
@@ -86,13 +88,14 @@ def test_one_graph_for_every_length_at_least_the_halo(rank, config, lengths):
 
 def test_explain_counts_graphs_and_says_why_a_length_recompiled():
     with fake_rank(1, WORLD) as group:
-        compiled = run_lengths(group, [2, 6, 7, 9], window=5)  # halo 4: 2 is shorter, 6 and up share a graph
+        # window 10: at local length 2 the global 8 shows a causal mask, guarded to that length; 3 shows the window
+        compiled = run_lengths(group, [2, 3, 5], window=10)
         text = cp_passes.explain(compiled, print_table=False)
-    assert [r.local_len for r in compiled.compile_records] == [2, 6]
+    assert [r.local_len for r in compiled.compile_records] == [2, 3]
     lines = text.splitlines()
     assert lines[:2] == ["cp_passes: 2 graphs compiled", "  graph 0: local length 2"]
-    assert lines[2].startswith("  graph 1: local length 6; recompiled because ") and "input_ids" in lines[2]
-    assert "expected 2, actual 6" in lines[2]  # a shard shorter than the halo pins the length
+    assert lines[2].startswith("  graph 1: local length 3; recompiled because ") and "input_ids" in lines[2]
+    assert "expected 2, actual 3" in lines[2]  # the causal reading pinned the length
 
 
 @pytest.mark.parametrize("config", [

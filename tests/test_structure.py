@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
-from cp_passes.models import ToyLlama, ToyLlamaConfig
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 WORLD, RANK = 8, 3
-GATHER = "_c10d_functional.all_gather_into_tensor.default"
-REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+GATHER = "cp_passes.sequence_gather.default"
+REDUCE_SCATTER = "cp_passes.sequence_reduce_scatter.default"
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
         assert r.lower_bound_bytes == RANK * local_kv * 4  # causal: rank 3 needs ranks 0..2
     after = record.history[-1][1]
     assert "enable_gqa = True" in after
-    assert "cp_passes_transports_sequence_all_gather(cp_kv" in after
+    assert "torch.ops.cp_passes.sequence_gather.default(cp_kv" in after
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
@@ -66,9 +66,9 @@ def test_k_and_v_gathered_separately_when_asked(fake_world):
 
 def test_positions_offset_and_causal_mask_at_rank_offset(fake_world):
     record = compile_toy(fake_world)
-    after = record.history[-1][1]
-    assert f"* {RANK}" in after and f"* {RANK + 1}" in after  # arange(rank * s, (rank + 1) * s)
-    assert "causal_mask_at_offset" in after and "is_causal = False" in after
+    after, forward = record.history[-1][1], record.aot_graphs["forward"]
+    assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
+    assert "cp_causal_mask" in after and "is_causal = False" in after
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"
@@ -94,7 +94,7 @@ def test_explain_table_lists_rewrites(fake_world, capsys):
     assert "all_gather K+V" in text
 
 
-ALL_TO_ALL = "_c10d_functional.all_to_all_single.default"
+HALO, HALO_BACKWARD = "cp_passes.halo.default", "cp_passes.halo_backward.default"
 
 
 def test_halo_moves_exactly_the_window_across_hops(fake_world):
@@ -107,7 +107,7 @@ def test_halo_moves_exactly_the_window_across_hops(fake_world):
         rows = 6 if r.rule == "causal_conv_slice" else 4
         assert r.elements == rows * (batch * dim if r.rule == "causal_conv_slice" else kv_row)
         assert r.bytes == r.lower_bound_bytes == r.elements * 4
-    assert record.aot_ops["forward"][ALL_TO_ALL] == 4 and record.aot_ops["backward"][ALL_TO_ALL] == 4
+    assert record.aot_ops["forward"][HALO] == 4 and record.aot_ops["backward"][HALO_BACKWARD] == 4
     assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][REDUCE_SCATTER] == 0
 
 
@@ -118,7 +118,7 @@ def test_window_by_gather_moves_more_than_the_halo(fake_world):
     (g,) = {r.bytes for r in gather.records if r.rule == "sdpa_window"}
     (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
     assert h == bound and g == (WORLD - 1) * 16 * bound // 4  # 7 ranks x 16 rows against 4 rows
-    assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][ALL_TO_ALL] == 0
+    assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][HALO] == 0
 
 
 def test_explain_at_compile_time_by_environment(fake_world, capsys, monkeypatch):

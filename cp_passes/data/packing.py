@@ -10,12 +10,8 @@ id stays valid).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from .batch_checks import CheckedBatch
 
 UNUSED_SLOT = -1000
 """Marks an unused document slot in ``seq_lens`` / ``seq_lens_padded``."""
@@ -129,9 +125,11 @@ def _aligned(docs: list[Document], alignment: int) -> tuple[list[Document], list
     return new_docs, source
 
 
-def pack(checked: CheckedBatch, packed_alignment: int = 1) -> dict:
-    """The global packed batch: sequence tensors re-laid for ``packed_alignment``, and ``doc_ids``,
-    per-document ``position_ids``, ``valid`` and (from unshifted ``labels``) ``shift_labels`` added.
+def pack(checked, packed_alignment: int = 1) -> dict:
+    """The global packed batch from ``checked`` (a :class:`~cp_passes.data.checks.CheckedBatch`): sequence
+    tensors re-laid for ``packed_alignment``, and ``valid``, the document-id map (``spec.doc_key``),
+    per-document positions (``spec.position_keys[0]``) and labels shifted inside each document
+    (``spec.packed_labels``: read unshifted from the first key, written to the second) added.
 
     Raises ValueError naming the row and the document for lengths that do not describe the row and for
     given positions that jump inside a document or do not restart at zero.
@@ -173,18 +171,20 @@ def pack(checked: CheckedBatch, packed_alignment: int = 1) -> dict:
                 mask = (sources >= 0).view(rows, -1, *[1] * (value.dim() - 2))
                 value = torch.where(mask, gathered, torch.full_like(gathered, padding.value(key, value)))
         out[key] = value
-    out["doc_ids"] = doc_ids
-    out.setdefault("position_ids", positions)
-    if "labels" in checked.seq_keys and "shift_labels" not in out:
-        ignore_index = padding.spec.ignore_index
-        labels = out["labels"]
+    spec = padding.spec
+    (labels_key, shifted_key), position_key = spec.packed_labels, spec.position_keys[0]
+    out[spec.doc_key] = doc_ids
+    out.setdefault(position_key, positions)
+    if labels_key in checked.seq_keys and shifted_key not in out:
+        ignore_index = spec.ignore_index
+        labels = out[labels_key]
         nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
         same_doc = torch.cat([doc_ids[:, 1:] == doc_ids[:, :-1], torch.zeros_like(valid[:, :1])], dim=1)
         keep = same_doc & valid & torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
         if "loss_mask" in checked.seq_keys:
             lm = out["loss_mask"].bool()
             keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
-        out["shift_labels"] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
+        out[shifted_key] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
     out["valid"] = valid
     return out
 

@@ -1,8 +1,8 @@
 """The torch.compile backend and the ``cp_compile`` wrapper around it.
 
 capture (dynamo, sequence dim symbolic) -> re-trace to a pre-dispatch ATen graph (node meta kept)
--> plan (every sequence-touching node matched to a rule, else one error) -> transport passes
--> verify (lint, fake-tensor shapes of every output unchanged) -> lower (Inductor or aot_eager).
+-> the pipeline (:mod:`.pipeline`: analyse, match, plan, transports, verify) -> agreement between the
+ranks -> lower (Inductor or aot_eager).
 """
 
 from __future__ import annotations
@@ -14,43 +14,23 @@ import inspect
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
+from ..errors import CPCompileError, compile_error, stage_error
+from ..graph.provenance import format_graph
+from ..group import CPGroup, resolve_group
+from ..spec import CPSpec, resolve_spec
+from ..report.dump import trace_record, write_dump
+from ..report.explain import format_record
+from ..transports import collective_ops
 from .agreement import agree_before_running, check_inputs, collective_fingerprint, describe_inputs
-from .analysis import meta_val, sequence_symbol
 from .capture import capture
-from .dump import trace_record, write_dump
-from .errors import CPCompileError, compile_error, stage_error
-from .explain import format_record
-from .passes import Plan, RewriteRecord, plan_graph, run_passes
-from .spec import CPSpec, resolve_spec
-from .transports import COLLECTIVES, CPGroup, resolve_group
+from .pipeline import CompileRecord, rewrite_graph
+from .planner import Plan
 
 BACKENDS = ("inductor", "aot_eager")
-
-
-@dataclass
-class CompileRecord:
-    """Everything one compiled graph went through, for ``explain`` and ``dump_dir``."""
-
-    rank: int
-    world_size: int
-    local_len: int
-    backend: str
-    history: list[tuple[str, str]] = field(default_factory=list)
-    records: list[RewriteRecord] = field(default_factory=list)
-    partial_outputs: list[int] = field(default_factory=list)
-    aot_graphs: dict[str, str] = field(default_factory=dict)
-    aot_ops: dict[str, collections.Counter] = field(default_factory=dict)
-    output_code: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-    recompile_reasons: list[str] = field(default_factory=list)
-    """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
-    recompile reasons, with the source line that added the guard)."""
 
 
 class CPBackend:
@@ -74,7 +54,7 @@ class CPBackend:
             aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
-            fingerprint = collective_fingerprint(aten_gm, set(COLLECTIVES))
+            fingerprint = collective_fingerprint(aten_gm, collective_ops())
             self._announce(record, plan, aten_gm)
             stage = "lowering"
             compiled = _lower(aten_gm, example_inputs, owner.backend, record)
@@ -117,53 +97,11 @@ class CPBackend:
             )
 
 
-def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec: CPSpec, cp: CPGroup,
-                  record: CompileRecord) -> Plan:
-    """analyse -> plan -> transport passes -> verify, on a pre-dispatch ATen graph whose sharded inputs carry
-    one symbolic sequence length. Records every stage in ``record``; raises CPCompileError on refusal."""
-    symbols = sequence_symbol(list(aten_gm.graph.find_nodes(op="placeholder")))
-    if not symbols:
-        raise CPCompileError(
-            f"the tracer specialized the local sequence length ({record.local_len}): some code in the model turns "
-            f"the length into a Python int (an int(), a comparison with a constant, a shape-dependent branch), so "
-            f"cp_passes cannot tell positions from sizes; run with TORCH_LOGS=\"+dynamic\" to see where, and keep "
-            f"the sequence length symbolic there"
-        )
-    if len(symbols) != 1:
-        raise CPCompileError(
-            f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
-            f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim {spec.seq_dim}"
-        )
-    (sym,) = symbols
-    record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
-    before = _output_values(aten_gm)
-    plan = plan_graph(aten_gm, sym, spec, cp)
-    record.records = plan.records
-    record.partial_outputs = plan.partial_outputs
-    run_passes(aten_gm, plan, record.history)
-    FakeTensorProp(aten_gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)
-    # Shapes print through the shape env, so a length the transports pinned (guards) prints the same in both.
-    shapes_before, shapes_after = _shapes(before), _shapes(_output_values(aten_gm))
-    if shapes_after != shapes_before:
-        raise CPCompileError(f"cp_passes internal error: the rewrite changed output shapes {shapes_before} -> "
-                             f"{shapes_after}")
-    return plan
-
-
-def _output_values(gm: torch.fx.GraphModule) -> list:
-    (output,) = gm.graph.find_nodes(op="output")
-    return [meta_val(v) if isinstance(v, torch.fx.Node) else v for v in torch.utils._pytree.tree_leaves(output.args[0])]
-
-
-def _shapes(values: list) -> list[str]:
-    return [str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v) for v in values]
-
-
 def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: CompileRecord):
     def keep(kind):
         def capture(graph: torch.fx.GraphModule):
             name = kind if kind not in record.aot_graphs else f"{kind}_{len(record.aot_graphs)}"
-            record.aot_graphs[name] = graph.print_readable(print_output=False)
+            record.aot_graphs[name] = format_graph(graph)
             record.aot_ops[name] = collections.Counter(
                 str(n.target) for n in graph.graph.nodes if n.op == "call_function")
 

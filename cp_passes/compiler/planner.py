@@ -1,46 +1,46 @@
-"""Plan and rewrite: match every node that touches the sequence to a rule, then run the transport passes.
+"""Plan: match patterns, then give every node that touches the sequence to its rule.
 
-Planning visits every node before any rewrite, so a model is refused as a whole (every problem
-listed at once) or rewritten as a whole; a half-rewritten graph never reaches the compiler.
+Planning visits every node before any rewrite, so a model is refused as a whole (every problem listed
+at once) or rewritten as a whole; a half-rewritten graph never reaches the compiler. The planner tracks
+each value's :class:`~cp_passes.rules.Value` (sharded along the sequence, a per-rank partial sum, or
+neither) and checks that every rewrite names a registered transport that supports the layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
-from . import rewrites as _rewriting_rules  # noqa: F401  (importing registers them)
-from .analysis import bind_args, has_symbol, meta_val, seq_dims
-from .errors import CPCompileError, Problem, module_path, op_name, source_line
-from .rules import _LAYOUT, Refusal, Rewrite, RuleContext, Transfer, lookup_rule
+from ..errors import CPCompileError, Problem, module_path, op_name, source_line
+from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
+from ..match import match_graph
+from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
+from ..transports import TRANSPORTS, Cost
 
 aten = torch.ops.aten
 
-# Pass order. Positions first: they only retarget arange nodes, never attention or conv inputs.
-# Halo next (causal convolutions and sliding-window attention), then full-sequence gathers, then global
-# reductions (a mean's denominator). The rewrites of one pass never touch nodes another pass rewrites,
-# so each graph in the history shows exactly one transport added. Doc-id transports slot in here.
-PASS_ORDER = ("positions", "halo", "sequence_gather", "reductions")
-
 
 @dataclass
-class RewriteRecord(Transfer):
-    """One row of the rewrite table: a node that a pass changed, or an output the caller must reduce."""
+class RewriteRecord(Cost):
+    """One row of the rewrite table: a node a transport changed, or an output the caller must reduce."""
 
+    rule: str = ""
+    transport: str = ""
+    note: str = ""
     node: str = ""
     op: str = ""
     source: str = ""
     module: str = ""
 
     @classmethod
-    def of(cls, node: torch.fx.Node, transfer: Transfer, name: str | None = None) -> "RewriteRecord":
-        stats = {f.name: getattr(transfer, f.name) for f in dataclasses.fields(Transfer)}
-        return cls(**stats, node=name or node.name, op=op_name(node), source=source_line(node, code=False),
-                   module=module_path(node))
+    def of(cls, node: torch.fx.Node, rule: str, transport: str, cost: Cost, note: str,
+           name: str | None = None) -> "RewriteRecord":
+        stats = {f.name: getattr(cost, f.name) for f in dataclasses.fields(Cost)}
+        return cls(**stats, rule=rule, transport=transport, note=note, node=name or node.name, op=op_name(node),
+                   source=source_line(node, code=False), module=module_path(node))
 
 
 @dataclass
@@ -48,12 +48,14 @@ class Plan:
     rewrites: list[tuple[torch.fx.Node, Rewrite]] = field(default_factory=list)
     partial_outputs: list[int] = field(default_factory=list)
     records: list[RewriteRecord] = field(default_factory=list)
+    record_of: dict[int, RewriteRecord] = field(default_factory=dict)
+    """``id(rewrite)`` -> its row in ``records``."""
 
 
-_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *_LAYOUT}
+_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
 
 
-def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> None:
+def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value:
     """A per-rank partial sum may only flow through ops that are linear in it."""
     packet = ctx.node.target.overloadpacket
     tensors = ctx.tensor_inputs()
@@ -76,7 +78,7 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> None:
             "return the partial sum from the compiled module and add it up across ranks (dist.all_reduce) before "
             "this op",
         )
-    ctx.out_partial = True
+    return Value.PARTIAL
 
 
 def _check_length_values(ctx: RuleContext) -> None:
@@ -96,63 +98,64 @@ def _check_length_values(ctx: RuleContext) -> None:
                 )
 
 
+def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
+    transport = TRANSPORTS.get(rewrite.transport)
+    if transport is None:
+        raise CPCompileError(
+            f"cp_passes internal error: rule {rewrite.rule!r} for {op_name(ctx.node)} at {source_line(ctx.node)} "
+            f"asks for transport {rewrite.transport!r}, which is not registered (registered: {sorted(TRANSPORTS)}); "
+            f"register it with cp_passes.transports.register_transport"
+        )
+    if ctx.layout.kind not in transport.layouts:
+        ctx.refuse(f"its transport {transport.name!r} supports the layouts {transport.layouts}, not "
+                   f"{ctx.layout.kind!r}", "use a layout this transport supports")
+
+
 def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     """Match every node that touches the sequence to a rule; raise one error listing every refusal."""
     plan = Plan()
     problems: list[Problem] = []
     refused: set[torch.fx.Node] = set()
-    partial: dict[torch.fx.Node, torch.fx.Node] = {}
-    claimed = _claimed_by_attention(gm, sym)
+    values: dict[torch.fx.Node, Value] = {}
+    origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
+    matches = match_graph(gm, sym)
     length = next(size for n in gm.graph.find_nodes(op="placeholder") if isinstance(meta_val(n), torch.Tensor)
                   for size in meta_val(n).shape if isinstance(size, torch.SymInt) and size.node.expr == sym)
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node in claimed:
+        if node.op != "call_function" or node in matches.claimed:
             continue
-        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.name, length, partial)
+        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.layout, length, matches, values)
         try:
-            rewrite = _plan_node(ctx, partial)
+            decision = _plan_node(ctx, origins)
+            rewrite = decision if isinstance(decision, Rewrite) else None
+            if rewrite is not None:
+                _check_transport(ctx, rewrite)
         except Refusal as refusal:
             problems.append(refusal.problem)
             refused.add(node)
             continue
-        if ctx.out_partial:
-            partial[node] = partial.get(next((t for t in ctx.tensor_inputs() if t in partial), None), node)
+        out = rewrite.output if rewrite is not None else decision
+        if out is Value.PARTIAL:
+            values[node] = Value.PARTIAL
+            origins[node] = next((origins[t] for t in ctx.tensor_inputs() if t in origins), node)
         if rewrite is not None:
             plan.rewrites.append((node, rewrite))
-            plan.records.append(RewriteRecord.of(node, rewrite))
-    problems.extend(_check_block_uses(gm, sym, refused | claimed))
+            cost = TRANSPORTS[rewrite.transport].cost(rewrite.request, cp.layout, cp.rank, ctx.local_len())
+            plan.records.append(RewriteRecord.of(node, rewrite.rule, rewrite.transport, cost, rewrite.note))
+            plan.record_of[id(rewrite)] = plan.records[-1]
+    problems.extend(_check_block_uses(gm, sym, refused | matches.claimed))
     if problems:
         raise CPCompileError(problems)
     (output,) = gm.graph.find_nodes(op="output")
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
-        if isinstance(value, torch.fx.Node) and value in partial:
-            origin = partial[value]
+        if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
             plan.partial_outputs.append(i)
-            share = Transfer("partial_sum", "none (caller sums over ranks)",
-                             note="a sum over the sequence: this rank's share; add the ranks' values for the total")
-            plan.records.append(RewriteRecord.of(origin, share, name=f"output[{i}]"))
+            share = Cost(collective="none (caller sums over ranks)")
+            plan.records.append(RewriteRecord.of(
+                origins[value], "partial_sum", "none", share,
+                "a sum over the sequence: this rank's share; add the ranks' values for the total", name=f"output[{i}]"))
     return plan
-
-
-def _claimed_by_attention(gm: torch.fx.GraphModule, sym) -> set:
-    """Nodes that only build an attention mask from sequence data: the attention rule evaluates them over
-    the whole sequence from gathered metadata, so their own rules (a cumsum, a diff) do not apply."""
-    from .rewrites import DataMask, data_mask
-
-    consumers, nodes = {}, set()
-    for node in gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default):
-        mask = bind_args(node)["attn_mask"]
-        if isinstance(mask, torch.fx.Node):
-            found = data_mask(mask, sym)
-            if isinstance(found, DataMask):
-                consumers[node] = mask
-                nodes.update(found.nodes)
-    claimed: set = set()
-    for n in reversed(list(gm.graph.nodes)):  # users before producers
-        if n in nodes and all(u in claimed or consumers.get(u) is n for u in n.users):
-            claimed.add(n)
-    return claimed
 
 
 def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set) -> list[Problem]:
@@ -176,14 +179,14 @@ def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set) -> list[Probl
     return problems
 
 
-def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
+def _plan_node(ctx: RuleContext, origins: dict):
     node = ctx.node
     tensors = ctx.tensor_inputs()
     seq_in = any(ctx.is_seq(t) for t in tensors)
-    partial_in = [t for t in tensors if t in partial]
+    partial_in = [t for t in tensors if ctx.is_partial(t)]
     if not isinstance(node.target, torch._ops.OpOverload):
         if node.target.__module__ == "_operator" or getattr(node.target, "__name__", "").startswith("sym_"):
-            if partial_in or any(ctx.is_seq(t) for t in tensors):
+            if partial_in or seq_in:
                 ctx.refuse("Python arithmetic on a sharded tensor", "use torch ops inside the model")
             return None  # shape arithmetic and tuple indexing
         if seq_in or partial_in or ctx.is_seq(node):
@@ -196,8 +199,7 @@ def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
     if node.target.overloadpacket is not aten.arange:
         _check_length_values(ctx)
     if partial_in:
-        _partial_rule(ctx, partial[partial_in[0]])
-        return None
+        return _partial_rule(ctx, origins[partial_in[0]])
     if not seq_in and not ctx.is_seq(node):
         return None  # nothing about the sequence here
     rule = lookup_rule(node.target)
@@ -210,32 +212,3 @@ def _plan_node(ctx: RuleContext, partial: dict) -> Rewrite | None:
             "@cp_passes.register_rule(op), or move it outside the compiled module",
         )
     return rule(ctx)
-
-
-def format_graph(gm: torch.fx.GraphModule) -> str:
-    """``print_readable`` with every node a pass created or changed tagged ``# cp_passes: pass=.. rule=..``."""
-    made = {n.name: (n.meta["cp_pass"], n.meta["cp_rule"]) for n in gm.graph.nodes if "cp_pass" in n.meta}
-    lines = []
-    for line in gm.print_readable(print_output=False).splitlines():
-        m = re.match(r"\s+(\w+)(?::\s*\"[^\"]*\")?\s*=", line)
-        if m and m.group(1) in made:
-            pass_name, rule = made[m.group(1)]
-            line = f"{line}  # cp_passes: pass={pass_name} rule={rule}"
-        lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
-def run_passes(gm: torch.fx.GraphModule, plan: Plan, history: list[tuple[str, str]]) -> torch.fx.GraphModule:
-    """Apply each transport's rewrites in ``PASS_ORDER``, recording the graph after each pass."""
-    for pass_name in PASS_ORDER:
-        todo = [(n, r) for n, r in plan.rewrites if r.transport == pass_name]
-        for _node, rewrite in todo:
-            rewrite.apply(gm, pass_name)
-        gm.graph.eliminate_dead_code()
-        gm.graph.lint()
-        gm.recompile()
-        history.append((f"after {pass_name} ({len(todo)} rewrites)", format_graph(gm)))
-    # A rewrite of a node that then went dead (an arange that only fed a replaced mask) changed nothing.
-    alive = {n.name for n in gm.graph.nodes}
-    plan.records[:] = [r for r in plan.records if r.node in alive or r.node.startswith("output[")]
-    return gm

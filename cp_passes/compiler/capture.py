@@ -14,8 +14,8 @@ import torch.fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from .analysis import meta_val
-from .errors import CPCompileError, source_line
+from ..errors import CPCompileError, source_line
+from ..graph.analysis import meta_val
 
 _KEEP_SYMBOLIC = (
     "keep the sequence length symbolic there (no Python loop over chunks of the sequence, no int() of a size, "

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .batch_checks import check_batch
+from ..group import resolve_group
+from ..layout import Layout
+from ..spec import CPSpec, resolve_spec
+from .checks import check_batch
 from .packing import pack
-from .spec import CPSpec, resolve_spec
-from .transports import resolve_group
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,12 @@ class ShardLayout:
     """Global length after padding to a multiple of world_size * pad_multiple."""
     world_size: int
     rank: int
-    slices: tuple[tuple[int, int], ...]
-    """Every rank's ``[start, stop)`` in the padded sequence, in rank order."""
+    slices: tuple[tuple[tuple[int, int], ...], ...]
+    """Every rank's ``[start, stop)`` ranges in the padded sequence (in local order), in rank order."""
     valid: torch.Tensor
     """This rank's validity mask ``[batch, local_len]``: False on padding."""
+    layout: Layout
+    """Which global positions each rank holds (the graph side uses the same)."""
 
     @property
     def local_len(self) -> int:
@@ -38,7 +41,8 @@ class ShardLayout:
 
     @property
     def start(self) -> int:
-        return self.slices[self.rank][0]
+        """The global position of this rank's first local row."""
+        return self.slices[self.rank][0][0]
 
 
 def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_multiple: int = 1,
@@ -55,7 +59,7 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
 
     Packed rows (``seq_lens`` / ``seq_lens_padded`` ``[batch, docs]`` with unused slots -1000, or
     ``cu_seqlens`` / ``cu_seqlens_padded`` offsets) first become one global layout (see
-    :mod:`cp_passes.packing`): documents moved to multiples of ``packed_alignment``, a ``doc_ids`` map
+    :mod:`cp_passes.data.packing`): documents moved to multiples of ``packed_alignment``, a ``doc_ids`` map
     (-1 on padding), per-document ``position_ids`` (given ones are validated), and ``shift_labels``
     shifted inside each document from unshifted ``labels`` (targets whose ``loss_mask`` is 0 ignored).
     Validity comes from the lengths.
@@ -87,10 +91,10 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
         batch = pack(checked, packed_alignment)
         packed_valid = batch.pop("valid")
         seq_len = packed_valid.shape[1]
+    layout = Layout(world_size)
     multiple = world_size * pad_multiple
     padded = -(-seq_len // multiple) * multiple
     local = padded // world_size
-    start = rank * local
     out = {}
     for key, value in batch.items():
         added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing: always sharded
@@ -108,11 +112,11 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
             else:
                 fill = torch.full(shape, fill_value, dtype=value.dtype, device=value.device)
             value = torch.cat([value, fill], dim=dim)
-        out[key] = value.narrow(dim, start, local).contiguous()
+        out[key] = layout.shard(value, dim, rank).contiguous()
     device = batch[checked.shape_key].device
-    valid = (torch.arange(start, start + local, device=device) < seq_len).expand(rows, local)
+    valid = (layout.positions(rank, local, device) < seq_len).expand(rows, local)
     if packed_valid is not None:
-        valid = torch.cat([packed_valid, packed_valid.new_zeros(rows, padded - seq_len)], 1)[:, start:start + local]
-    layout = ShardLayout(seq_len, padded, world_size, rank,
-                         tuple((r * local, (r + 1) * local) for r in range(world_size)), valid.contiguous())
-    return out, layout
+        valid = layout.shard(torch.cat([packed_valid, packed_valid.new_zeros(rows, padded - seq_len)], 1), 1, rank)
+    shards = ShardLayout(seq_len, padded, world_size, rank, tuple(layout.ranges(r, local) for r in range(world_size)),
+                         valid.contiguous(), layout)
+    return out, shards

@@ -15,15 +15,14 @@ Two checks, both collective over the CP group and both reached by every rank:
 from __future__ import annotations
 
 import hashlib
-import inspect
 
 import torch
 import torch.distributed as dist
 import torch.fx
 
-from .analysis import hint, meta_val
-from .errors import CPCompileError, source_line
-from .transports import CPGroup
+from ..errors import CPCompileError, source_line
+from ..graph.analysis import bind_args, hint, meta_val
+from ..group import CPGroup
 
 _DIGEST_BYTES = 7  # fits a non-negative int64
 
@@ -87,7 +86,7 @@ def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set) -> list[s
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in collectives:
             continue
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs).arguments
+        bound = bind_args(node)
         parts = []
         for name, value in bound.items():
             if name == "rank":
@@ -97,7 +96,7 @@ def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set) -> list[s
                 parts.append(f"{name}={[hint(s) for s in val.shape]} {val.dtype}")
             elif not isinstance(value, torch.fx.Node):
                 parts.append(f"{name}={value!r}")
-        out.append(f"{node.target.__name__}({', '.join(parts)}) at {source_line(node, code=False)}")
+        out.append(f"{node.target.name()}({', '.join(parts)}) at {source_line(node, code=False)}")
     return out
 
 

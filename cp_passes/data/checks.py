@@ -1,6 +1,6 @@
 """Checks on a global batch before :func:`cp_passes.shard_batch` packs, pads or slices anything.
 
-Every refusal names the key; document lengths are checked in :mod:`cp_passes.packing`, naming the row
+Every refusal names the key; document lengths are checked in :mod:`cp_passes.data.packing`, naming the row
 and the document.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import LENGTH_KEYS, PAD_DOC_ID
-from .spec import CPSpec
+from ..spec import CPSpec
 
 MASK_KEYS = ("attention_mask", "loss_mask")
 """Batch keys padded with 0 besides shard_batch's ``mask_keys``."""
@@ -34,9 +34,9 @@ class Padding:
         spec = self.spec
         if self.is_position(key):
             return None
-        if key == "doc_ids":
+        if key == spec.doc_key:
             return PAD_DOC_ID
-        if key in spec.label_keys or (self.packed and key == "shift_labels"):
+        if key in spec.label_keys or (self.packed and key == spec.packed_labels[1]):
             return spec.ignore_index
         if key in spec.token_keys:
             return spec.pad_token_id
@@ -59,7 +59,7 @@ class Padding:
     def names(self) -> set[str]:
         """Keys that name sequence tensors: a tensor under one of them must be ``[batch, seq]``-shaped."""
         spec = self.spec
-        return {*spec.token_keys, *spec.label_keys, *spec.position_keys, *self.masks, "doc_ids", "inputs_embeds"}
+        return {*spec.token_keys, *spec.label_keys, *spec.position_keys, *self.masks, spec.doc_key, "inputs_embeds"}
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from .analysis import meta_val, numel_hint, sequence_symbol
-from .backend import CompileRecord, rewrite_graph
-from .passes import plan_graph
-from .spec import CPSpec
-from .transports import resolve_group
+from ..compiler.pipeline import CompileRecord, rewrite_graph
+from ..compiler.planner import plan_graph
+from ..graph.analysis import meta_val, numel_hint, sequence_symbol
+from ..group import resolve_group
+from ..spec import CPSpec
 
 
 def _export(build_model, inputs, spec: CPSpec):

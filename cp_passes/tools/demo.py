@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .backend import cp_compile
-from .batch import shard_batch
-from .explain import explain
+from ..compiler.backend import cp_compile
+from ..data.batch import shard_batch
+from ..eager import all_reduce_gradients
+from ..report.explain import explain
 from .models import ToyLlama, ToyLlamaConfig
-from .transports import all_reduce_gradients
 
 TOLERANCE = 1e-4
 """Largest relative loss difference the demo accepts after several Adam steps in fp32."""

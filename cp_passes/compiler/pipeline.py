@@ -1,0 +1,122 @@
+"""The pipeline both the dynamo backend and the dry run call: analyse -> match -> plan -> transports -> verify.
+
+Its input is a pre-dispatch ATen graph whose sharded inputs carry one symbolic sequence length; its output
+is the rewritten graph, and a :class:`CompileRecord` of every stage.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from ..errors import CPCompileError, op_name, source_line
+from ..graph.analysis import meta_val, sequence_symbol
+from ..graph.provenance import Edit, format_graph
+from ..transports import TRANSPORTS, in_order
+from .planner import Plan, RewriteRecord, plan_graph
+
+
+@dataclass
+class CompileRecord:
+    """Everything one compiled graph went through, for ``explain`` and ``dump_dir``."""
+
+    rank: int
+    world_size: int
+    local_len: int
+    backend: str
+    history: list[tuple[str, str]] = field(default_factory=list)
+    records: list[RewriteRecord] = field(default_factory=list)
+    partial_outputs: list[int] = field(default_factory=list)
+    aot_graphs: dict[str, str] = field(default_factory=dict)
+    aot_ops: dict[str, collections.Counter] = field(default_factory=dict)
+    output_code: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    recompile_reasons: list[str] = field(default_factory=list)
+    """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
+    recompile reasons, with the source line that added the guard)."""
+
+
+def find_symbol(gm: torch.fx.GraphModule, spec, local_len: int):
+    """The one symbol every sharded input's sequence dim carries."""
+    symbols = sequence_symbol(list(gm.graph.find_nodes(op="placeholder")))
+    if not symbols:
+        raise CPCompileError(
+            f"the tracer specialized the local sequence length ({local_len}): some code in the model turns "
+            f"the length into a Python int (an int(), a comparison with a constant, a shape-dependent branch), so "
+            f"cp_passes cannot tell positions from sizes; run with TORCH_LOGS=\"+dynamic\" to see where, and keep "
+            f"the sequence length symbolic there"
+        )
+    if len(symbols) != 1:
+        raise CPCompileError(
+            f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
+            f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim {spec.seq_dim}"
+        )
+    (sym,) = symbols
+    return sym
+
+
+def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord) -> Plan:
+    """analyse -> match -> plan -> transports -> verify. Records every stage in ``record``; raises
+    CPCompileError on refusal."""
+    sym = find_symbol(aten_gm, spec, record.local_len)
+    record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
+    before = _output_values(aten_gm)
+    plan = plan_graph(aten_gm, sym, spec, cp)
+    record.records = plan.records
+    record.partial_outputs = plan.partial_outputs
+    edits = run_transports(aten_gm, plan, cp, record.history)
+    verify(aten_gm, plan, edits, fakes, before)
+    return plan
+
+
+def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple[str, str]]) -> list[Edit]:
+    """Apply each transport's rewrites in the transports' order, recording the graph after each."""
+    edits = []
+    for transport in in_order():
+        todo = [(n, r) for n, r in plan.rewrites if r.transport == transport.name]
+        for node, rewrite in todo:
+            edit = Edit(gm, node, transport.name, rewrite.rule, rank=cp.rank, world=cp.size, group_name=cp.name,
+                        layout=cp.layout)
+            transport.apply(edit, rewrite.request)
+            edits.append(edit)
+            edit.record = plan.record_of[id(rewrite)]
+        gm.graph.eliminate_dead_code()
+        gm.graph.lint()
+        gm.recompile()
+        history.append((f"after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))
+    # A rewrite whose nodes all went dead (an arange that only fed a replaced mask) changed nothing.
+    alive = set(gm.graph.nodes)
+    dropped = {id(e.record) for e in edits if e.applied and not any(n in alive for n in e.nodes)}
+    plan.records[:] = [r for r in plan.records if id(r) not in dropped]
+    return edits
+
+
+def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list) -> None:
+    """Every planned rewrite was applied by its transport, and every output keeps its shape."""
+    skipped = [e for e in edits if not e.applied]
+    planned = {r.transport for _, r in plan.rewrites}
+    unknown = planned - set(TRANSPORTS)
+    if skipped or unknown or len(edits) != len(plan.rewrites):
+        what = [f"{e.rule} at {op_name(e.origin)} ({source_line(e.origin, code=False)}) by transport "
+                f"{e.pass_name!r}" for e in skipped] + [f"transport {t!r} is not registered" for t in sorted(unknown)]
+        raise CPCompileError(f"cp_passes internal error: planned rewrites were not applied: {'; '.join(what)}. "
+                             f"A transport's apply() must edit the graph through its Edit")
+    FakeTensorProp(gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)
+    # Shapes print through the shape env, so a length the transports pinned (guards) prints the same in both.
+    shapes_before, shapes_after = _shapes(before), _shapes(_output_values(gm))
+    if shapes_after != shapes_before:
+        raise CPCompileError(f"cp_passes internal error: the rewrite changed output shapes {shapes_before} -> "
+                             f"{shapes_after}")
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list:
+    (output,) = gm.graph.find_nodes(op="output")
+    return [meta_val(v) if isinstance(v, torch.fx.Node) else v for v in torch.utils._pytree.tree_leaves(output.args[0])]
+
+
+def _shapes(values: list) -> list[str]:
+    return [str(tuple(v.shape)) if isinstance(v, torch.Tensor) else repr(v) for v in values]

@@ -1,0 +1,48 @@
+"""Eager helpers for code outside the compiled module: the transports' runtime ops, called directly."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .group import resolve_group
+from .transports.gather import sequence_gather_op
+from .transports.halo import halo_op
+
+
+def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0) -> torch.Tensor:
+    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``."""
+    cp = resolve_group(mesh)
+    return halo_op(x, dim, halo, left_padding, cp.rank, cp.size, cp.name)
+
+
+def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> torch.Tensor:
+    """Reassemble a sequence-sharded tensor on every rank (differentiable).
+
+    With the ``ShardLayout`` from :func:`cp_passes.shard_batch`, the padding is cut off again.
+    """
+    cp = resolve_group(mesh)
+    full = local if cp.size == 1 else sequence_gather_op(local, dim, cp.size, cp.name)
+    if layout is not None:
+        full = full.narrow(dim, 0, layout.seq_len)
+    return full
+
+
+def all_reduce_gradients(module: torch.nn.Module, mesh) -> None:
+    """Sum every parameter gradient over the CP group.
+
+    Each CP rank's backward yields the gradient of its own tokens' loss; the step needs their sum.
+    Under FSDP or DDP on a mesh that includes the CP dimension this happens already; without one,
+    call this between ``backward()`` and ``optimizer.step()``.
+    """
+    cp = resolve_group(mesh)
+    if cp.size == 1:
+        return
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if grads:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=cp.group)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

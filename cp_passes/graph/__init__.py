@@ -1,0 +1,1 @@
+"""FX graph helpers shared by every layer: sequence analysis and provenance tags."""

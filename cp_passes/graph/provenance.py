@@ -1,0 +1,78 @@
+"""Provenance: which pass and rule made or changed each node, in a form that survives AOTAutograd.
+
+Tags live in ``node.meta["custom"]``; AOTAutograd copies that field onto every ATen node it traces
+from a tagged node, in the forward graph and (for its gradient) in the backward graph, so the dumped
+forward/backward graphs say which pass made each collective. :func:`format_graph` prints the tags.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx
+
+PASS, RULE = "cp_pass", "cp_rule"
+_COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+
+
+def tag(node: torch.fx.Node, pass_name: str, rule: str) -> None:
+    """Record that ``pass_name`` (a transport) changed ``node`` for ``rule``."""
+    custom = dict(node.meta.get("custom") or {})
+    custom.update({PASS: pass_name, RULE: rule})
+    node.meta["custom"] = custom
+
+
+def tags(node: torch.fx.Node) -> tuple[str, str] | None:
+    custom = node.meta.get("custom") or {}
+    return (custom[PASS], custom[RULE]) if PASS in custom else None
+
+
+class Edit:
+    """The graph edits of one planned rewrite. Every node it creates or changes is tagged with the
+    transport and rule, and the rewrite counts as applied once anything was tagged (verify checks)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, origin: torch.fx.Node, pass_name: str, rule: str, *, rank: int,
+                 world: int, group_name: str, layout):
+        self.gm, self.graph, self.origin = gm, gm.graph, origin
+        self.pass_name, self.rule = pass_name, rule
+        self.rank, self.world, self.group_name, self.layout = rank, world, group_name, layout
+        self.applied = False
+        self.nodes: list[torch.fx.Node] = []
+        """Every node this edit created or changed."""
+
+    def insert(self, target, args, kwargs=None, *, name: str, before: torch.fx.Node | None = None) -> torch.fx.Node:
+        """Create a node before ``before`` (default: the origin) with the origin's source information."""
+        with self.graph.inserting_before(before if before is not None else self.origin):
+            node = self.graph.create_node("call_function", target, tuple(args), kwargs or {}, name=name)
+        for key in _COPIED_META:
+            if key in self.origin.meta:
+                node.meta[key] = self.origin.meta[key]
+        return self.changed(node)
+
+    def call_module(self, name: str, module: torch.nn.Module, args) -> torch.fx.Node:
+        self.gm.add_submodule(name, module)
+        with self.graph.inserting_before(self.origin):
+            node = self.graph.call_module(name, tuple(args))
+        if "stack_trace" in self.origin.meta:
+            node.meta["stack_trace"] = self.origin.meta["stack_trace"]
+        return self.changed(node)
+
+    def changed(self, node: torch.fx.Node) -> torch.fx.Node:
+        tag(node, self.pass_name, self.rule)
+        self.applied = True
+        self.nodes.append(node)
+        return node
+
+
+def format_graph(gm: torch.fx.GraphModule) -> str:
+    """``print_readable`` with every tagged node marked ``# cp_passes: pass=.. rule=..``."""
+    made = {n.name: tags(n) for n in gm.graph.nodes if tags(n)}
+    lines = []
+    for line in gm.print_readable(print_output=False).splitlines():
+        m = re.match(r"\s+(\w+)(?::\s*\"[^\"]*\")?\s*=", line)
+        if m and m.group(1) in made:
+            pass_name, rule = made[m.group(1)]
+            line = f"{line}  # cp_passes: pass={pass_name} rule={rule}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,77 @@
+"""Matchers: patterns that span several nodes, found in one phase before the per-op rules run.
+
+Each matcher reads the graph and returns what it found, keyed by the node whose rule uses it; the nodes
+that only exist to build a matched pattern (a causal convolution's left pad, a model-built attention
+mask) are *claimed*: the planner gives them to no per-op rule, because the rule of the pattern's anchor
+replaces them as a whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..graph.analysis import bind_args, seq_dims
+from ..transports.halo import ConvHalo
+from ..transports.masks import MetadataMask
+from .causal_conv import CONVS, match_causal_conv
+from .head_repeat import HeadRepeat, match_head_repeat, same_size
+from .masks import NotPositional, PositionMask, evaluate_position_mask, model_mask
+
+aten = torch.ops.aten
+SDPA = aten.scaled_dot_product_attention.default
+
+__all__ = ["HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask", "evaluate_position_mask",
+           "match_graph", "same_size"]
+
+
+@dataclass
+class Matches:
+    claimed: set = field(default_factory=set)
+    """Nodes no per-op rule sees."""
+    convs: dict = field(default_factory=dict)
+    """Convolution node -> its causal form (:class:`ConvHalo`) or why it has none."""
+    masks: dict = field(default_factory=dict)
+    """Attention node -> its model-built mask (:class:`MetadataMask`, :class:`PositionMask`) or why it cannot
+    be rebuilt per rank."""
+    head_repeats: dict = field(default_factory=dict)
+    """A head-repeated K or V node -> the :class:`HeadRepeat` that made it."""
+
+
+def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: dict) -> None:
+    """Claim the nodes of ``nodes`` whose every use is claimed or is the anchor's own use (``anchors`` maps an
+    anchor node to the pattern node it consumes)."""
+    for n in reversed(list(graph.nodes)):  # users before producers
+        if n in nodes and all(u in matches.claimed or anchors.get(u) is n for u in n.users):
+            matches.claimed.add(n)
+
+
+def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
+    matches = Matches()
+    mask_nodes, mask_anchors = set(), {}
+    for node in gm.graph.find_nodes(op="call_function", target=SDPA):
+        args = bind_args(node)
+        for name in ("key", "value"):
+            found = match_head_repeat(args[name])
+            if found is not None:
+                matches.head_repeats[args[name]] = found
+        mask = args["attn_mask"]
+        sharded = seq_dims(args["query"], sym) and (seq_dims(args["key"], sym) or seq_dims(args["value"], sym))
+        if isinstance(mask, torch.fx.Node) and sharded:  # the attention rule replaces this mask
+            found = model_mask(mask, sym)
+            matches.masks[node] = found
+            if isinstance(found, (MetadataMask, PositionMask)):
+                mask_nodes.update(found.nodes)
+                mask_anchors[node] = mask
+    _claim(matches, gm.graph, mask_nodes, mask_anchors)
+    for target in CONVS:
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            if not seq_dims(bind_args(node)["input"], sym):
+                continue
+            found = match_causal_conv(node, sym)
+            matches.convs[node] = found
+            if isinstance(found, ConvHalo):
+                matches.claimed.add(found.pad if found.pad is not None else found.slice)
+    return matches

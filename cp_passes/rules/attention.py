@@ -1,0 +1,157 @@
+"""Attention: which keys each local query needs, hence which transport brings K/V.
+
+``scaled_dot_product_attention`` over sharded K/V is causal (``is_causal``, or a causal mask the model
+builds), a causal sliding window (a band mask the model builds, or an ``AttentionRule`` in the spec),
+or full. A window takes the halo transport (``spec.window_transport``); the rest a sequence gather.
+Masks the model builds from metadata (doc ids) are re-evaluated over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import module_path
+from ..graph.analysis import meta_val, seq_multiple
+from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, same_size
+from ..transports.attention import AttentionKV
+from .registry import Rewrite, RuleContext, register_rule
+
+aten = torch.ops.aten
+
+PROBE_MAX_LEN = 4100
+"""Longest single-device sequence at which a model-built attention mask is evaluated to read its window
+(just over 4096, so that power-of-two windows up to 4096 show as bands). Wider windows are declared in the
+spec and checked for consistency up to this length."""
+
+
+def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == float("-inf")) | (mask <= torch.finfo(mask.dtype).min)).all()):
+            ctx.refuse("its attention mask adds a bias (not only 0 / -inf)", "use a boolean or 0/-inf mask")
+        mask = mask == 0
+    flat = mask.reshape(-1, *mask.shape[-2:])
+    if not bool((flat == flat[:1]).all()):
+        ctx.refuse("its attention mask differs across batch or heads", "use one mask for every batch row and head")
+    return flat[0]
+
+
+def _evaluate(ctx: RuleContext, found: PositionMask, length: int) -> torch.Tensor:
+    try:
+        return evaluate_position_mask(found, ctx.sym, length)
+    except NotPositional as error:
+        (n,) = error.args
+        ctx.refuse(
+            f"its attention mask reads {n.op} '{n.name}' (data, not positions); masks built from data "
+            f"(document ids, padding) need the packed-documents transport",
+            "pass is_causal=True, or a mask built only from positions (arange comparisons)",
+        )
+
+
+def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared: int | None) -> int | None:
+    """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
+    or ``None`` when it is plain causal up to the length cp_passes checked. Anything else is refused."""
+    lengths = sorted({min(global_len, PROBE_MAX_LEN), max(2, min(global_len, PROBE_MAX_LEN) // 2 + 1)}, reverse=True)
+    window = None
+    for length in lengths:
+        allowed = _allowed(_evaluate(ctx, found, length), ctx)
+        if tuple(allowed.shape) != (length, length):
+            ctx.refuse(f"its attention mask has shape {tuple(allowed.shape)} at sequence length {length}",
+                       "build the mask as [.., seq, seq]")
+        seen = int(allowed[-1].sum())
+        width = window if window is not None else (seen if seen < length else None)
+        band = torch.ones(length, length, dtype=torch.bool).tril()
+        if width is not None:
+            band &= ~torch.ones(length, length, dtype=torch.bool).tril(-width)
+        if not torch.equal(allowed, band):
+            ctx.refuse(
+                f"its attention mask is neither causal nor a causal sliding window (checked at sequence length "
+                f"{length})",
+                "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks",
+            )
+        window = width
+    if window is None and declared is not None and declared >= lengths[0]:
+        return declared  # a band wider than what was evaluated: the spec says how wide, the mask agrees so far
+    if window is None and global_len > lengths[0]:
+        ctx.refuse(
+            f"its attention mask is causal up to {lengths[0]} positions, the longest cp_passes evaluates; a "
+            f"window wider than that cannot be told from causal",
+            "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
+        )
+    if window is None:
+        bool(ctx.layout.global_len(ctx.length) <= lengths[0])  # a guard: longer sequences recompile and re-check
+    return window
+
+
+@register_rule(aten.scaled_dot_product_attention)
+def sdpa_rule(ctx: RuleContext):
+    q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
+    mask, causal = ctx.arg("attn_mask"), bool(ctx.arg("is_causal"))
+    if not ctx.is_seq(k) and not ctx.is_seq(v):
+        return None  # attending to memory that is not sharded: nothing to move
+    if not ctx.is_seq(q):
+        ctx.refuse(
+            "its keys are sharded along the sequence but its queries are not",
+            "register a rule for this attention (e.g. pooling queries over the sequence), or run it outside "
+            "the compiled module",
+        )
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        nd = ctx.ndim(t)
+        if ctx.seq_dims(t) != (nd - 2,) or seq_multiple(meta_val(t).shape[nd - 2], ctx.sym) != 1:
+            ctx.refuse(
+                f"its {name} {tuple(meta_val(t).shape)} does not carry the sequence (length {ctx.sym}) on dim -2",
+                "lay attention inputs out as [batch, heads, seq, head_dim]",
+            )
+
+    window = None
+    declared = ctx.spec.attention_for(module_path(ctx.node))
+    found_mask = ctx.matches.masks.get(ctx.node) if mask is not None else None
+    metadata = found_mask if isinstance(found_mask, MetadataMask) else None
+    if isinstance(found_mask, str):
+        ctx.refuse(found_mask + "; masks are evaluated from positions and gathered metadata only",
+                   "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
+                   "doc_ids), or pass is_causal=True")
+    if metadata is not None:
+        # The envelope (causal, or the declared window) plans the transport; the model's own mask, evaluated
+        # from gathered metadata, is checked against it at run time.
+        if meta_val(mask).dtype != torch.bool:
+            ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
+        window, causal = (declared.window if declared else None), True
+    elif isinstance(found_mask, PositionMask):
+        window = read_window(ctx, found_mask, ctx.local_len() * ctx.world, declared.window if declared else None)
+        causal = True
+        found = f"a band mask of window {window}" if window else "a causal mask"
+    else:
+        found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
+    if metadata is None and declared is not None and (declared.window != window or not causal):
+        said = f"window {declared.window}" if declared.window else "causal attention"
+        ctx.refuse(
+            f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
+            f"training would not match the single-device model",
+            "make the spec's AttentionRule agree with the model (or fix the model's mask)",
+        )
+
+    gqa = bool(ctx.arg("enable_gqa"))
+    k_src, v_src, notes = k, v, []
+    kr, vr = ctx.matches.head_repeats.get(k), ctx.matches.head_repeats.get(v)
+    if kr and vr and kr.n_rep == vr.n_rep and not gqa and same_size(meta_val(kr.small).shape[1],
+                                                                    meta_val(vr.small).shape[1]):
+        k_src, v_src, gqa = kr.small, vr.small, True
+        notes.append("K/V moved before the head repeat (enable_gqa)")
+    together = (
+        ctx.spec.gather_kv_together
+        and meta_val(k_src).dtype == meta_val(v_src).dtype
+        and all(same_size(a, b) for a, b in zip(meta_val(k_src).shape[:-1], meta_val(v_src).shape[:-1]))
+    )
+    halo = bool(window) and ctx.spec.window_transport == "halo"
+    if window and not halo:
+        notes.append("the spec asks for a gather")
+    if metadata is not None:
+        names = ", ".join(leaf.name for leaf in metadata.tensor_leaves)
+        notes.append(f"the model's mask from {names}, evaluated over the whole sequence; "
+                     + (f"window {window} (spec)" if window else "causal envelope, checked at run time"))
+    elif window:
+        notes.append(f"window {window} read from the model's mask")
+    request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,
+                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes)
+    rule = "sdpa_data_mask" if metadata else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
+    return Rewrite(rule, "halo" if halo else "sequence_gather", request, note="; ".join(notes))

@@ -1,0 +1,60 @@
+"""Ops that never mix sequence positions."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from .registry import NO_RULE_FIX, RuleContext, positionwise, register_rule
+
+aten = torch.ops.aten
+
+
+positionwise(
+    aten.dropout,
+    aten.native_dropout,
+    aten.feature_dropout,
+    aten.alpha_dropout,
+    aten.bernoulli,
+    aten.rand_like,
+    aten.randn_like,
+    aten.zeros_like,
+    aten.ones_like,
+    aten.full_like,
+    aten.empty_like,
+    aten.new_zeros,
+    aten.new_ones,
+    aten.new_full,
+    aten.new_empty,
+    aten.zeros,
+    aten.ones,
+    aten.full,
+    aten.empty,
+    aten.empty_strided,
+    aten.scalar_tensor,
+    aten.rand,
+    aten.randn,
+    aten.sym_size,
+    aten.sym_numel,
+    aten.sym_stride,
+    aten._assert_tensor_metadata,
+    aten.where,
+    aten.masked_fill,
+    aten.__and__,
+    aten.__or__,
+    aten.__xor__,
+    aten.silu,
+    aten.gelu,
+    aten.relu,
+    aten.sigmoid,
+    aten.tanh,
+    aten.softplus,
+    aten.stack,
+)
+
+
+@register_rule(aten.embedding)
+def _embedding(ctx: RuleContext):
+    if ctx.is_seq(ctx.arg("weight")):
+        ctx.refuse("the embedding table itself is sharded along the sequence", NO_RULE_FIX)
+    return None

@@ -1,0 +1,106 @@
+"""Ops with a dim argument (fine off the sequence axis), sums over it (partial sums) and losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..graph.analysis import meta_val
+from ..transports.reductions import GlobalMean
+from .registry import RuleContext, Rewrite, Value, register_rule
+
+aten = torch.ops.aten
+
+
+_DIM_OPS = {
+    aten.mean: "dim", aten.amax: "dim", aten.amin: "dim", aten.max: "dim", aten.min: "dim",
+    aten.argmax: "dim", aten.argmin: "dim", aten.var: "dim", aten.std: "dim", aten.var_mean: "dim",
+    aten.std_mean: "dim", aten.prod: "dim", aten.any: "dim", aten.all: "dim", aten.logsumexp: "dim",
+    aten.norm: "dim", aten.linalg_vector_norm: "dim", aten.count_nonzero: "dim",
+    aten.cumsum: "dim", aten.cumprod: "dim", aten.cummax: "dim", aten.cummin: "dim",
+    aten.logcumsumexp: "dim", aten.softmax: "dim", aten._softmax: "dim", aten.log_softmax: "dim",
+    aten._log_softmax: "dim", aten.sort: "dim", aten.argsort: "dim", aten.topk: "dim",
+    aten.kthvalue: "dim", aten.median: "dim", aten.mode: "dim", aten.flip: "dims", aten.roll: "dims",
+    aten.select: "dim", aten.narrow: "dim", aten.split: "dim", aten.split_with_sizes: "dim",
+    aten.chunk: "dim", aten.unbind: "dim", aten.index_select: "dim", aten.gather: "dim",
+    aten.scatter: "dim", aten.scatter_add: "dim", aten.scatter_reduce: "dim", aten.index_add: "dim",
+    aten.index_copy: "dim", aten.index_fill: "dim", aten.tensor_split: "dim", aten.diff: "dim",
+    aten.cat: "dim", aten.unfold: "dimension",
+}
+
+_DIM_FIXES = {
+    "cumsum": "a running sum along the sequence needs a cross-rank prefix (not supported yet); compute it "
+    "outside the compiled module or over a non-sequence dim",
+    "flip": "reversing the sequence needs the whole sequence; flip outside the compiled module",
+    "roll": "rolling the sequence moves positions across ranks; shift before sharding instead",
+    "cat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
+    "mean": "a mean over the sequence needs the global count: use sum (a per-rank partial sum) and divide "
+    "by the global number of tokens, e.g. Hugging Face's num_items_in_batch=",
+}
+
+
+def _dim_rule(ctx: RuleContext):
+    name = _DIM_OPS[ctx.node.target.overloadpacket]
+    tensors = ctx.arg("tensors") if "tensors" in ctx.args else [ctx.args.get("self", ctx.args.get("input"))]
+    dims = ctx.args.get(name)
+    if ctx.node.target.overloadpacket in (aten.max, aten.min) and name not in ctx.args:
+        dims = None
+    if ctx.node.target.overloadpacket is aten.roll and not dims:
+        dims = None
+    packet = ctx.node.target.overloadpacket.__name__
+    if "other" in ctx.args:  # binary max/min are elementwise
+        return None
+    if packet == "cat":
+        # Concatenating onto empty tensors (a KV cache's first update) is the identity.
+        tensors = [t for t in tensors if not any(isinstance(n, int) and n == 0 for n in meta_val(t).shape)]
+        if len(tensors) == 1:
+            return None
+    for t in tensors:
+        if isinstance(t, torch.fx.Node) and ctx.is_seq(t):
+            ctx.require_not_along_sequence(
+                t, dims, f"applies {packet} along", _DIM_FIXES.get(packet.lstrip("_").replace("log_", ""))
+            )
+    return None
+
+
+register_rule(*_DIM_OPS)(_dim_rule)
+
+
+@register_rule(aten.sum, aten.nansum)
+def _sum(ctx: RuleContext):
+    src = ctx.arg("self")
+    dims = ctx.args.get("dim")
+    if ctx.dims(dims, ctx.ndim(src)) & set(ctx.seq_dims(src)):
+        return Value.PARTIAL
+    return None
+
+
+_LOSSES = (
+    aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d, aten.mse_loss,
+    aten.l1_loss, aten.smooth_l1_loss, aten.huber_loss, aten.binary_cross_entropy,
+    aten.binary_cross_entropy_with_logits, aten.kl_div,
+)
+
+
+@register_rule(*_LOSSES)
+def _loss(ctx: RuleContext):
+    src = ctx.arg("self")
+    if not ctx.seq_inputs():
+        return None
+    if ctx.node.target.overloadpacket in (aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d):
+        ctx.require_not_along_sequence(src, 1 if ctx.ndim(src) > 1 else 0, "takes its classes along")
+    reduction = ctx.args.get("reduction", 1)
+    if reduction == 2:
+        return Value.PARTIAL
+    if reduction == 1:
+        if ctx.args.get("weight") is not None:
+            ctx.refuse(
+                "it averages over the sequence with class weights; the global weighted mean has no rule yet",
+                "use reduction='sum' and divide by the global sum of weights outside the compiled module",
+            )
+        ignore_index = ctx.args.get("ignore_index")
+        counted = "targets != ignore_index" if ignore_index is not None else "elements"
+        target = "target" if "target" in ctx.args else "other"
+        return Rewrite("global_mean", "reductions", GlobalMean(ctx.node, target, ignore_index), output=Value.PARTIAL,
+                       note=f"mean -> this rank's sum / global count of {counted}; ranks add up to the global mean")
+    return None

@@ -1,0 +1,145 @@
+"""Views, reshapes, copies, slices and pads: they must keep the sequence axis whole."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from ..graph.analysis import meta_val, seq_multiple
+from .registry import NO_RULE_FIX, RuleContext, register_rule
+
+aten = torch.ops.aten
+
+
+LAYOUT_OPS = (
+    aten.view,
+    aten._unsafe_view,
+    aten.reshape,
+    aten.expand,
+    aten.expand_as,
+    aten.unsqueeze,
+    aten.squeeze,
+    aten.transpose,
+    aten.permute,
+    aten.t,
+    aten.clone,
+    aten.contiguous,
+    aten.alias,
+    aten.detach,
+    aten.detach_,
+    aten._to_copy,
+    aten.to,
+    aten.type_as,
+    aten.view_as,
+    aten.lift_fresh_copy,
+    aten.flatten,
+    aten.unflatten,
+    aten.movedim,
+    aten.squeeze_,
+    aten.unsqueeze_,
+)
+
+
+@register_rule(*LAYOUT_OPS)
+def _layout(ctx: RuleContext):
+    out = meta_val(ctx.node)
+    if not isinstance(out, torch.Tensor):
+        return None
+    for d in ctx.seq_dims(ctx.node):
+        if seq_multiple(out.shape[d], ctx.sym) is None:
+            ctx.refuse(
+                f"it reshapes the sequence axis into size {out.shape[d]} (local length {ctx.sym}), splitting it "
+                f"into chunks; positions inside a chunk would straddle rank boundaries",
+                "keep the sequence axis whole in reshapes (merging it with batch dims is fine), or shard "
+                "a length that is a multiple of the chunk and register a rule for the chunked op",
+            )
+    n_in = max((len(ctx.seq_dims(a)) for a in ctx.tensor_inputs()), default=0)
+    if len(ctx.seq_dims(ctx.node)) > max(n_in, 1):
+        ctx.refuse("it creates a second sequence axis", NO_RULE_FIX)
+    return None
+
+
+@register_rule(aten.slice)
+def _slice(ctx: RuleContext):
+    src = ctx.arg("self")
+    dim = ctx.arg("dim") % ctx.ndim(src)
+    out = meta_val(ctx.node)
+    in_seq, out_seq = dim in ctx.seq_dims(src), dim in ctx.seq_dims(ctx.node)
+    if not in_seq and not out_seq:
+        return None
+    full = out.shape[dim] is meta_val(src).shape[dim] or (
+        str(out.shape[dim]) == str(meta_val(src).shape[dim]) and (ctx.arg("step") in (None, 1))
+    )
+    if in_seq and full:
+        return None
+    if in_seq:
+        ctx.refuse(
+            f"it slices the sequence axis (dim {dim}) from {meta_val(src).shape[dim]} to {out.shape[dim]} "
+            f"positions; on a shard the slice would be taken from this rank's positions, not the sequence's",
+            "if this is a label shift, shift labels before sharding and pass them pre-shifted (Hugging Face: "
+            "shift_labels=); otherwise slice outside the compiled module",
+        )
+    ctx.refuse(
+        f"it slices a non-sharded tensor to the local sequence length, giving local positions 0..{out.shape[dim]}-1 "
+        f"on every rank (an absolute position table?)",
+        "index the table with position ids (embedding(position_ids)) or an arange over the sequence, "
+        "which cp_passes offsets to global positions",
+    )
+
+
+@register_rule(aten.repeat)
+def _repeat(ctx: RuleContext):
+    src = ctx.arg("self")
+    repeats = list(ctx.arg("repeats"))
+    lead = len(repeats) - ctx.ndim(src)
+    for d in ctx.seq_dims(src):
+        if repeats[d + lead] != 1:
+            ctx.refuse("it repeats along the sequence axis", NO_RULE_FIX)
+    return None
+
+
+@register_rule(aten.repeat_interleave)
+def _repeat_interleave(ctx: RuleContext):
+    if "self" not in ctx.args or not ctx.is_seq(ctx.arg("self")):
+        if ctx.is_seq(ctx.node):
+            ctx.refuse("it builds a sequence-length index", NO_RULE_FIX)
+        return None
+    ctx.require_not_along_sequence(ctx.arg("self"), ctx.arg("dim"), "repeats along")
+    return None
+
+
+@register_rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad1d, aten.replication_pad1d)
+def _pad(ctx: RuleContext):
+    src = ctx.arg("self")
+    pad = list(ctx.arg("pad") if "pad" in ctx.args else ctx.arg("padding"))
+    nd = ctx.ndim(src)
+    for i in range(len(pad) // 2):
+        d = nd - 1 - i
+        if d in ctx.seq_dims(src) and (pad[2 * i] != 0 or pad[2 * i + 1] != 0):
+            ctx.refuse(
+                f"it pads the sequence axis (dim {d}) by {pad[2 * i:2 * i + 2]}; on a shard the padding lands at "
+                f"the shard's edge instead of the sequence's",
+                "pass labels shifted before sharding (Hugging Face: shift_labels=); a causal convolution's left "
+                "pad is handled when the pad feeds conv1d directly",
+            )
+    return None
+
+
+@register_rule(aten.tril, aten.triu, aten.diagonal, aten.diag_embed, aten.trace)
+def _triangle(ctx: RuleContext):
+    if ctx.seq_inputs() or ctx.is_seq(ctx.node):
+        ctx.refuse(
+            "it relates positions to each other (a mask or band built by the model)",
+            "use scaled_dot_product_attention(..., is_causal=True) instead of a model-built mask; "
+            "model-built window masks are planned with the halo transport",
+        )
+    return None
+
+
+@register_rule(aten.index, aten.index_put, aten.index_put_, aten.masked_select, aten.nonzero,
+               aten.take, aten.masked_scatter, aten._local_scalar_dense, aten.item, aten.embedding_bag)
+def _data_dependent(ctx: RuleContext):
+    # Looking positions up in a table (table[position_ids]) is fine; indexing the sharded tensor is not.
+    if ctx.is_seq(ctx.args.get("self", ctx.args.get("weight"))):
+        ctx.refuse("it indexes with data-dependent positions or reads a sharded value", NO_RULE_FIX)
+    return None

@@ -1,0 +1,14 @@
+"""Transports: how sequence data moves between ranks. One module per transport; see :mod:`.base`.
+
+Importing this package registers the built-in transports, in order: positions (no communication),
+halo, sequence_gather, reductions.
+"""
+
+from .base import TRANSPORTS, Cost, Transport, collective_ops, in_order, register_transport, unregister_transport
+from .gather import SEQUENCE_GATHER
+from .halo import HALO
+from .positions import POSITIONS
+from .reductions import REDUCTIONS
+
+__all__ = ["Cost", "HALO", "POSITIONS", "REDUCTIONS", "SEQUENCE_GATHER", "TRANSPORTS", "Transport", "collective_ops",
+           "in_order", "register_transport", "unregister_transport"]

@@ -1,0 +1,114 @@
+"""The attention edit both K/V transports share: move K/V, mask at the rank's global positions.
+
+A rule asks for :class:`AttentionKV` with transport ``halo`` (a sliding window: the ``window - 1``
+preceding rows) or ``sequence_gather`` (everything, then the rows a causal query can see); the transport
+supplies the function that moves one tensor, this module rewires the attention call.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx
+
+from ..graph.analysis import meta_val, numel_hint
+from .base import Cost
+from .masks import MetadataMask, causal_mask, mask_block, visible_keys
+
+aten = torch.ops.aten
+
+
+@dataclass
+class AttentionKV:
+    """One ``scaled_dot_product_attention`` whose keys and values must come from other ranks."""
+
+    node: torch.fx.Node
+    query: torch.fx.Node
+    key: torch.fx.Node
+    """The keys to move: before the model's head repeat when ``enable_gqa`` takes its place."""
+    value: torch.fx.Node
+    dim: int
+    """The sequence dim of ``key`` and ``value``."""
+    causal: bool
+    window: int | None
+    together: bool
+    """Move K and V as one tensor (one collective)."""
+    enable_gqa: bool
+    dropout_p: object
+    scale: object
+    mask: MetadataMask | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def kv_label(self) -> str:
+        return "K+V" if self.together else "K, V"
+
+    @property
+    def elements(self) -> int:
+        return numel_hint(self.key) + numel_hint(self.value)
+
+    @property
+    def itemsize(self) -> int:
+        return meta_val(self.key).dtype.itemsize
+
+    def row_bytes(self, local_len: int) -> int:
+        return self.elements // local_len * self.itemsize
+
+    def metadata_cost(self, world: int) -> Cost:
+        """The metadata a model-built mask reads, gathered from every other rank (no autograd)."""
+        if self.mask is None:
+            return Cost()
+        moved = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in self.mask.tensor_leaves) * (world - 1)
+        names = ", ".join(leaf.name for leaf in self.mask.tensor_leaves)
+        return Cost(f"all_gather {names} (no grad)", 0, moved, moved, moved)
+
+
+def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node, str], torch.fx.Node]) -> None:
+    """Replace the attention's K/V with moved ones (``move(x, name)``) and its mask with one at this rank's
+    global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
+    node, q, rank, world = request.node, request.query, edit.rank, edit.world
+    halo = edit.pass_name == "halo"
+    k, v = request.key, request.value
+    if request.together:
+        dk = meta_val(k).shape[-1]
+        moved = move(edit.insert(aten.cat.default, ([k, v], -1), name="cp_kv"), "cp_kv")
+        parts = edit.insert(aten.split_with_sizes.default, (moved, [dk, meta_val(v).shape[-1]], -1), name="cp_kv_split")
+        keys = edit.insert(operator.getitem, (parts, 0), name="cp_k")
+        values = edit.insert(operator.getitem, (parts, 1), name="cp_v")
+    else:
+        keys, values = move(k, "cp_k"), move(v, "cp_v")
+    mask = None
+    if request.mask is not None:
+        whole = _global_mask(edit, request.mask)
+        mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo), name="cp_mask_block")
+    elif halo:
+        mask = edit.insert(causal_mask, (q, rank, world, request.window, True), name="cp_window_mask")
+    if request.causal and not halo:
+        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
+        values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")
+        if mask is None and (request.window or not edit.layout.first_is_local(rank)):
+            mask = edit.insert(causal_mask, (q, rank, world, request.window, False), name="cp_causal_mask")
+    # Where the visible keys are only this rank's own, causal attention needs no mask.
+    node.args = (q, keys, values, mask, request.dropout_p)
+    node.kwargs = {"is_causal": mask is None and request.causal, "scale": request.scale,
+                   "enable_gqa": request.enable_gqa}
+    edit.changed(node)
+
+
+def _global_mask(edit, found: MetadataMask) -> torch.fx.Node:
+    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata and
+    global lengths."""
+    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (leaf, d, edit.world, edit.group_name),
+                          name=f"cp_{leaf.name}_gathered")
+              for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
+    leaves += [edit.insert(operator.mul, (leaf, edit.layout.global_len(1)), name=f"cp_{leaf.name}_global")
+               for leaf in found.size_leaves]
+    graph = torch.fx.Graph()
+    env = {leaf: graph.placeholder(leaf.name) for leaf in found.tensor_leaves + found.size_leaves}
+    for n in found.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    graph.output(env[found.mask])
+    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", torch.fx.GraphModule(edit.gm, graph), leaves)

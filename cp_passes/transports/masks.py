@@ -1,0 +1,86 @@
+"""The key side of attention after a transport: masks at the rank's global positions, and metadata.
+
+The mask functions are traced into the graph (ATen); the positions of queries and keys come from the
+:class:`~cp_passes.layout.Layout`, so they hold for any layout and add no guards on the local length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..layout import Layout
+from .collectives import all_gather
+
+
+@torch.library.custom_op("cp_passes::metadata_gather", mutates_args=())
+def metadata_gather_op(x: torch.Tensor, dim: int, world: int, group_name: str) -> torch.Tensor:
+    """All-gather sequence metadata (positions, doc ids) along ``dim``: no autograd edge."""
+    dim = dim % x.dim()
+    rows = x.movedim(dim, 0)
+    if rows.dtype == torch.bool:  # gloo and Inductor's CPU code both handle uint8, not bool (torch 2.13)
+        return all_gather(rows.to(torch.uint8), world, group_name).to(torch.bool).movedim(0, dim).contiguous()
+    return all_gather(rows, world, group_name).movedim(0, dim).contiguous()
+
+
+@metadata_gather_op.register_fake
+def _(x, dim, world, group_name):
+    shape = list(x.shape)
+    shape[dim % x.dim()] *= world
+    return x.new_empty(shape)
+
+
+@dataclass
+class MetadataMask:
+    """An attention mask the model builds from sequence metadata (doc ids, position ids) as well as
+    positions: ``nodes`` compute ``mask`` from ``tensor_leaves`` (sharded integer inputs, gathered) and
+    ``size_leaves`` (lengths, made global)."""
+
+    mask: torch.fx.Node
+    nodes: list[torch.fx.Node]
+    tensor_leaves: list[torch.fx.Node]
+    size_leaves: list[torch.fx.Node]
+    leaf_dims: list[int]
+
+
+def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
+    """The global positions of the keys the transport brings: ``[window - 1 halo rows, local rows]`` after a
+    halo (negative before the sequence start), the gathered rows a causal query can see after a gather."""
+    layout, local = Layout(world), query.shape[-2]
+    if halo:
+        return layout.halo_positions(window - 1, rank, local, query.device)
+    return layout.gathered_positions(local, query.device).narrow(0, 0, layout.visible_prefix(rank, local))
+
+
+def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
+    """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
+    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0``."""
+    q_pos = Layout(world).positions(rank, query.shape[-2], query.device)
+    k_pos = _key_positions(query, rank, world, window, halo)
+    distance = q_pos[:, None] - k_pos[None, :]
+    visible = (distance >= 0) & (k_pos[None, :] >= 0)
+    return visible if window is None else visible & (distance < window)
+
+
+def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, query: torch.Tensor) -> torch.Tensor:
+    """The gathered keys (or values) a causal query on ``rank`` can see."""
+    return keys.narrow(dim, 0, Layout(world).visible_prefix(rank, query.shape[-2]))
+
+
+def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, window: int | None,
+               halo: bool) -> torch.Tensor:
+    """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
+    (columns before the sequence start are False). Fails at run time if the model allows a key outside the
+    causal (window) envelope the transport was planned for: every rank checks every row of the global mask,
+    so all ranks reach the same verdict and none is left waiting in a collective."""
+    envelope = torch.ones(global_mask.shape[-2:], dtype=torch.bool, device=query.device).tril()
+    if window is not None:
+        envelope = envelope.triu(1 - window)
+    torch._assert_async((global_mask & ~envelope).logical_not().all(),
+                        "cp_passes: the model's attention mask allows a key outside the causal window that the "
+                        "spec declares (or outside causal attention); declare the right AttentionRule")
+    rows = global_mask.index_select(-2, Layout(world).positions(rank, query.shape[-2], query.device))
+    k_pos = _key_positions(query, rank, world, window, halo)
+    return rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
