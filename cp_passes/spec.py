@@ -116,9 +116,8 @@ class CPSpec:
             _check_names(field, getattr(self, field))
         if not isinstance(self.doc_key, str) or not self.doc_key:
             raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")
-        if len(self.packed_labels) != 2 or not self.position_keys:
-            raise ValueError(f"CPSpec.packed_labels must be (unshifted key, shifted key), got {self.packed_labels!r}; "
-                             f"position_keys must name at least one key, got {self.position_keys!r}")
+        if len(self.packed_labels) != 2:
+            raise ValueError(f"CPSpec.packed_labels must be (unshifted key, shifted key), got {self.packed_labels!r}")
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):
@@ -161,12 +160,28 @@ class CPSpec:
                     + " (globs match dotted paths from model.named_modules(), e.g. 'model.layers.*.self_attn')"
                 )
 
+    # Which inputs are sharded: the wrapper (cp_compile), shard_batch and the dry run all decide with these.
+    def may_shard(self, name: str | None) -> bool:
+        """Whether input ``name`` may be sharded at all: listed in ``seq_inputs`` (any input when that is
+        None) and not in ``replicated_inputs``."""
+        return name not in self.replicated_inputs and (self.seq_inputs is None or name in self.seq_inputs)
+
+    def length_input(self, named, *, any_rank_tokens: bool = False):
+        """The ``(name, tensor)`` whose ``seq_dim`` gives the sequence length, or None: a token input
+        (``token_keys``) or ``inputs_embeds`` first, else the first tensor that may be sharded and has a
+        ``seq_dim``. ``any_rank_tokens`` also takes a token input without that dim (so that the caller can
+        say what is wrong with it)."""
+        usable = [(n, t) for n, t in named if hasattr(t, "dim") and self.may_shard(n)]
+        preferred = [(n, t) for n, t in usable
+                     if n in (*self.token_keys, "inputs_embeds") and (any_rank_tokens or t.dim() > self.seq_dim)]
+        return next(iter(preferred + [(n, t) for n, t in usable if t.dim() > self.seq_dim]), None)
+
     def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
         """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""
-        if name is not None and name in self.replicated_inputs:
+        if not self.may_shard(name):
             return False
         if self.seq_inputs is not None:
-            return name in self.seq_inputs
+            return True
         return tensor.dim() > self.seq_dim and seq_len is not None and tensor.shape[self.seq_dim] == seq_len
 
 

@@ -192,15 +192,14 @@ class CPModule(torch.nn.Module):
         """Mark the sequence dim of every sharded input dynamic (and record which tensors they are); return
         the local length. Inputs that look sharded but that the spec does not list are refused."""
         spec = self.spec
-        seq_len = next((t.shape[spec.seq_dim] for name, t in leaves
-                        if (spec.seq_inputs is None or name in spec.seq_inputs) and name not in spec.replicated_inputs
-                        and t.dim() > spec.seq_dim), None)
-        if seq_len is None:
+        found = spec.length_input(leaves)
+        if found is None:
             listed = f" among seq_inputs={spec.seq_inputs}" if spec.seq_inputs is not None else ""
             names = [name for name, _ in leaves if name]
             hint = _did_you_mean(spec.seq_inputs or (), names)
             raise ValueError(f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}{listed} "
                              f"(the call passes {names}){hint}")
+        seq_len = found[1].shape[spec.seq_dim]
         self._sharded = {}
         for name, t in leaves:
             if spec.seq_inputs is not None and name in spec.seq_inputs and t.shape[spec.seq_dim] != seq_len:

@@ -16,7 +16,6 @@ from ..spec import CPSpec
 
 MASK_KEYS = ("attention_mask", "loss_mask")
 """Batch keys padded with 0 besides shard_batch's ``mask_keys``."""
-SHAPE_KEYS = ("input_ids", "inputs_embeds")
 """Keys whose tensor gives the batch its rows and length, in order of preference."""
 
 
@@ -54,7 +53,7 @@ class Padding:
             f"replicated_inputs (not sharded){hint}")
 
     def is_position(self, key: str) -> bool:
-        return key in self.spec.position_keys or (self.packed and key == "position_ids")
+        return key in self.spec.position_keys
 
     def names(self) -> set[str]:
         """Keys that name sequence tensors: a tensor under one of them must be ``[batch, seq]``-shaped."""
@@ -84,11 +83,11 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
     if packed and dim != 1:
         raise ValueError(f"packed batches need [batch, seq] tensors (seq_dim 1), got seq_dim {dim}")
     padding = Padding(spec, MASK_KEYS + tuple(mask_keys), packed)
-    taken = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS and _taken(k, spec)]
-    shaped = [k for k in SHAPE_KEYS if k in taken] + [k for k in taken if batch[k].dim() > dim]
-    if not shaped:
+    found = spec.length_input([(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS],
+                              any_rank_tokens=True)
+    if found is None:
         raise ValueError(f"shard_batch found no tensor with a sequence dim {dim} among {list(batch)}")
-    shape_key = shaped[0]
+    shape_key = found[0]
     _check_dims(shape_key, batch[shape_key], dim)
     shape = list(batch[shape_key].shape)
     rows, seq_len = (shape[0] if dim else 1), shape[dim]
@@ -97,7 +96,7 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
     names = padding.names()
     out, seq_keys = dict(batch), []
     for key, value in batch.items():
-        if not isinstance(value, torch.Tensor) or key in LENGTH_KEYS or not _taken(key, spec):
+        if not isinstance(value, torch.Tensor) or key in LENGTH_KEYS or not spec.may_shard(key):
             continue
         named = (key in names and value.dim() <= dim + 1) or key in (spec.seq_inputs or ())
         if named or (packed and value.dim() == 1 and len(value) == seq_len):
@@ -126,10 +125,6 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
 
 def _rows(n: int) -> str:
     return f"{n} row" + ("" if n == 1 else "s")
-
-
-def _taken(key: str, spec: CPSpec) -> bool:
-    return key not in spec.replicated_inputs and (spec.seq_inputs is None or key in spec.seq_inputs)
 
 
 def _check_dims(key: str, value: torch.Tensor, dim: int) -> None:

@@ -172,6 +172,9 @@ def pack(checked, packed_alignment: int = 1) -> dict:
                 value = torch.where(mask, gathered, torch.full_like(gathered, padding.value(key, value)))
         out[key] = value
     spec = padding.spec
+    if not spec.position_keys:
+        raise ValueError(f"packing writes per-document positions under CPSpec.position_keys[0], but spec "
+                         f"{spec.name!r} has position_keys=(); name the key the model takes positions under")
     (labels_key, shifted_key), position_key = spec.packed_labels, spec.position_keys[0]
     out[spec.doc_key] = doc_ids
     out.setdefault(position_key, positions)

@@ -29,8 +29,10 @@ def _export(build_model, inputs, spec: CPSpec):
     with fake_mode:
         model = build_model()
         kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
-    seq_len = next(t.shape[spec.seq_dim] for name, t in kwargs.items()
-                   if t.dim() > spec.seq_dim and (spec.seq_inputs is None or name in spec.seq_inputs))
+    found = spec.length_input(list(kwargs.items()))
+    if found is None:
+        raise ValueError(f"no input has a sequence dim {spec.seq_dim} that spec {spec.name!r} may shard: {list(kwargs)}")
+    seq_len = found[1].shape[spec.seq_dim]
     seq = torch.export.Dim("seq", min=2)
     dynamic = {name: ({spec.seq_dim: seq} if spec.is_sharded(name, t, seq_len) else None) for name, t in kwargs.items()}
     exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
