@@ -55,6 +55,19 @@ class Transport:
         return Cost()
 
 
+def gradient_by(op, backward_op) -> None:
+    """Register the autograd of custom op ``op(x, *args)``: its gradient is ``backward_op(grad, *args)``, and
+    the other arguments (ints, the group name) have none."""
+
+    def setup_context(ctx, inputs, output):
+        ctx.args = inputs[1:]
+
+    def backward(ctx, grad):
+        return (backward_op(grad.contiguous(), *ctx.args),) + (None,) * len(ctx.args)
+
+    op.register_autograd(backward, setup_context=setup_context)
+
+
 TRANSPORTS: dict[str, Transport] = {}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from .base import Cost, Transport, register_transport
+from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, reduce_scatter
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
@@ -43,15 +43,7 @@ def _(grad, dim, world, group_name):
     return grad.new_empty(shape)
 
 
-def _setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-def _backward(ctx, grad):
-    return (sequence_reduce_scatter_op(grad.contiguous(), *ctx.args),) + (None,) * len(ctx.args)
-
-
-sequence_gather_op.register_autograd(_backward, setup_context=_setup)
+gradient_by(sequence_gather_op, sequence_reduce_scatter_op)
 
 
 class SequenceGather(Transport):
@@ -76,7 +68,7 @@ class SequenceGather(Transport):
         elif request.causal:
             needed = (layout.visible_prefix(rank, local_len) - local_len) * row
         else:
-            needed = (layout.world - 1) * local_len * row
+            needed = (layout.global_len(local_len) - local_len) * row
         moved = (layout.world - 1) * total * request.itemsize
         return (Cost(f"all_gather {request.kv_label} | bw reduce_scatter", (layout.world - 1) * total, moved, needed,
                      moved) + request.metadata_cost(layout.world))

@@ -15,7 +15,7 @@ import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import Layout
-from .base import Cost, Transport, register_transport
+from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
@@ -81,15 +81,7 @@ def _(grad, dim, halo, left_padding, rank, world, group_name):
     return grad.new_empty(shape)
 
 
-def _setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-def _backward(ctx, grad):
-    return (halo_backward_op(grad.contiguous(), *ctx.args),) + (None,) * len(ctx.args)
-
-
-halo_op.register_autograd(_backward, setup_context=_setup)
+gradient_by(halo_op, halo_backward_op)
 
 
 @dataclass
