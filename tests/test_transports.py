@@ -220,3 +220,40 @@ def test_layout_rejects_unknown_kinds():
         Layout(4, "head_tail")
     with pytest.raises(ValueError, match="world"):
         Layout(0)
+
+
+class ForgetsToWire(cp_passes.Transport):
+    name, order = "toy_unwired", 37
+
+    def apply(self, edit, request):
+        edit.insert(torch.ops.aten.mul.Tensor, (request.node, 1), name="cp_toy_unused", before=request.node.next)
+
+
+def test_an_edit_that_is_never_used_fails_verify(group, rule_asking_for, registered):
+    """Inserting a node that nothing uses while the rewritten op still runs as before changes nothing."""
+    registered(ForgetsToWire())
+    rule_asking_for("toy_unwired")
+    with pytest.raises(CPCompileError, match="planned rewrites were not applied: running_scale_carry"):
+        compile_once(group, UsesRunningScale())
+
+
+class MeanSquaredError(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, target):
+        return nn.functional.mse_loss(self.proj(x), target)
+
+
+def test_a_mean_over_float_targets_divides_by_an_integer_count_with_inductor(group):
+    """The global count is an int64 on every path (its fake kernel says so), also for float targets; on the fake
+    group the all-reduce returns this rank's count, so the result is this rank's mean."""
+    torch.manual_seed(0)
+    model = MeanSquaredError()
+    x, target = torch.randn(2, 6, 4), torch.randn(2, 6, 4)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="inductor", verbose=False)
+    loss = compiled(x, target)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model.proj(x), target))
+    (row,) = [r for r in compiled.compile_records[0].records if r.rule == "global_mean"]
+    assert row.transport == "reductions"

@@ -88,16 +88,18 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple
         gm.graph.lint()
         gm.recompile()
         history.append((f"after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))
-    # A rewrite whose nodes all went dead (an arange that only fed a replaced mask) changed nothing.
+    # A rewrite whose node and edits all went dead (an arange that only fed a replaced mask) changed nothing.
     alive = set(gm.graph.nodes)
-    dropped = {id(e.record) for e in edits if e.applied and not any(n in alive for n in e.nodes)}
+    dropped = {id(e.record) for e in edits if e.origin not in alive and not any(n in alive for n in e.nodes)}
     plan.records[:] = [r for r in plan.records if id(r) not in dropped]
     return edits
 
 
 def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list) -> None:
     """Every planned rewrite was applied by its transport, and every output keeps its shape."""
-    skipped = [e for e in edits if not e.applied]
+    alive = set(gm.graph.nodes)
+    # Not applied: nothing edited, or everything it made is unused while the node it rewrote still runs.
+    skipped = [e for e in edits if not e.applied or (e.origin in alive and not any(n in alive for n in e.nodes))]
     planned = {r.transport for _, r in plan.rewrites}
     unknown = planned - set(TRANSPORTS)
     if skipped or unknown or len(edits) != len(plan.rewrites):

@@ -117,9 +117,13 @@ def sdpa_rule(ctx: RuleContext):
             ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
         window, causal = (declared.window if declared else None), True
     elif isinstance(found_mask, PositionMask):
-        window = read_window(ctx, found_mask, ctx.local_len() * ctx.world, declared.window if declared else None)
+        global_len = ctx.layout.global_len(ctx.local_len())
+        window = read_window(ctx, found_mask, global_len, declared.window if declared else None)
         causal = True
         found = f"a band mask of window {window}" if window else "a causal mask"
+    elif mask is not None:
+        ctx.refuse(f"cp_passes found no reading of its attention mask '{getattr(mask, 'name', mask)}'",
+                   "build the mask from positions or sequence metadata, or pass is_causal=True")
     else:
         found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
     if metadata is None and declared is not None and (declared.window != window or not causal):

@@ -17,6 +17,8 @@ LAYOUT_OPS = (
     aten.reshape,
     aten.expand,
     aten.expand_as,
+    aten.broadcast_to,
+    aten.broadcast_tensors,
     aten.unsqueeze,
     aten.squeeze,
     aten.transpose,

@@ -104,7 +104,8 @@ def _global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (leaf, d, edit.world, edit.group_name),
                           name=f"cp_{leaf.name}_gathered")
               for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
-    leaves += [edit.insert(operator.mul, (leaf, edit.layout.global_len(1)), name=f"cp_{leaf.name}_global")
+    # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
+    leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")
                for leaf in found.size_leaves]
     graph = torch.fx.Graph()
     env = {leaf: graph.placeholder(leaf.name) for leaf in found.tensor_leaves + found.size_leaves}

@@ -21,8 +21,9 @@ aten = torch.ops.aten
 @torch.library.custom_op("cp_passes::global_count", mutates_args=())
 def global_count_op(target: torch.Tensor, ignore_index: int | None, group_name: str) -> torch.Tensor:
     """How many targets all ranks hold (those ``!= ignore_index`` when given): a global mean's denominator."""
-    local = (target != ignore_index).sum() if ignore_index is not None else torch.ones_like(target).sum()
-    return all_reduce_sum(local, group_name)
+    target = target.detach()
+    local = (target != ignore_index) if ignore_index is not None else torch.ones_like(target, dtype=torch.bool)
+    return all_reduce_sum(local.sum(dtype=torch.int64), group_name)
 
 
 @global_count_op.register_fake
