@@ -48,15 +48,38 @@ class Layout:
 
     def owner(self, position: int, local_len: int) -> tuple[int, int]:
         """``(rank, local row)`` holding global ``position``."""
+        rank, row, _ = self._locate(position, local_len)
+        return rank, row
+
+    def _locate(self, position: int, local_len: int) -> tuple[int, int, int]:
+        """``(rank, local row, rows left in that rank's range from there)`` for global ``position``."""
         if not 0 <= position < self.global_len(local_len):
             raise IndexError(f"position {position} is outside the sequence of {self.global_len(local_len)}")
         for rank in range(self.world):
             offset = 0
             for start, stop in self.ranges(rank, local_len):
                 if start <= position < stop:
-                    return rank, offset + position - start
+                    return rank, offset + position - start, stop - position
                 offset += stop - start
         raise AssertionError("unreachable: the ranges cover the sequence")
+
+    def shifted_sources(self, offset: int, rank: int, local_len: int) -> list[tuple[int | None, int, int]]:
+        """Where rank ``rank``'s rows come from when every local row reads global position ``p + offset``:
+        ``(owner rank, owner's first local row, rows)`` pieces in local order, owner ``None`` for positions
+        outside the sequence. ``local_len`` is concrete."""
+        total, pieces = self.global_len(local_len), []
+        for start, stop in self.ranges(rank, local_len):
+            cur, end = start + offset, stop + offset
+            while cur < end:
+                if cur < 0 or cur >= total:
+                    rows = min(end, 0) - cur if cur < 0 else end - cur
+                    pieces.append((None, 0, rows))
+                else:
+                    owner, row, left = self._locate(cur, local_len)
+                    rows = min(end - cur, left)
+                    pieces.append((owner, row, rows))
+                cur += rows
+        return pieces
 
     def positions(self, rank: int, local_len, device=None) -> torch.Tensor:
         """The global position of every local row of rank ``rank`` (``[local_len]`` int64)."""

@@ -64,24 +64,33 @@ def hf_llama(seed: int = 0, use_cache: bool = True):
     return LlamaForCausalLM(hf_llama_config(use_cache)).float()
 
 
-def hf_batch(seq_len: int, batch: int = 2, seed: int = 2) -> dict:
+def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
+    """Inputs for LlamaForCausalLM: pre-shifted labels (passed as labels= and shift_labels=), or, with
+    ``labels_in_model``, unshifted labels (``labels=input_ids``) that the model shifts itself."""
     b = toy_batch(seq_len, batch, vocab=128, seed=seed)
+    if labels_in_model:
+        return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "labels": b["input_ids"].clone()}
     return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "shift_labels": b["labels"]}
 
 
-def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False) -> list[dict]:
+def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
+              labels_in_model: bool = False) -> list[dict]:
     """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
-    as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global."""
+    as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
+    ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside."""
     model = hf_llama()
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
-        global_batch = hf_batch(seq_len)
-        count = (global_batch["shift_labels"] != -100).sum()
+        global_batch = hf_batch(seq_len, labels_in_model=labels_in_model)
         local, layout = cp_passes.shard_batch(global_batch, group)
         model.zero_grad()
-        extra = {} if mean_loss else {"num_items_in_batch": count}
-        out = compiled(**local, labels=local["shift_labels"], **extra)
+        if labels_in_model:
+            out = compiled(**local)
+        else:
+            count = (global_batch["shift_labels"] != -100).sum()
+            extra = {} if mean_loss else {"num_items_in_batch": count}
+            out = compiled(**local, labels=local["shift_labels"], **extra)
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
                         "valid": layout.valid, "compiles": len(compiled.compile_records)})
@@ -97,6 +106,23 @@ def gather_roundtrip(group, seq_len: int) -> dict:
     (full * torch.arange(1, seq_len + 1)).sum().backward()
     return {"full": full.detach(), "grad": x.grad, "layout": (layout.seq_len, layout.padded_len, layout.slices),
             "local": local}
+
+
+def shift_roundtrip(group, seq_len: int, offsets: list[int]) -> list[dict]:
+    """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
+    from cp_passes.group import resolve_group
+    from cp_passes.transports.shift import shift_op
+
+    cp = resolve_group(group)
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, _ = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",)))
+    results = []
+    for offset in offsets:
+        x = local["x"].clone().requires_grad_()
+        out = shift_op(x, 1, offset, -1.0, cp.rank, cp.size, cp.name)
+        (out * torch.arange(1, out.shape[1] + 1, dtype=torch.float32)[None, :, None]).sum().backward()
+        results.append({"out": out.detach(), "grad": x.grad})
+    return results
 
 
 def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int) -> dict:

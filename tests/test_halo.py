@@ -43,3 +43,23 @@ def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, 
     for rank, r in enumerate(per_rank):
         want = expected_grad[rank * local:(rank + 1) * local][None, :, None].expand(2, local, 3)
         assert torch.equal(r["grad"], want)
+
+
+def test_shift_reads_position_t_plus_offset_across_ranks_and_returns_gradients(pool):
+    """cp_passes::shift at P = 4, 3 rows per rank: offsets within a rank, spanning two ranks, past the end."""
+    seq_len, P, offsets = 12, 4, [1, -1, 3, 5, -7, 13, 0]
+    local = seq_len // P
+    per_rank = pool.run("shift_roundtrip", P, seq_len=seq_len, offsets=offsets)
+    x = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    for k, offset in enumerate(offsets):
+        expected_grad = torch.zeros(seq_len)
+        for rank, results in enumerate(per_rank):
+            rows = [x[:, p] if 0 <= p < seq_len else torch.full((2, 3), -1.0)
+                    for p in range(rank * local + offset, (rank + 1) * local + offset)]
+            assert torch.equal(results[k]["out"], torch.stack(rows, dim=1)), (offset, rank)
+            for i, p in enumerate(range(rank * local + offset, (rank + 1) * local + offset)):
+                if 0 <= p < seq_len:
+                    expected_grad[p] += i + 1
+        for rank, results in enumerate(per_rank):
+            want = expected_grad[rank * local:(rank + 1) * local][None, :, None].expand(2, local, 3)
+            assert torch.equal(results[k]["grad"], want), (offset, rank)

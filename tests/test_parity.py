@@ -96,8 +96,12 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
             assert moved == bound  # a halo moves exactly what the window needs
 
 
-def _hf_reference(seq_len, mean_loss):
+def _hf_reference(seq_len, mean_loss, labels_in_model=False):
     model = hf_llama()
+    if labels_in_model:
+        out = model(**hf_batch(seq_len, labels_in_model=True))
+        out.loss.backward()
+        return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
     batch = hf_batch(seq_len)
     count = (batch["shift_labels"] != -100).sum()
     out = model(**batch, labels=batch["shift_labels"], **({} if mean_loss else {"num_items_in_batch": count}))
@@ -117,6 +121,16 @@ def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens, mean_loss):
     name = f"hf-LlamaForCausalLM{'-meanloss' if mean_loss else ''}-{backend}"
     for i, seq_len in enumerate(seq_lens):
         _compare(name, [r[i] for r in per_rank], *_hf_reference(seq_len, mean_loss), seq_len, parity_report)
+
+
+@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 13], marks=pytest.mark.full)])
+def test_hf_llama_labels_shifted_in_the_model_parity(pool, parity_report, P, seq_lens):
+    """model(input_ids, labels=input_ids): the model pads and slices the labels (each rank needs the next
+    rank's first label: a shift of +1) and averages over the valid targets (a global mean)."""
+    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True)
+    for i, seq_len in enumerate(seq_lens):
+        _compare("hf-LlamaForCausalLM-labels=-aot_eager", [r[i] for r in per_rank],
+                 *_hf_reference(seq_len, False, labels_in_model=True), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P", [2, 4])

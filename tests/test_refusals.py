@@ -102,15 +102,17 @@ def test_partial_sum_plus_a_per_rank_value_is_refused(group):
     assert err.problems[0].op == "aten.add.Tensor" and "partial sum" in err.problems[0].reason
 
 
-def test_hf_label_shift_inside_the_model_is_refused(group):
+def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
+    """transformers pads labels by one ignore_index and slices from 1: each rank reads the next rank's first
+    label (rank 3 of 8 receives one int64 per batch row and sends its first one back)."""
     from scenarios import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
-    ids = torch.randint(0, 128, (1, 8))
-    with pytest.raises(CPCompileError) as info:
-        compiled(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(8))
-    assert info.value.problems[0].op == "aten.pad.default"
-    assert "loss_utils.py" in info.value.problems[0].source and "shift_labels" in info.value.problems[0].fix
+    ids = torch.randint(0, 128, (2, 8))
+    compiled(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(8))
+    (row,) = [r for r in compiled.compile_records[0].records if r.transport == "shift"]
+    assert row.rule == "shift_stencil" and "loss_utils.py" in row.source and "t+1" in row.note
+    assert row.bytes == row.lower_bound_bytes == row.sent_bytes == 2 * 8
 
 
 def test_hf_mean_loss_becomes_a_sum_over_the_global_count(group):

@@ -78,9 +78,9 @@ def test_history_labels_every_stage(fake_world):
     record = compile_toy(fake_world)
     labels = [label for label, _ in record.history]
     assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
-    assert labels[2:] == ["after positions (1 rewrites)", "after halo (0 rewrites)",
+    assert labels[2:] == ["after positions (1 rewrites)", "after shift (0 rewrites)", "after halo (0 rewrites)",
                           "after sequence_gather (2 rewrites)", "after reductions (0 rewrites)"]
-    assert "cp_kv_gathered" not in record.history[3][1] and "cp_kv_gathered" in record.history[4][1]
+    assert "cp_kv_gathered" not in record.history[4][1] and "cp_kv_gathered" in record.history[5][1]
 
 
 def test_explain_table_lists_rewrites(fake_world, capsys):
@@ -133,7 +133,7 @@ def test_explain_at_compile_time_by_environment(fake_world, capsys, monkeypatch)
 
 def test_created_nodes_name_their_pass_and_rule(fake_world):
     record = compile_toy(fake_world, window=5, conv_kernel=3)
-    after_halo = record.history[3][1]
+    after_halo = next(code for label, code in record.history if label.startswith("after halo"))
     assert "cp_conv_halo" in after_halo and "# cp_passes: pass=halo rule=causal_conv_slice" in after_halo
     assert "# cp_passes: pass=halo rule=sdpa_window" in after_halo
     assert "cp_passes: pass=sequence_gather" not in after_halo

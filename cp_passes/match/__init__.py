@@ -19,6 +19,7 @@ from ..transports.masks import MetadataMask
 from .causal_conv import CONVS, match_causal_conv
 from .head_repeat import HeadRepeat, match_head_repeat, same_size
 from .masks import NotPositional, PositionMask, evaluate_position_mask, model_mask
+from .stencils import PADS, match_shifts
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
@@ -38,6 +39,8 @@ class Matches:
     be rebuilt per rank."""
     head_repeats: dict = field(default_factory=dict)
     """A head-repeated K or V node -> the :class:`HeadRepeat` that made it."""
+    shifts: dict = field(default_factory=dict)
+    """A slice of a padded tensor -> the :class:`~cp_passes.transports.shift.Shift` it reads."""
 
 
 def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: dict) -> None:
@@ -74,4 +77,12 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
             matches.convs[node] = found
             if isinstance(found, ConvHalo):
                 matches.claimed.add(found.pad if found.pad is not None else found.slice)
+    for target in PADS:
+        for pad in gm.graph.find_nodes(op="call_function", target=target):
+            if pad in matches.claimed:
+                continue
+            shifts = match_shifts(pad, sym)
+            if shifts:
+                matches.claimed.add(pad)
+                matches.shifts.update((s.node, s) for s in shifts)
     return matches

@@ -6,7 +6,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val, seq_multiple
-from .registry import NO_RULE_FIX, RuleContext, register_rule
+from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
 
@@ -63,6 +63,10 @@ def _layout(ctx: RuleContext):
 
 @register_rule(aten.slice)
 def _slice(ctx: RuleContext):
+    shift = ctx.matches.shifts.get(ctx.node)
+    if shift is not None:
+        return Rewrite("shift_stencil", "shift", shift,
+                       note=f"reads position t{shift.offset:+d} (pad value {shift.fill} outside the sequence)")
     src = ctx.arg("self")
     dim = ctx.arg("dim") % ctx.ndim(src)
     out = meta_val(ctx.node)
@@ -78,8 +82,8 @@ def _slice(ctx: RuleContext):
         ctx.refuse(
             f"it slices the sequence axis (dim {dim}) from {meta_val(src).shape[dim]} to {out.shape[dim]} "
             f"positions; on a shard the slice would be taken from this rank's positions, not the sequence's",
-            "if this is a label shift, shift labels before sharding and pass them pre-shifted (Hugging Face: "
-            "shift_labels=); otherwise slice outside the compiled module",
+            "a shift is read as pad(x, (a, b))[..., start:start + seq] along the sequence (the length kept); "
+            "otherwise pass the sliced tensor in pre-sliced, or slice outside the compiled module",
         )
     ctx.refuse(
         f"it slices a non-sharded tensor to the local sequence length, giving local positions 0..{out.shape[dim]}-1 "
@@ -121,8 +125,8 @@ def _pad(ctx: RuleContext):
             ctx.refuse(
                 f"it pads the sequence axis (dim {d}) by {pad[2 * i:2 * i + 2]}; on a shard the padding lands at "
                 f"the shard's edge instead of the sequence's",
-                "pass labels shifted before sharding (Hugging Face: shift_labels=); a causal convolution's left "
-                "pad is handled when the pad feeds conv1d directly",
+                "a pad is handled when every use is a slice keeping the sequence length (a shift, such as a label "
+                "shift) or when it feeds a causal conv1d directly; otherwise pad before sharding",
             )
     return None
 

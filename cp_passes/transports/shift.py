@@ -1,0 +1,109 @@
+"""Shift: every local row reads the row ``offset`` positions away (a constant-offset stencil).
+
+``pad(x, (a, b), value)[..., start:start + s]`` along the sequence reads ``x[t + start - a]``, and ``value``
+outside the sequence: Hugging Face's in-model label shift (``offset`` 1: each rank needs the next rank's
+first row), a token shift, one tap of a stencil. The rows come from the ranks that own them (as many as
+``|offset|`` spans) in one ``all_to_all``; exactly the rows that are not local move. The gradient is the
+shift by ``-offset`` with zeros outside.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..graph.analysis import meta_val, numel_hint
+from ..layout import Layout
+from .base import Cost, Transport, register_transport
+from .collectives import all_to_all
+
+
+def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int,
+           group_name: str) -> torch.Tensor:
+    layout, local_len = Layout(world), x.shape[dim]
+    rows = x.movedim(dim, 0)
+    plans = [layout.shifted_sources(offset, r, local_len) for r in range(world)]
+    send = [sum(n for owner, _, n in plans[r] if owner == rank) if r != rank else 0 for r in range(world)]
+    recv = [sum(n for owner, _, n in plans[rank] if owner == q) if q != rank else 0 for q in range(world)]
+    received = {}
+    if any(owner not in (None, r) for r, plan in enumerate(plans) for owner, _, _ in plan):  # same on every rank
+        outgoing = [rows.narrow(0, row, n) for r in range(world) if r != rank
+                    for owner, row, n in plans[r] if owner == rank]
+        buffer = torch.cat(outgoing) if outgoing else rows.narrow(0, 0, 0)
+        incoming = all_to_all(buffer, recv, send, group_name)
+        start = 0
+        for q in range(world):
+            received[q] = incoming.narrow(0, start, recv[q])
+            start += recv[q]
+    pieces, taken = [], dict.fromkeys(range(world), 0)
+    for owner, row, n in plans[rank]:
+        if owner is None:
+            pieces.append(torch.full((n, *rows.shape[1:]), fill, dtype=x.dtype, device=x.device))
+        elif owner == rank:
+            pieces.append(rows.narrow(0, row, n))
+        else:
+            pieces.append(received[owner].narrow(0, taken[owner], n))
+            taken[owner] += n
+    return torch.cat(pieces).movedim(0, dim).contiguous()
+
+
+@torch.library.custom_op("cp_passes::shift", mutates_args=())
+def shift_op(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int,
+             group_name: str) -> torch.Tensor:
+    """``out[t] = x[t + offset]`` along ``dim`` over the global sequence, ``fill`` outside it."""
+    return _shift(x, dim % x.dim(), offset, fill, rank, world, group_name)
+
+
+@shift_op.register_fake
+def _(x, dim, offset, fill, rank, world, group_name):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _setup(ctx, inputs, output):
+    ctx.args = inputs[1:]
+
+
+def _backward(ctx, grad):
+    dim, offset, _, rank, world, group_name = ctx.args
+    return (shift_op(grad.contiguous(), dim, -offset, 0.0, rank, world, group_name),) + (None,) * len(ctx.args)
+
+
+shift_op.register_autograd(_backward, setup_context=_setup)
+
+
+@dataclass
+class Shift:
+    """``node`` (a slice of a padded tensor) reads ``source`` shifted by ``offset`` along ``dim``."""
+
+    node: torch.fx.Node
+    source: torch.fx.Node
+    dim: int
+    offset: int
+    fill: float
+
+
+class ShiftTransport(Transport):
+    name = "shift"
+    order = 15
+    runtime = (torch.ops.cp_passes.shift.default,)
+
+    def apply(self, edit, request: Shift) -> None:
+        shifted = edit.insert(torch.ops.cp_passes.shift.default,
+                              (request.source, request.dim, request.offset, float(request.fill), edit.rank,
+                               edit.world, edit.group_name), name="cp_shifted")
+        request.node.replace_all_uses_with(shifted)
+
+    def cost(self, request: Shift, layout, rank, local_len) -> Cost:
+        row = numel_hint(request.source) // local_len * meta_val(request.source).dtype.itemsize
+        recv = sum(n for owner, _, n in layout.shifted_sources(request.offset, rank, local_len)
+                   if owner not in (None, rank))
+        sent = sum(n for r in range(layout.world) if r != rank
+                   for owner, _, n in layout.shifted_sources(request.offset, r, local_len) if owner == rank)
+        return Cost(f"all_to_all {abs(request.offset)} rows {'after' if request.offset > 0 else 'before'} | "
+                    f"bw all_to_all", recv * row // meta_val(request.source).dtype.itemsize, recv * row, recv * row,
+                    sent * row)
+
+
+SHIFT = register_transport(ShiftTransport())
