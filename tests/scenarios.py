@@ -64,6 +64,21 @@ def hf_llama(seed: int = 0, use_cache: bool = True):
     return LlamaForCausalLM(hf_llama_config(use_cache)).float()
 
 
+def hf_mixtral(seed: int = 0):
+    """A tiny Mixtral (4 experts, top 2) whose experts run as batched matmuls, without data-dependent loops."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=512, attn_implementation="sdpa")
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config).float()
+
+
+HF_MODELS = {"llama": hf_llama, "mixtral": hf_mixtral}
+
+
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
     """Inputs for LlamaForCausalLM: pre-shifted labels (passed as labels= and shift_labels=), or, with
     ``labels_in_model``, unshifted labels (``labels=input_ids``) that the model shifts itself."""
@@ -74,11 +89,11 @@ def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool 
 
 
 def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
-              labels_in_model: bool = False) -> list[dict]:
+              labels_in_model: bool = False, family: str = "llama") -> list[dict]:
     """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
     as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
     ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside."""
-    model = hf_llama()
+    model = HF_MODELS[family]()
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:

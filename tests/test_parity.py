@@ -9,7 +9,7 @@ are compared.
 import pytest
 import torch
 
-from scenarios import hf_batch, hf_llama, toy_batch, toy_model
+from scenarios import HF_MODELS, hf_batch, toy_batch, toy_model
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -78,6 +78,7 @@ HALO_CASES = [
     (4, "aot_eager", dict(window=10, n_layers=6, conv_kernel=(2, 3, 4, 5, 6, 7), conv_form="pad"),
      [16, 14]),                                                                       # L=4: w = 2.5 L, 3 hops
     (4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8]),    # L=2: conv halo 6, 3 hops
+    (2, "aot_eager", dict(window=5, inplace_mask=True, conv_kernel=3), [16, 11]),      # band &= distance < w
 ]
 
 
@@ -96,8 +97,8 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
             assert moved == bound  # a halo moves exactly what the window needs
 
 
-def _hf_reference(seq_len, mean_loss, labels_in_model=False):
-    model = hf_llama()
+def _hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama"):
+    model = HF_MODELS[family]()
     if labels_in_model:
         out = model(**hf_batch(seq_len, labels_in_model=True))
         out.loss.backward()
@@ -131,6 +132,17 @@ def test_hf_llama_labels_shifted_in_the_model_parity(pool, parity_report, P, seq
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-LlamaForCausalLM-labels=-aot_eager", [r[i] for r in per_rank],
                  *_hf_reference(seq_len, False, labels_in_model=True), seq_len, parity_report)
+
+
+@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16], marks=pytest.mark.full)])
+def test_hf_mixtral_moe_parity(pool, parity_report, P, seq_lens):
+    """An MoE model (experts as batched matmuls): routing and the per-token repeat_interleave of the dispatch
+    are position-wise; called with labels= (in-model shift, mean loss)."""
+    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
+                        family="mixtral")
+    for i, seq_len in enumerate(seq_lens):
+        _compare("hf-MixtralForCausalLM-batched_mm-labels=-aot_eager", [r[i] for r in per_rank],
+                 *_hf_reference(seq_len, False, labels_in_model=True, family="mixtral"), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P", [2, 4])

@@ -72,3 +72,24 @@ def test_a_registered_rule_can_accept_or_refuse_by_dim(group):
     assert run(group, lambda x: running_max(x, 2)).shape == (2, 8, 8)
     with pytest.raises(CPCompileError, match="takes a running max along dim \\[1\\], the sequence axis"):
         run(group, lambda x: running_max(x, 1))
+
+
+def test_in_place_ops_follow_the_rule_of_their_out_of_place_op(group):
+    """masked_fill_ and __iand__ carry no pointwise tag; they take masked_fill's and __and__'s rules."""
+    from cp_passes.rules import lookup_rule
+    from cp_passes.rules.registry import out_of_place
+
+    aten = torch.ops.aten
+    assert out_of_place(aten.masked_fill_.Scalar) is aten.masked_fill.Scalar
+    assert out_of_place(aten.__iand__.Tensor) is aten.__and__.Tensor
+    assert lookup_rule(aten.masked_fill_.Scalar) is lookup_rule(aten.masked_fill.Scalar) is not None
+    assert lookup_rule(aten.cumsum_.default) is lookup_rule(aten.cumsum.default)  # refused along the sequence
+
+    def fill_in_place(x):
+        x = x.clone()
+        x.masked_fill_(x > 0, 0.0)
+        return x
+
+    assert run(group, fill_in_place).shape == (2, 8, 8)
+    with pytest.raises(CPCompileError, match="cumsum"):
+        run(group, lambda x: x.clone().cumsum_(1))

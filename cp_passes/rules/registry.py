@@ -61,6 +61,9 @@ def positionwise_rule(ctx: "RuleContext"):
 
 
 def lookup_rule(target):
+    """The rule for ``target``: registered for the overload or its packet, the position-wise rule for ops
+    tagged pointwise, or else the rule of the out-of-place op an in-place one (``add_``, ``__iand__``) mutates
+    like."""
     if target in _RULES:
         return _RULES[target]
     packet = getattr(target, "overloadpacket", None)
@@ -68,7 +71,24 @@ def lookup_rule(target):
         return _RULES[packet]
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         return positionwise_rule
-    return None
+    functional = out_of_place(target)
+    return lookup_rule(functional) if functional is not None else None
+
+
+def out_of_place(target):
+    """``aten.masked_fill.Scalar`` for ``aten.masked_fill_.Scalar``, ``aten.__and__.Tensor`` for
+    ``aten.__iand__.Tensor``; None for other ops."""
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    name = target.overloadpacket.__name__
+    if name.startswith("__i") and name.endswith("__"):
+        name = "__" + name[3:]
+    elif name.endswith("_") and not name.endswith("__"):
+        name = name[:-1]
+    else:
+        return None
+    packet = getattr(torch.ops.aten, name, None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
 
 
 class Refusal(Exception):

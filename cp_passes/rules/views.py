@@ -110,6 +110,8 @@ def _repeat_interleave(ctx: RuleContext):
         if ctx.is_seq(ctx.node):
             ctx.refuse("it builds a sequence-length index", NO_RULE_FIX)
         return None
+    if isinstance(ctx.arg("repeats"), int) and ctx.arg("dim") is not None:
+        return None  # every position repeated n times in place (MoE dispatch): output row i reads row i // n
     ctx.require_not_along_sequence(ctx.arg("self"), ctx.arg("dim"), "repeats along")
     return None
 

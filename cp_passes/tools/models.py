@@ -29,6 +29,8 @@ class ToyLlamaConfig:
     "repeat_interleave", or "sdpa" (enable_gqa=True)."""
     window: int | None = None
     """Sliding-window attention of this width (a band mask built from arange); None: causal."""
+    inplace_mask: bool = False
+    """Build the band mask with in-place ops (``band &= distance < window``), as much model code does."""
     conv_kernel: int | tuple[int, ...] = 0
     """Kernel size of a causal short convolution on the attention input (a tuple: one per layer); 0: none."""
     conv_dilation: int = 1
@@ -72,7 +74,9 @@ class Attention(nn.Module):
             pos = torch.arange(s, device=x.device)
             distance = pos[:, None] - pos[None, :]
             band = distance >= 0
-            if cfg.window is not None:
+            if cfg.window is not None and cfg.inplace_mask:
+                band &= distance < cfg.window
+            elif cfg.window is not None:
                 band = band & (distance < cfg.window)
             if doc_ids is not None:  # packed documents: attend within the same document only
                 band = band & (doc_ids[:, :, None] == doc_ids[:, None, :])
