@@ -101,6 +101,10 @@ class Layout:
         whose positions all precede (or are) this rank's last position."""
         return (rank + 1) * local_len
 
+    def preceding_ranks(self, rank: int) -> list[int]:
+        """The ranks all of whose positions precede all of rank ``rank``'s (a scan's carry comes from them)."""
+        return list(range(rank))
+
     def first_is_local(self, rank: int) -> bool:
         """Whether causal attention over the keys a gather lets rank ``rank`` see is plain causal attention
         over its own rows (it holds the sequence's first positions and sees nothing else)."""

@@ -123,6 +123,38 @@ def gather_roundtrip(group, seq_len: int) -> dict:
             "local": local}
 
 
+class RunningMean(torch.nn.Module):
+    """Activations averaged over every preceding position with cumsum (a scan), then a causal conv-free head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, position_ids, labels):
+        h = self.embed(input_ids)
+        running = h.cumsum(1) / (position_ids[..., None] + 1).to(h.dtype)
+        logits = self.proj(torch.tanh(running))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss, logits
+
+
+def scan_parity(group, backend: str, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    model = RunningMean()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(toy_batch(seq_len, vocab=64), group)
+        model.zero_grad()
+        loss, logits = compiled(**local)
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": _grads(model),
+                        "valid": layout.valid, "records": [(r.rule, r.transport)
+                                                           for r in compiled.compile_records[-1].records]})
+    return results
+
+
 def shift_roundtrip(group, seq_len: int, offsets: list[int]) -> list[dict]:
     """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
     from cp_passes.group import resolve_group

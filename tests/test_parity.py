@@ -9,7 +9,7 @@ are compared.
 import pytest
 import torch
 
-from scenarios import HF_MODELS, hf_batch, toy_batch, toy_model
+from scenarios import HF_MODELS, RunningMean, hf_batch, toy_batch, toy_model
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -162,3 +162,19 @@ def test_shard_batch_and_gather_sequence(pool, P):
         if (rank + 1) * local > seq_len:  # the last shard carries the padding
             assert (labels[:, seq_len - rank * local:] == -100).all()
             assert (r["local"]["input_ids"][:, seq_len - rank * local:] == 0).all()
+
+
+@pytest.mark.parametrize("P,backend,seq_lens", [(2, "aot_eager", [16, 11]),
+                                                pytest.param(4, "inductor", [16, 13], marks=pytest.mark.full)])
+def test_cumsum_over_activations_parity(pool, parity_report, P, backend, seq_lens):
+    """h.cumsum(1) along the sequence: each rank's running sum plus the preceding ranks' totals (scan)."""
+    per_rank = pool.run("scan_parity", P, backend=backend, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        model = RunningMean()
+        loss, logits = model(**toy_batch(seq_len, vocab=64))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        _compare(f"running-mean-cumsum-{backend}", [r[i] for r in per_rank], loss.detach(), logits.detach(), grads,
+                 seq_len, parity_report)
+    assert ("cumsum_scan", "scan") in per_rank[0][0]["records"]

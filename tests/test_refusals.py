@@ -41,7 +41,7 @@ def refusal(group, mix, seq=8) -> CPCompileError:
 
 
 CASES = {
-    "cumsum": (lambda x: x.cumsum(1), "aten.cumsum.default", "x.cumsum(1)"),
+    "cumprod": (lambda x: x.cumprod(1), "aten.cumprod.default", "x.cumprod(1)"),
     "flip": (lambda x: x.flip(1), "aten.flip.default", "x.flip(1)"),
     "roll": (lambda x: torch.roll(x, 1, dims=1), "aten.roll.default", "torch.roll(x, 1, dims=1)"),
     "sort": (lambda x: x.sort(dim=1).values, "aten.sort.default", "x.sort(dim=1)"),
@@ -79,8 +79,8 @@ def test_manual_attention_contracting_over_the_sequence(group):
 
 
 def test_all_problems_listed_at_once(group):
-    err = refusal(group, lambda x: x.cumsum(1).flip(1))
-    assert [p.op for p in err.problems] == ["aten.cumsum.default", "aten.flip.default"]
+    err = refusal(group, lambda x: x.cumprod(1).flip(1))
+    assert [p.op for p in err.problems] == ["aten.cumprod.default", "aten.flip.default"]
 
 
 def test_partial_sum_only_flows_through_linear_ops(group):

@@ -18,6 +18,7 @@ from ..errors import CPCompileError, Problem, module_path, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
+from ..rules.registry import out_of_place, registered
 from ..transports import TRANSPORTS, Cost
 
 aten = torch.ops.aten
@@ -211,4 +212,9 @@ def _plan_node(ctx: RuleContext, origins: dict):
             "if it is position-wise, declare it with cp_passes.positionwise(op); otherwise register a rule with "
             "@cp_passes.register_rule(op), or move it outside the compiled module",
         )
-    return rule(ctx)
+    decision = rule(ctx)
+    if isinstance(decision, Rewrite) and out_of_place(node.target) is not None and not registered(node.target):
+        ctx.refuse(f"it is the in-place form of {out_of_place(node.target)}, which needs the {decision.transport} "
+                   f"transport; a transport rewrites values, not a tensor mutated in place",
+                   f"write it out of place (x = {out_of_place(node.target).overloadpacket.__name__}(x, ...))")
+    return decision

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val
+from ..graph.analysis import meta_val, seq_multiple
 from ..transports.reductions import GlobalMean
+from ..transports.scan import Scan
 from .registry import RuleContext, Rewrite, Value, register_rule
 
 aten = torch.ops.aten
@@ -29,8 +30,9 @@ _DIM_OPS = {
 }
 
 _DIM_FIXES = {
-    "cumsum": "a running sum along the sequence needs a cross-rank prefix (not supported yet); compute it "
-    "outside the compiled module or over a non-sequence dim",
+    **dict.fromkeys(("cumprod", "cummax", "cummin", "logcumsumexp", "cumsumexp"),
+                    "of the running ops along the sequence only cumsum has a rule (a local scan plus the preceding "
+                    "ranks' totals); compute this one outside the compiled module or over a non-sequence dim"),
     "flip": "reversing the sequence needs the whole sequence; flip outside the compiled module",
     "roll": "rolling the sequence moves positions across ranks; shift before sharding instead",
     "cat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
@@ -64,6 +66,21 @@ def _dim_rule(ctx: RuleContext):
 
 
 register_rule(*_DIM_OPS)(_dim_rule)
+
+
+@register_rule(aten.cumsum)
+def _cumsum(ctx: RuleContext):
+    """A running sum along the sequence: a local scan plus the preceding ranks' totals (the scan transport)."""
+    src = ctx.arg("self")
+    dim = ctx.arg("dim") % max(ctx.ndim(src), 1)
+    if dim not in ctx.seq_dims(src):
+        return None
+    if seq_multiple(meta_val(src).shape[dim], ctx.sym) != 1:
+        ctx.refuse(f"it takes a running sum along dim {dim}, where the sequence is merged with other dims "
+                   f"({meta_val(src).shape[dim]}); the running sum would cross from one row into the next",
+                   "take the running sum along the sequence axis alone ([batch, seq, ...] layout)")
+    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim),
+                   note="local running sum + the preceding ranks' totals")
 
 
 @register_rule(aten.sum, aten.nansum)

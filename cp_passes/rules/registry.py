@@ -60,6 +60,11 @@ def positionwise_rule(ctx: "RuleContext"):
     return None
 
 
+def registered(target) -> bool:
+    """Whether a rule was registered for ``target`` itself or its packet (not derived from another op)."""
+    return target in _RULES or getattr(target, "overloadpacket", None) in _RULES
+
+
 def lookup_rule(target):
     """The rule for ``target``: registered for the overload or its packet, the position-wise rule for ops
     tagged pointwise, or else the rule of the out-of-place op an in-place one (``add_``, ``__iand__``) mutates
