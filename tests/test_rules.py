@@ -1,5 +1,7 @@
 """The rule table's extension points, as README documents them."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -93,3 +95,56 @@ def test_in_place_ops_follow_the_rule_of_their_out_of_place_op(group):
     assert run(group, fill_in_place).shape == (2, 8, 8)
     with pytest.raises(CPCompileError, match="in-place form of aten.cumsum.default, which needs the scan transport"):
         run(group, lambda x: x.clone().cumsum_(1))
+
+
+def test_a_mutation_another_reader_would_see_is_refused(group):
+    """A view taken before `band &= ...` sees the mutation; the planner reads values, so it refuses."""
+    def view_then_mutate(x):
+        s = x.shape[1]
+        distance = torch.arange(s)[:, None] - torch.arange(s)[None, :]
+        band = distance >= 0
+        seen = band[None, None]
+        band &= distance < 3
+        q = x.view(2, s, 2, 4).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=seen).transpose(1, 2).flatten(2)
+
+    with pytest.raises(CPCompileError, match="mutates 'ge' in place, which is also read by aten.unsqueeze"):
+        run(group, view_then_mutate)
+
+
+def test_scattering_positions_into_a_tensor_without_the_sequence_is_refused(group):
+    with pytest.raises(CPCompileError, match="scatters per-position values into a tensor without the sequence"):
+        run(group, lambda x: torch.zeros(8).index_add_(0, (x[..., 0] > 0).long().flatten(), x[..., 1].flatten()))
+
+
+@pytest.mark.parametrize("inner", [True, False], ids=["copies_inner", "copies_outer"])
+def test_repeat_interleave_along_the_sequence_keeps_the_copies_inner(group, inner):
+    """repeat_interleave(2, dim) on [batch * seq] (MoE dispatch) is position-wise only while later views keep the
+    copies as the inner factor."""
+    def repeat_then_split(x):
+        b, s, h = x.shape
+        rows = x.flatten(0, 1).repeat_interleave(2, 0)
+        summed = rows.view(b * s, 2, h).sum(1) if inner else rows.view(2, b * s, h).sum(0)
+        return summed.view(b, s, h)
+
+    ok = inner
+
+    if ok:
+        assert run(group, repeat_then_split).shape == (2, 8, 8)
+    else:
+        with pytest.raises(CPCompileError, match="splits that axis with the copies as the outer factor"):
+            run(group, repeat_then_split)
+
+
+def test_a_shift_reads_its_source_before_a_later_mutation(group):
+    def pad_mutate_slice(x):
+        x = x.clone()
+        padded = torch.nn.functional.pad(x, (0, 0, 1, 0))
+        x.mul_(2)
+        return padded[:, :x.shape[1]] + x
+
+    compiled = cp_passes.cp_compile(UsesOp(pad_mutate_slice), mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    names = [m.group(1) for line in compiled.compile_records[0].history[-1][1].splitlines()
+             if (m := re.match(r"\s+(\w+)(?::[^=]*)? = ", line))]
+    assert names.index("cp_shifted") < next(i for i, n in enumerate(names) if n.startswith("mul_"))

@@ -99,6 +99,31 @@ def _check_length_values(ctx: RuleContext) -> None:
                 )
 
 
+def _returns_alias(node) -> bool:
+    target = getattr(node, "target", None)
+    return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
+
+
+def _check_mutation(ctx: RuleContext) -> None:
+    """An in-place op is read as the value it returns. That holds only if nothing else observes the mutated
+    tensor afterwards: no view of it (taken before or after), no later reader, and it is no view or input."""
+    order = {n: i for i, n in enumerate(ctx.node.graph.nodes)}
+    for arg in ctx.node.target._schema.arguments:
+        x = ctx.args.get(arg.name)
+        if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(x, torch.fx.Node):
+            continue
+        observers = [u for u in x.users if u is not ctx.node and (order[u] > order[ctx.node] or _returns_alias(u))]
+        if x.op == "placeholder" or _returns_alias(x) or observers:
+            what = ("an input of the compiled module" if x.op == "placeholder" else
+                    f"a view ({op_name(x)})" if _returns_alias(x) else
+                    f"also read by {', '.join(op_name(u) for u in observers)} at {source_line(observers[0])}")
+            ctx.refuse(
+                f"it mutates '{x.name}' in place, which is {what}; cp_passes reads each op's result as a value "
+                f"and cannot follow the mutation to the other readers",
+                "write it out of place (y = x & m instead of x &= m), or mutate a fresh tensor nothing else reads",
+            )
+
+
 def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
     transport = TRANSPORTS.get(rewrite.transport)
     if transport is None:
@@ -199,6 +224,8 @@ def _plan_node(ctx: RuleContext, origins: dict):
     ctx.args = bind_args(node)
     if node.target.overloadpacket is not aten.arange:
         _check_length_values(ctx)
+    if node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node)):
+        _check_mutation(ctx)
     if partial_in:
         return _partial_rule(ctx, origins[partial_in[0]])
     if not seq_in and not ctx.is_seq(node):

@@ -44,5 +44,5 @@ def match_shifts(pad: torch.fx.Node, sym) -> list[Shift]:
             return []
         if expr_of(meta_val(user).shape[dim]) != length:
             return []
-        shifts.append(Shift(user, source, dim, start - before, value))
+        shifts.append(Shift(user, source, dim, start - before, value, pad))
     return shifts

@@ -8,7 +8,7 @@ import torch.fx
 from ..graph.analysis import meta_val, seq_multiple
 from ..transports.reductions import GlobalMean
 from ..transports.scan import Scan
-from .registry import RuleContext, Rewrite, Value, register_rule
+from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
 
 aten = torch.ops.aten
 
@@ -41,15 +41,26 @@ _DIM_FIXES = {
 }
 
 
+_SCATTERS = {aten.index_add, aten.index_copy, aten.index_fill, aten.scatter, aten.scatter_add, aten.scatter_reduce}
+
+
 def _dim_rule(ctx: RuleContext):
-    name = _DIM_OPS[ctx.node.target.overloadpacket]
+    target = out_of_place(ctx.node.target) or ctx.node.target  # index_add_ takes index_add's rule
+    name = _DIM_OPS[target.overloadpacket]
+    if target.overloadpacket in _SCATTERS and not ctx.is_seq(ctx.node) and ctx.seq_inputs():
+        ctx.refuse(
+            "it scatters per-position values into a tensor without the sequence axis: each rank holds only its "
+            "own positions' contributions, not the single-device result",
+            "compute it outside the compiled module, or return this rank's tensor and sum it over the ranks "
+            "(dist.all_reduce)",
+        )
     tensors = ctx.arg("tensors") if "tensors" in ctx.args else [ctx.args.get("self", ctx.args.get("input"))]
     dims = ctx.args.get(name)
-    if ctx.node.target.overloadpacket in (aten.max, aten.min) and name not in ctx.args:
+    if target.overloadpacket in (aten.max, aten.min) and name not in ctx.args:
         dims = None
-    if ctx.node.target.overloadpacket is aten.roll and not dims:
+    if target.overloadpacket is aten.roll and not dims:
         dims = None
-    packet = ctx.node.target.overloadpacket.__name__
+    packet = target.overloadpacket.__name__
     if "other" in ctx.args:  # binary max/min are elementwise
         return None
     if packet == "cat":
@@ -75,11 +86,12 @@ def _cumsum(ctx: RuleContext):
     dim = ctx.arg("dim") % max(ctx.ndim(src), 1)
     if dim not in ctx.seq_dims(src):
         return None
-    if seq_multiple(meta_val(src).shape[dim], ctx.sym) != 1:
+    if seq_multiple(meta_val(src).shape[dim], ctx.sym) != 1 or len(ctx.seq_dims(src)) != 1:
         ctx.refuse(f"it takes a running sum along dim {dim}, where the sequence is merged with other dims "
                    f"({meta_val(src).shape[dim]}); the running sum would cross from one row into the next",
                    "take the running sum along the sequence axis alone ([batch, seq, ...] layout)")
-    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim),
+    claimed = frozenset(u for u in ctx.node.users if u in ctx.matches.claimed)
+    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim, claimed),
                    note="local running sum + the preceding ranks' totals")
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sympy
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_multiple
+from ..errors import op_name, source_line
+from ..graph.analysis import expr_of, meta_val, seq_multiple
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -110,10 +112,44 @@ def _repeat_interleave(ctx: RuleContext):
         if ctx.is_seq(ctx.node):
             ctx.refuse("it builds a sequence-length index", NO_RULE_FIX)
         return None
-    if isinstance(ctx.arg("repeats"), int) and ctx.arg("dim") is not None:
-        return None  # every position repeated n times in place (MoE dispatch): output row i reads row i // n
+    n, dim = ctx.arg("repeats"), ctx.arg("dim")
+    if isinstance(n, int) and dim is not None:
+        # Every position repeated n times in place (MoE dispatch): output row i reads row i // n. Correct as
+        # long as the n copies stay the inner factor of the axis wherever a view splits it.
+        split = _split_with_copies_outer(ctx.node, dim % ctx.ndim(ctx.node), n)
+        if split is not None:
+            ctx.refuse(
+                f"it repeats each position {n} times along the sequence axis, and {op_name(split)} at "
+                f"{source_line(split)} splits that axis with the copies as the outer factor; on a shard the "
+                f"copies of different ranks' positions would be mixed",
+                f"split the repeated axis as [..., seq, {n}] (copies inner), or repeat along a new dim",
+            )
+        return None
     ctx.require_not_along_sequence(ctx.arg("self"), ctx.arg("dim"), "repeats along")
     return None
+
+
+def _split_with_copies_outer(node: torch.fx.Node, dim: int, n: int) -> torch.fx.Node | None:
+    """The first view downstream of ``node`` that splits its repeated axis (size ``n * X``) other than as
+    ``[.., X, n, ..]``; the walk follows every value that still carries the axis whole."""
+    total = expr_of(meta_val(node).shape[dim])
+    stack, seen = [node], {node}
+    while stack:
+        for user in stack.pop().users:
+            val = meta_val(user)
+            if user in seen or not isinstance(val, torch.Tensor):
+                continue
+            seen.add(user)
+            sizes = [expr_of(s) for s in val.shape]
+            if total in sizes:
+                stack.append(user)
+            elif user.target in _VIEWS and not any(sympy.simplify(sizes[i] * n - total) == 0 and sizes[i + 1] == n
+                                                   for i in range(len(sizes) - 1)):
+                return user
+    return None
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int)
 
 
 @register_rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad1d, aten.replication_pad1d)

@@ -61,6 +61,8 @@ class Scan:
     node: torch.fx.Node
     source: torch.fx.Node
     dim: int
+    keep: frozenset = frozenset()
+    """Users that read the model's cumsum itself (a mask the attention rule evaluates over the whole sequence)."""
 
 
 class ScanTransport(Transport):
@@ -70,7 +72,7 @@ class ScanTransport(Transport):
 
     def apply(self, edit, request: Scan) -> None:
         node, dtype = request.node, meta_val(request.node).dtype
-        users = list(node.users)
+        users = [u for u in node.users if u not in request.keep]
         total = edit.insert(aten.sum.dim_IntList, (request.source, [request.dim], True), {"dtype": dtype},
                             name="cp_scan_total", before=node.next)
         offset = edit.insert(torch.ops.cp_passes.scan_offset.default, (total, edit.rank, edit.world, edit.group_name),

@@ -82,6 +82,8 @@ class Shift:
     dim: int
     offset: int
     fill: float
+    pad: torch.fx.Node | None = None
+    """The pad the slice reads: the shift reads ``source`` where the pad did (before later mutations)."""
 
 
 class ShiftTransport(Transport):
@@ -92,7 +94,7 @@ class ShiftTransport(Transport):
     def apply(self, edit, request: Shift) -> None:
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
                               (request.source, request.dim, request.offset, float(request.fill), edit.rank,
-                               edit.world, edit.group_name), name="cp_shifted")
+                               edit.world, edit.group_name), name="cp_shifted", before=request.pad)
         request.node.replace_all_uses_with(shifted)
 
     def cost(self, request: Shift, layout, rank, local_len) -> Cost:
