@@ -113,7 +113,7 @@ def _repeat_interleave(ctx: RuleContext):
             ctx.refuse("it builds a sequence-length index", NO_RULE_FIX)
         return None
     n, dim = ctx.arg("repeats"), ctx.arg("dim")
-    if isinstance(n, int) and dim is not None:
+    if isinstance(n, int) and dim is not None and dim % ctx.ndim(ctx.arg("self")) in ctx.seq_dims(ctx.arg("self")):
         # Every position repeated n times in place (MoE dispatch): output row i reads row i // n. Correct as
         # long as the n copies stay the inner factor of the axis wherever a view splits it.
         split = _split_with_copies_outer(ctx.node, dim % ctx.ndim(ctx.node), n)
