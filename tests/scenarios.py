@@ -139,13 +139,45 @@ class RunningMean(torch.nn.Module):
         return loss, logits
 
 
-def scan_parity(group, backend: str, seq_lens: list[int]) -> list[dict]:
+class SharedMaskInputs(torch.nn.Module):
+    """A model whose arange and cumsum feed both its activations and its doc-id attention mask: the transports
+    rewrite them for the activations while the mask is evaluated over the whole sequence as the model wrote it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, doc_ids, labels):
+        b, s = input_ids.shape
+        pos = torch.arange(s, device=input_ids.device)
+        count = (doc_ids >= 0).long().cumsum(1)
+        h = self.embed(input_ids) + 0.01 * (pos[None, :, None] + count[..., None])
+        mask = (pos[:, None] >= pos[None, :]) & (count[:, :, None] >= count[:, None, :])
+        mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        q = h.view(b, s, 2, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask[:, None])
+        logits = self.proj(out.transpose(1, 2).reshape(b, s, 16))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss, logits
+
+
+def shared_mask_batch(seq_len: int) -> dict:
+    batch = toy_batch(seq_len, vocab=64)
+    del batch["position_ids"]
+    batch["doc_ids"] = (torch.arange(seq_len) >= seq_len // 3).long().expand(2, seq_len).clone()
+    return batch
+
+
+def scan_parity(group, backend: str, seq_lens: list[int], shared_mask_inputs: bool = False) -> list[dict]:
+    """RunningMean (a cumsum over activations), or SharedMaskInputs, against one device."""
     torch.manual_seed(0)
-    model = RunningMean()
+    model = SharedMaskInputs() if shared_mask_inputs else RunningMean()
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(toy_batch(seq_len, vocab=64), group)
+        batch = shared_mask_batch(seq_len) if shared_mask_inputs else toy_batch(seq_len, vocab=64)
+        local, layout = cp_passes.shard_batch(batch, group)
         model.zero_grad()
         loss, logits = compiled(**local)
         loss.backward()

@@ -9,7 +9,8 @@ are compared.
 import pytest
 import torch
 
-from scenarios import HF_MODELS, RunningMean, hf_batch, toy_batch, toy_model
+from scenarios import (HF_MODELS, RunningMean, SharedMaskInputs, hf_batch, shared_mask_batch, toy_batch,
+                       toy_model)
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -178,3 +179,19 @@ def test_cumsum_over_activations_parity(pool, parity_report, P, backend, seq_len
         _compare(f"running-mean-cumsum-{backend}", [r[i] for r in per_rank], loss.detach(), logits.detach(), grads,
                  seq_len, parity_report)
     assert ("cumsum_scan", "scan") in per_rank[0][0]["records"]
+
+
+def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool, parity_report):
+    """The positions and scan transports rewire the activations' uses only; the doc-id mask, evaluated over the
+    whole sequence, keeps the model's own arange and cumsum (rewiring them crashed the mask's evaluation)."""
+    seq_lens = [16, 11]
+    per_rank = pool.run("scan_parity", 2, backend="aot_eager", seq_lens=seq_lens, shared_mask_inputs=True)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        model = SharedMaskInputs()
+        loss, logits = model(**shared_mask_batch(seq_len))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank], loss.detach(), logits.detach(),
+                 grads, seq_len, parity_report)
+    assert {"arange_positions", "cumsum_scan", "sdpa_data_mask"} <= {rule for rule, _ in per_rank[0][0]["records"]}

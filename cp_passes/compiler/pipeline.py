@@ -16,7 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, sequence_symbol
 from ..graph.provenance import Edit, format_graph
-from ..transports import TRANSPORTS, in_order
+from ..transports import in_order
 from .planner import Plan, RewriteRecord, plan_graph
 
 
@@ -75,22 +75,22 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
 
 def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple[str, str]]) -> list[Edit]:
     """Apply each transport's rewrites in the transports' order, recording the graph after each."""
-    edits = []
+    edits, records = [], []
     for transport in in_order():
-        todo = [(n, r) for n, r in plan.rewrites if r.transport == transport.name]
-        for node, rewrite in todo:
+        todo = [(n, r, rec) for n, r, rec in plan.rewrites if r.transport == transport.name]
+        for node, rewrite, record in todo:
             edit = Edit(gm, node, transport.name, rewrite.rule, rank=cp.rank, world=cp.size, group_name=cp.name,
-                        layout=cp.layout)
+                        layout=cp.layout, keep=plan.claimed)
             transport.apply(edit, rewrite.request)
             edits.append(edit)
-            edit.record = plan.record_of[id(rewrite)]
+            records.append(record)
         gm.graph.eliminate_dead_code()
         gm.graph.lint()
         gm.recompile()
         history.append((f"after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))
     # A rewrite whose node and edits all went dead (an arange that only fed a replaced mask) changed nothing.
     alive = set(gm.graph.nodes)
-    dropped = {id(e.record) for e in edits if e.origin not in alive and not any(n in alive for n in e.nodes)}
+    dropped = {id(r) for e, r in zip(edits, records) if e.origin not in alive and not any(n in alive for n in e.nodes)}
     plan.records[:] = [r for r in plan.records if id(r) not in dropped]
     return edits
 
@@ -100,11 +100,9 @@ def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list,
     alive = set(gm.graph.nodes)
     # Not applied: nothing edited, or everything it made is unused while the node it rewrote still runs.
     skipped = [e for e in edits if not e.applied or (e.origin in alive and not any(n in alive for n in e.nodes))]
-    planned = {r.transport for _, r in plan.rewrites}
-    unknown = planned - set(TRANSPORTS)
-    if skipped or unknown or len(edits) != len(plan.rewrites):
+    if skipped or len(edits) != len(plan.rewrites):  # planning refused unregistered transports
         what = [f"{e.rule} at {op_name(e.origin)} ({source_line(e.origin, code=False)}) by transport "
-                f"{e.pass_name!r}" for e in skipped] + [f"transport {t!r} is not registered" for t in sorted(unknown)]
+                f"{e.pass_name!r}" for e in skipped] or ["a rewrite's transport did not run"]
         raise CPCompileError(f"cp_passes internal error: planned rewrites were not applied: {'; '.join(what)}. "
                              f"A transport's apply() must edit the graph through its Edit")
     FakeTensorProp(gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)

@@ -46,11 +46,12 @@ class RewriteRecord(Cost):
 
 @dataclass
 class Plan:
-    rewrites: list[tuple[torch.fx.Node, Rewrite]] = field(default_factory=list)
+    rewrites: list[tuple[torch.fx.Node, Rewrite, RewriteRecord]] = field(default_factory=list)
+    """Each planned rewrite with its row in ``records``."""
     partial_outputs: list[int] = field(default_factory=list)
     records: list[RewriteRecord] = field(default_factory=list)
-    record_of: dict[int, RewriteRecord] = field(default_factory=dict)
-    """``id(rewrite)`` -> its row in ``records``."""
+    claimed: frozenset = frozenset()
+    """The nodes the matchers claimed: no transport rewires their inputs."""
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
@@ -145,6 +146,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     values: dict[torch.fx.Node, Value] = {}
     origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
     matches = match_graph(gm, sym)
+    plan.claimed = frozenset(matches.claimed)
     length = next(size for n in gm.graph.find_nodes(op="placeholder") if isinstance(meta_val(n), torch.Tensor)
                   for size in meta_val(n).shape if isinstance(size, torch.SymInt) and size.node.expr == sym)
     for node in gm.graph.nodes:
@@ -165,10 +167,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             values[node] = Value.PARTIAL
             origins[node] = next((origins[t] for t in ctx.tensor_inputs() if t in origins), node)
         if rewrite is not None:
-            plan.rewrites.append((node, rewrite))
             cost = TRANSPORTS[rewrite.transport].cost(rewrite.request, cp.layout, cp.rank, ctx.local_len())
             plan.records.append(RewriteRecord.of(node, rewrite.rule, rewrite.transport, cost, rewrite.note))
-            plan.record_of[id(rewrite)] = plan.records[-1]
+            plan.rewrites.append((node, rewrite, plan.records[-1]))
     problems.extend(_check_block_uses(gm, sym, refused | matches.claimed))
     if problems:
         raise CPCompileError(problems)

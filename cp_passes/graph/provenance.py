@@ -30,16 +30,26 @@ def tags(node: torch.fx.Node) -> tuple[str, str] | None:
 
 class Edit:
     """The graph edits of one planned rewrite. Every node it creates or changes is tagged with the
-    transport and rule, and the rewrite counts as applied once anything was tagged (verify checks)."""
+    transport and rule, and the rewrite counts as applied once anything was tagged (verify checks).
+    ``keep`` are nodes whose inputs no edit may rewire: the matchers claimed them for a pattern whose own
+    rule evaluates them as the single device would (a model-built mask)."""
 
     def __init__(self, gm: torch.fx.GraphModule, origin: torch.fx.Node, pass_name: str, rule: str, *, rank: int,
-                 world: int, group_name: str, layout):
+                 world: int, group_name: str, layout, keep: frozenset = frozenset()):
         self.gm, self.graph, self.origin = gm, gm.graph, origin
         self.pass_name, self.rule = pass_name, rule
         self.rank, self.world, self.group_name, self.layout = rank, world, group_name, layout
-        self.applied = False
+        self.keep = keep
         self.nodes: list[torch.fx.Node] = []
         """Every node this edit created or changed."""
+
+    @property
+    def applied(self) -> bool:
+        return bool(self.nodes)
+
+    def replace_uses(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+        """Make every user of ``old`` read ``new`` instead, except ``new`` itself and the kept nodes."""
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new and user not in self.keep)
 
     def insert(self, target, args, kwargs=None, *, name: str, before: torch.fx.Node | None = None) -> torch.fx.Node:
         """Create a node before ``before`` (default: the origin) with the origin's source information."""
@@ -60,7 +70,6 @@ class Edit:
 
     def changed(self, node: torch.fx.Node) -> torch.fx.Node:
         tag(node, self.pass_name, self.rule)
-        self.applied = True
         self.nodes.append(node)
         return node
 

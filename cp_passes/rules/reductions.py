@@ -90,8 +90,7 @@ def _cumsum(ctx: RuleContext):
         ctx.refuse(f"it takes a running sum along dim {dim}, where the sequence is merged with other dims "
                    f"({meta_val(src).shape[dim]}); the running sum would cross from one row into the next",
                    "take the running sum along the sequence axis alone ([batch, seq, ...] layout)")
-    claimed = frozenset(u for u in ctx.node.users if u in ctx.matches.claimed)
-    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim, claimed),
+    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim),
                    note="local running sum + the preceding ranks' totals")
 
 

@@ -121,12 +121,12 @@ class Halo(Transport):
         node = match.conv
         halo = self.insert(edit, match.source, 2, match.halo, "cp_conv_halo", before=match.pad or node)
         if match.pad is not None:
-            match.pad.replace_all_uses_with(halo)
+            edit.replace_uses(match.pad, halo)
         else:
             args = bind_args(node)
             args["input"], args["padding"] = halo, [0]
             node.args, node.kwargs = (), args
-            match.slice.replace_all_uses_with(node)
+            edit.replace_uses(match.slice, node)
         edit.changed(node)
 
     def cost(self, request, layout, rank, local_len) -> Cost:

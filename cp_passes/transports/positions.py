@@ -36,7 +36,7 @@ class Positions(Transport):
         device = node.kwargs.get("device")
         positions = edit.insert(global_positions, (request.end, edit.rank, edit.world, meta_val(node).dtype, device),
                                 name="cp_positions")
-        node.replace_all_uses_with(positions)
+        edit.replace_uses(node, positions)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         return Cost()

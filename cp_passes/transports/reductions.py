@@ -51,13 +51,11 @@ class Reductions(Transport):
         args["reduction"] = 2
         node.args, node.kwargs = (), args
         edit.changed(node)
-        users = list(node.users)
         count = edit.insert(torch.ops.cp_passes.global_count.default,
                             (args[request.target_name], request.ignore_index, edit.group_name),
                             name="cp_global_count", before=node.next)
         mean = edit.insert(aten.div.Tensor, (node, count), name="cp_global_mean", before=count.next)
-        for user in users:
-            user.replace_input_with(node, mean)
+        edit.replace_uses(node, mean)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         moved = 8 * (layout.world - 1)

@@ -61,8 +61,6 @@ class Scan:
     node: torch.fx.Node
     source: torch.fx.Node
     dim: int
-    keep: frozenset = frozenset()
-    """Users that read the model's cumsum itself (a mask the attention rule evaluates over the whole sequence)."""
 
 
 class ScanTransport(Transport):
@@ -72,14 +70,12 @@ class ScanTransport(Transport):
 
     def apply(self, edit, request: Scan) -> None:
         node, dtype = request.node, meta_val(request.node).dtype
-        users = [u for u in node.users if u not in request.keep]
         total = edit.insert(aten.sum.dim_IntList, (request.source, [request.dim], True), {"dtype": dtype},
                             name="cp_scan_total", before=node.next)
         offset = edit.insert(torch.ops.cp_passes.scan_offset.default, (total, edit.rank, edit.world, edit.group_name),
                              name="cp_scan_offset", before=total.next)
         scanned = edit.insert(aten.add.Tensor, (node, offset), name="cp_scanned", before=offset.next)
-        for user in users:
-            user.replace_input_with(node, scanned)
+        edit.replace_uses(node, scanned)
         edit.changed(node)
 
     def cost(self, request: Scan, layout, rank, local_len) -> Cost:

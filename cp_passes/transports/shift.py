@@ -95,7 +95,7 @@ class ShiftTransport(Transport):
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
                               (request.source, request.dim, request.offset, float(request.fill), edit.rank,
                                edit.world, edit.group_name), name="cp_shifted", before=request.pad)
-        request.node.replace_all_uses_with(shifted)
+        edit.replace_uses(request.node, shifted)
 
     def cost(self, request: Shift, layout, rank, local_len) -> Cost:
         row = numel_hint(request.source) // local_len * meta_val(request.source).dtype.itemsize
