@@ -1,5 +1,5 @@
-"""How many graphs a halo model compiles as the local length varies: one for every length that is at
-least the halo, on a fake process group (one process, aot_eager)."""
+"""How many graphs a halo model compiles as the local length varies: one for every length, shards shorter than
+the halo included, on a fake process group (one process, aot_eager)."""
 
 import contextlib
 

@@ -55,15 +55,16 @@ class Transport:
         return Cost()
 
 
-def gradient_by(op, backward_op) -> None:
-    """Register the autograd of custom op ``op(x, *args)``: its gradient is ``backward_op(grad, *args)``, and
-    the other arguments (ints, the group name) have none."""
+def gradient_by(op, backward_op, backward_args=None) -> None:
+    """Register the autograd of custom op ``op(x, *args)``: its gradient is ``backward_op(grad, *args)`` (or
+    ``backward_op(grad, *backward_args(*args))``), and the other arguments (ints, the group name) have none."""
 
     def setup_context(ctx, inputs, output):
         ctx.args = inputs[1:]
 
     def backward(ctx, grad):
-        return (backward_op(grad.contiguous(), *ctx.args),) + (None,) * len(ctx.args)
+        args = backward_args(*ctx.args) if backward_args is not None else ctx.args
+        return (backward_op(grad.contiguous(), *args),) + (None,) * len(ctx.args)
 
     op.register_autograd(backward, setup_context=setup_context)
 

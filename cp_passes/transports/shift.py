@@ -9,6 +9,7 @@ shift by ``-offset`` with zeros outside.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,15 +17,21 @@ import torch.fx
 
 from ..graph.analysis import meta_val, numel_hint
 from ..layout import Layout
-from .base import Cost, Transport, register_transport
+from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(world: int, offset: int, local_len: int) -> tuple:
+    """Every rank's :meth:`Layout.shifted_sources`: the same on every rank, computed once per length."""
+    layout = Layout(world)
+    return tuple(tuple(layout.shifted_sources(offset, r, local_len)) for r in range(world))
 
 
 def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int,
            group_name: str) -> torch.Tensor:
-    layout, local_len = Layout(world), x.shape[dim]
     rows = x.movedim(dim, 0)
-    plans = [layout.shifted_sources(offset, r, local_len) for r in range(world)]
+    plans = _plans(world, offset, x.shape[dim])
     send = [sum(n for owner, _, n in plans[r] if owner == rank) if r != rank else 0 for r in range(world)]
     recv = [sum(n for owner, _, n in plans[rank] if owner == q) if q != rank else 0 for q in range(world)]
     received = {}
@@ -61,16 +68,8 @@ def _(x, dim, offset, fill, rank, world, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-def _setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-def _backward(ctx, grad):
-    dim, offset, _, rank, world, group_name = ctx.args
-    return (shift_op(grad.contiguous(), dim, -offset, 0.0, rank, world, group_name),) + (None,) * len(ctx.args)
-
-
-shift_op.register_autograd(_backward, setup_context=_setup)
+gradient_by(shift_op, shift_op,
+            lambda dim, offset, fill, rank, world, group_name: (dim, -offset, 0.0, rank, world, group_name))
 
 
 @dataclass
