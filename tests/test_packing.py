@@ -137,3 +137,23 @@ def test_cu_seqlens_is_a_one_row_pack():
     full, _ = reassemble(batch, 2)
     assert full["doc_ids"][0, :7].tolist() == [0, 0, 0, 1, 1, 1, 1]
     assert full["position_ids"][0, :7].tolist() == [0, 1, 2, 0, 1, 2, 3]
+
+
+def test_packing_writes_and_reads_the_key_names_the_spec_gives():
+    """doc_key, position_keys[0] and packed_labels name what packing writes and reads; the defaults give the
+    same tensors under doc_ids, position_ids, labels and shift_labels."""
+    from cp_passes import CPSpec
+
+    layout = [[(5, 4), (7, 7)]]
+    batch = make_batch(12, layout, with_positions=False)
+    default, _ = shard_for_rank(batch, 0, 2)
+    spec = CPSpec(doc_key="segments", position_keys=("pos",), label_keys=("targets", "next_targets"),
+                  packed_labels=("targets", "next_targets"))
+    renamed = dict(batch)
+    renamed["targets"] = renamed.pop("labels")
+    local, _ = shard_for_rank(renamed, 0, 2, spec)
+    for new, old in (("segments", "doc_ids"), ("pos", "position_ids"), ("next_targets", "shift_labels")):
+        assert torch.equal(local[new], default[old]), new
+    assert "doc_ids" not in local and "shift_labels" not in local
+    with pytest.raises(ValueError, match="position_keys=\\(\\)"):
+        shard_for_rank(batch, 0, 2, CPSpec(position_keys=()))

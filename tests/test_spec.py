@@ -53,3 +53,18 @@ def test_load_spec_errors_name_what_exists(tmp_path):
     path.write_text("X = 1\n")
     with pytest.raises(ValueError, match="no module-level SPEC"):
         cp_passes.load_spec(str(path))
+
+
+def test_the_length_comes_from_token_inputs_first_and_never_from_a_replicated_input():
+    import torch
+
+    table, ids, mask = torch.zeros(4, 6), torch.zeros(2, 6, dtype=torch.long), torch.zeros(2, 6)
+    spec = CPSpec()
+    assert spec.length_input([("table", table), ("input_ids", ids)])[0] == "input_ids"
+    assert spec.length_input([("table", table), ("mask", mask)])[0] == "table"
+    replicated = CPSpec(replicated_inputs=("table",))
+    assert replicated.length_input([("table", table), ("mask", mask)])[0] == "mask"
+    assert not replicated.is_sharded("table", table, 6) and replicated.is_sharded("mask", mask, 6)
+    listed = CPSpec(seq_inputs=("mask",))
+    assert listed.length_input([("input_ids", ids), ("mask", mask)])[0] == "mask"
+    assert listed.length_input([("table", table)]) is None

@@ -257,3 +257,18 @@ def test_a_mean_over_float_targets_divides_by_an_integer_count_with_inductor(gro
     torch.testing.assert_close(loss, nn.functional.mse_loss(model.proj(x), target))
     (row,) = [r for r in compiled.compile_records[0].records if r.rule == "global_mean"]
     assert row.transport == "reductions"
+
+
+class NoLayouts(cp_passes.Transport):
+    name, order, layouts = "toy_no_layouts", 38, ()
+
+    def apply(self, edit, request):
+        raise AssertionError("planning refuses a transport that does not support the layout")
+
+
+def test_a_transport_that_does_not_support_the_layout_is_refused_at_plan_time(group, rule_asking_for, registered):
+    registered(NoLayouts())
+    rule_asking_for("toy_no_layouts")
+    with pytest.raises(CPCompileError, match="its transport 'toy_no_layouts' supports the layouts \\(\\), not "
+                                             "'contiguous'"):
+        compile_once(group, UsesRunningScale())
