@@ -98,8 +98,10 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple
 def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list) -> None:
     """Every planned rewrite was applied by its transport, and every output keeps its shape."""
     alive = set(gm.graph.nodes)
-    # Not applied: nothing edited, or everything it made is unused while the node it rewrote still runs.
-    skipped = [e for e in edits if not e.applied or (e.origin in alive and not any(n in alive for n in e.nodes))]
+    # Not applied: nothing edited, everything it made or changed is unused while the node it rewrote still
+    # runs, or it created nodes and none of them is used (the values it made never reached the graph).
+    skipped = [e for e in edits if not e.applied or (e.origin in alive and not any(n in alive for n in e.nodes))
+               or (e.created and e.origin in alive and not any(n in alive for n in e.created))]
     if skipped or len(edits) != len(plan.rewrites):  # planning refused unregistered transports
         what = [f"{e.rule} at {op_name(e.origin)} ({source_line(e.origin, code=False)}) by transport "
                 f"{e.pass_name!r}" for e in skipped] or ["a rewrite's transport did not run"]

@@ -42,14 +42,18 @@ class Edit:
         self.keep = keep
         self.nodes: list[torch.fx.Node] = []
         """Every node this edit created or changed."""
+        self.created: list[torch.fx.Node] = []
+        """The nodes this edit created."""
 
     @property
     def applied(self) -> bool:
         return bool(self.nodes)
 
     def replace_uses(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
-        """Make every user of ``old`` read ``new`` instead, except ``new`` itself and the kept nodes."""
-        old.replace_all_uses_with(new, delete_user_cb=lambda user: user is not new and user not in self.keep)
+        """Make every user of ``old`` read ``new`` instead, except the nodes this edit created (which read
+        ``old`` on purpose) and the kept nodes."""
+        created = set(self.created)
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in created and user not in self.keep)
 
     def insert(self, target, args, kwargs=None, *, name: str, before: torch.fx.Node | None = None) -> torch.fx.Node:
         """Create a node before ``before`` (default: the origin) with the origin's source information."""
@@ -58,7 +62,13 @@ class Edit:
         for key in _COPIED_META:
             if key in self.origin.meta:
                 node.meta[key] = self.origin.meta[key]
+        self.created.append(node)
         return self.changed(node)
+
+    def copy(self, node: torch.fx.Node, replace: dict, *, name: str) -> torch.fx.Node:
+        """A copy of ``node`` before the origin, reading ``replace[a]`` where it read ``a``."""
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: replace.get(a, a))
+        return self.insert(node.target, args, kwargs, name=name)
 
     def call_module(self, name: str, module: torch.nn.Module, args) -> torch.fx.Node:
         self.gm.add_submodule(name, module)
@@ -66,6 +76,7 @@ class Edit:
             node = self.graph.call_module(name, tuple(args))
         if "stack_trace" in self.origin.meta:
             node.meta["stack_trace"] = self.origin.meta["stack_trace"]
+        self.created.append(node)
         return self.changed(node)
 
     def changed(self, node: torch.fx.Node) -> torch.fx.Node:
