@@ -76,7 +76,43 @@ def hf_mixtral(seed: int = 0):
     return MixtralForCausalLM(config).float()
 
 
-HF_MODELS = {"llama": hf_llama, "mixtral": hf_mixtral}
+def hf_gemma2(seed: int = 0):
+    """A tiny Gemma2 with attention written by hand (eager): soft-capped scores, sliding-window layers (a
+    window of 4, longer than a shard at P = 4) alternating with global ones, masks from position_ids."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          sliding_window=4, attn_implementation="eager", use_cache=False)
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(config).float()
+
+
+def hf_inkling2(seed: int = 0):
+    """A tiny Inkling2 text model, both layer types: eager attention with a relative-position bias from the
+    queries' activations (extent 6, longer than a shard at P = 4), sinks concatenated on the key axis,
+    log-scaled queries from position_ids, a short conv (sliding layers, window 4) and a dynamic one written
+    with pad + unfold (full layers); MoE experts as batched matmuls."""
+    from transformers import Inkling2ForCausalLM, Inkling2TextConfig
+
+    config = Inkling2TextConfig(
+        vocab_size=128, unpadded_vocab_size=128, eos_token_id=None, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=8, rel_extent=6,
+        log_scaling_n_floor=4, layer_types=["hybrid_sliding", "hybrid"], conv_kernel_size=3,
+        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+        use_cache=False, attn_implementation="eager")
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(seed)
+    model = Inkling2ForCausalLM(config).float()
+    with torch.no_grad():  # parameters initialised constant (zero taps, unit scales) or tiny would hide errors
+        for name, p in model.named_parameters():
+            if p.numel() > 1 and float(p.std()) < 0.05 or "relative_position_bias.proj" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    return model
+
+
+HF_MODELS = {"llama": hf_llama, "mixtral": hf_mixtral, "gemma2": hf_gemma2, "inkling2": hf_inkling2}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
@@ -108,7 +144,9 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
             out = compiled(**local, labels=local["shift_labels"], **extra)
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
-                        "valid": layout.valid, "compiles": len(compiled.compile_records)})
+                        "valid": layout.valid, "compiles": len(compiled.compile_records),
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
     return results
 
 

@@ -146,6 +146,34 @@ def test_hf_mixtral_moe_parity(pool, parity_report, P, seq_lens):
                  *_hf_reference(seq_len, False, labels_in_model=True, family="mixtral"), seq_len, parity_report)
 
 
+@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11], marks=pytest.mark.full)])
+def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
+    """Attention written by hand (Gemma2 eager: q @ k^T, soft-capping, a mask from position_ids added,
+    softmax over keys, @ v), sliding and global layers: K and V brought to the key axis, the mask evaluated
+    over the whole sequence; called with labels=."""
+    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
+                        family="gemma2")
+    for i, seq_len in enumerate(seq_lens):
+        _compare("hf-Gemma2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
+                 *_hf_reference(seq_len, False, labels_in_model=True, family="gemma2"), seq_len, parity_report)
+    rules = [rec[0] for rec in per_rank[0][-1]["records"]]
+    assert rules.count("key_operand") == 4 and rules.count("key_mask") == 2  # K, V per layer; two masks
+
+
+@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11], marks=pytest.mark.full)])
+def test_hf_inkling2_parity(pool, parity_report, P, seq_lens):
+    """Inkling2 as transformers writes it: the relative-position bias (query activations gathered by the
+    query/key distance) and the masks are [q, k] blocks on the brought key axis; sinks extend the key axis;
+    the dynamic short conv's pad + unfold takes a halo of k - 1 rows."""
+    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
+                        family="inkling2")
+    for i, seq_len in enumerate(seq_lens):
+        _compare("hf-Inkling2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
+                 *_hf_reference(seq_len, False, labels_in_model=True, family="inkling2"), seq_len, parity_report)
+    rules = [rec[0] for rec in per_rank[0][-1]["records"]]
+    assert rules.count("causal_window_unfold") == 2 and rules.count("key_operand") == 4
+
+
 @pytest.mark.parametrize("P", [2, 4])
 def test_shard_batch_and_gather_sequence(pool, P):
     seq_len = 13

@@ -50,7 +50,10 @@ CASES = {
     "conv": (lambda x: F.conv1d(x.transpose(1, 2), torch.ones(8, 1, 3), groups=8, padding=2).transpose(1, 2),
              "aten.conv", "F.conv1d"),
     "softmax_over_seq": (lambda x: x.softmax(dim=1), "aten.softmax.int", "x.softmax(dim=1)"),
-    "manual_attention": (lambda x: (x @ x.transpose(1, 2)).softmax(-1) @ x, "aten.softmax.int", "x @ x.transpose"),
+    "gram_over_seq": (lambda x: x + (x.transpose(1, 2) @ x).sum(1, keepdim=True), "aten.matmul.default",
+                      "x.transpose(1, 2) @ x"),
+    "scores_softmax_over_queries": (lambda x: (x @ x.transpose(1, 2)).softmax(1) @ x, "aten.softmax.int",
+                                    "softmax(1)"),
     "mean_over_seq": (lambda x: x - x.mean(1, keepdim=True), "aten.mean.dim", "x.mean(1, keepdim=True)"),
     "length_as_value": (lambda x: x * x.shape[1], "aten.mul.Tensor", "x * x.shape[1]"),
     "model_built_band_not_a_mask": (
@@ -72,10 +75,28 @@ def test_refused_with_op_source_and_fix(group, case):
     assert op.split(".")[1] in str(err) and "fix:" in str(err)
 
 
-def test_manual_attention_contracting_over_the_sequence(group):
-    err = refusal(group, lambda x: (x @ x.transpose(1, 2)).softmax(-1) @ x)
-    assert [p.op for p in err.problems] == ["aten.softmax.int", "aten.matmul.default"]
-    assert "scaled_dot_product_attention" in err.problems[1].fix
+def test_hand_written_attention_compiles_but_not_contractions_over_the_queries(group):
+    """q @ k^T makes the key axis whole (k brought from every rank): softmax over keys and @ v are fine; a
+    product that contracts the query axis is not attention, and stays refused."""
+    compiled = cp_passes.cp_compile(Tiny(lambda x: (x @ x.transpose(1, 2)).softmax(-1) @ x), mesh=group,
+                                    backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    assert [r.rule for r in compiled.compile_records[-1].records] == ["key_operand", "key_operand"]
+    err = refusal(group, lambda x: (x @ x.transpose(1, 2)).transpose(1, 2) @ x)
+    assert [p.op for p in err.problems] == ["aten.matmul.default"]
+    assert "contracts over the sequence axis" in err.problems[0].reason
+
+
+def test_attention_scores_are_not_returned(group):
+    class Scores(nn.Module):
+        def forward(self, x):
+            return x @ x.transpose(1, 2)
+
+    compiled = cp_passes.cp_compile(Scores(), cp_passes.CPSpec(seq_inputs=("x",)), mesh=group, backend="aot_eager",
+                                    verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(x=torch.randn(2, 8, 4))
+    assert "a [q, k] block" in info.value.problems[0].reason
 
 
 def test_all_problems_listed_at_once(group):

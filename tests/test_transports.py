@@ -99,7 +99,7 @@ class DoesNothing(cp_passes.Transport):
 class ScalesByOne(cp_passes.Transport):
     """A working toy transport: scales the op's output by 1 after it (a real one would move data)."""
 
-    name, order = "toy_scale", 36
+    name, order = "toy_scale", 37
 
     def apply(self, edit, request):
         node = request.node
@@ -141,7 +141,7 @@ def test_a_registered_transport_runs_in_order_and_shows_in_the_table(group, rule
     assert out.shape == (2, 8, 8)
     record = compiled.compile_records[0]
     labels = [label for label, _ in record.history]
-    assert labels.index("after toy_scale (1 rewrites)") == labels.index("after sequence_gather (0 rewrites)") + 1
+    assert labels.index("after toy_scale (1 rewrites)") == labels.index("after key_gather (0 rewrites)") + 1
     (row,) = [r for r in record.records if r.transport == "toy_scale"]
     assert row.rule == "running_scale_carry" and row.collective == "none (toy)"
     assert "# cp_passes: pass=toy_scale rule=running_scale_carry" in record.history[-1][1]

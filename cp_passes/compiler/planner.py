@@ -20,6 +20,7 @@ from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
 from ..rules.registry import out_of_place, registered
 from ..transports import TRANSPORTS, Cost
+from .keys import KeyPlan, plan_keys
 
 aten = torch.ops.aten
 
@@ -52,6 +53,11 @@ class Plan:
     records: list[RewriteRecord] = field(default_factory=list)
     claimed: frozenset = frozenset()
     """The nodes the matchers claimed: no transport rewires their inputs."""
+    as_is: dict = field(default_factory=dict)
+    """Nodes that read or make a sequence-sharded value and run on a shard as they are -> the inputs the
+    planner brings whole for them (along a key axis)."""
+    keys: dict = field(default_factory=dict)
+    """Each ``[q, k]`` block of attention written by hand -> its key dim (whole on every rank)."""
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
@@ -146,7 +152,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     values: dict[torch.fx.Node, Value] = {}
     origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
     matches = match_graph(gm, sym)
+    keys = KeyPlan()
     plan.claimed = frozenset(matches.claimed)
+    plan.keys = matches.blocks.keys
     length = next(size for n in gm.graph.find_nodes(op="placeholder") if isinstance(meta_val(n), torch.Tensor)
                   for size in meta_val(n).shape if isinstance(size, torch.SymInt) and size.node.expr == sym)
     for node in gm.graph.nodes:
@@ -154,23 +162,27 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             continue
         ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.layout, length, matches, values)
         try:
+            rewrites = plan_keys(ctx, keys)
             decision = _plan_node(ctx, origins)
             rewrite = decision if isinstance(decision, Rewrite) else None
             if rewrite is not None:
                 _check_transport(ctx, rewrite)
+                rewrites.append((node, rewrite))
         except Refusal as refusal:
             problems.append(refusal.problem)
             refused.add(node)
             continue
         out = rewrite.output if rewrite is not None else decision
+        if decision is None and (seq_dims(node, sym) or any(seq_dims(t, sym) for t in ctx.tensor_inputs())):
+            plan.as_is[node] = frozenset(ctx.brought)
         if out is Value.PARTIAL:
             values[node] = Value.PARTIAL
             origins[node] = next((origins[t] for t in ctx.tensor_inputs() if t in origins), node)
-        if rewrite is not None:
-            cost = TRANSPORTS[rewrite.transport].cost(rewrite.request, cp.layout, cp.rank, ctx.local_len())
-            plan.records.append(RewriteRecord.of(node, rewrite.rule, rewrite.transport, cost, rewrite.note))
-            plan.rewrites.append((node, rewrite, plan.records[-1]))
-    problems.extend(_check_block_uses(gm, sym, refused | matches.claimed))
+        for origin, rw in rewrites:
+            cost = TRANSPORTS[rw.transport].cost(rw.request, cp.layout, cp.rank, ctx.local_len())
+            plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
+            plan.rewrites.append((origin, rw, plan.records[-1]))
+    problems.extend(_check_block_uses(gm, sym, refused | matches.claimed, matches.blocks.keys))
     if problems:
         raise CPCompileError(problems)
     (output,) = gm.graph.find_nodes(op="output")
@@ -185,13 +197,18 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     return plan
 
 
-def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set) -> list[Problem]:
-    """A tensor with two sequence dims ([q, k] scores or masks) holds only this rank's diagonal block of the
-    global matrix. It may feed other such blocks and an attention mask (which the attention rule replaces),
-    nothing else."""
+def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set, keys: dict) -> list[Problem]:
+    """A tensor with two sequence dims and no key axis (not a hand-written attention's ``[q, k]`` block)
+    holds only this rank's diagonal block of the global matrix. It may feed other such tensors and an
+    attention mask (which the attention rule replaces), nothing else; a block is not returned."""
     problems = []
     for node in gm.graph.nodes:
-        if len(seq_dims(node, sym)) < 2:
+        if node.op == "output":
+            problems += [Problem.at(n, f"the compiled module returns '{n.name}', a [q, k] block of attention "
+                                       f"scores, which under CP holds every key for this rank's queries",
+                                    "return what attention computes from the scores, not the scores")
+                         for n in torch.utils._pytree.tree_leaves(node.args[0]) if n in keys]
+        if len(seq_dims(node, sym)) < 2 or node in keys:
             continue
         for user in node.users:
             is_mask = user.target is aten.scaled_dot_product_attention.default and bind_args(user)["attn_mask"] is node

@@ -16,15 +16,16 @@ import torch.fx
 from ..graph.analysis import bind_args, seq_dims
 from ..transports.halo import ConvHalo
 from ..transports.masks import MetadataMask
+from .blocks import Blocks, match_blocks
 from .causal_conv import CONVS, match_causal_conv
 from .head_repeat import HeadRepeat, match_head_repeat, same_size
 from .masks import NotPositional, PositionMask, evaluate_position_mask, model_mask
-from .stencils import PADS, match_shifts
+from .stencils import PADS, match_shifts, match_unfold_window
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
-__all__ = ["HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask", "evaluate_position_mask",
+__all__ = ["Blocks", "HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask", "evaluate_position_mask",
            "match_graph", "same_size"]
 
 
@@ -33,7 +34,7 @@ class Matches:
     claimed: set = field(default_factory=set)
     """Nodes no per-op rule sees."""
     convs: dict = field(default_factory=dict)
-    """Convolution node -> its causal form (:class:`ConvHalo`) or why it has none."""
+    """Convolution (or window ``unfold``) node -> its causal form (:class:`ConvHalo`) or why it has none."""
     masks: dict = field(default_factory=dict)
     """Attention node -> its model-built mask (:class:`MetadataMask`, :class:`PositionMask`) or why it cannot
     be rebuilt per rank."""
@@ -41,13 +42,21 @@ class Matches:
     """A head-repeated K or V node -> the :class:`HeadRepeat` that made it."""
     shifts: dict = field(default_factory=dict)
     """A slice of a padded tensor -> the :class:`~cp_passes.transports.shift.Shift` it reads."""
+    blocks: Blocks = field(default_factory=Blocks)
+    """Attention written by hand: each ``[q, k]`` block's key dim, and the masks combined with them."""
+
+
+_CHECKS = (aten._assert_tensor_metadata.default, aten._assert_async.default, aten._assert_async.msg)
+"""Ops that only check a value (torch.export leaves them in): they belong to the pattern they check."""
 
 
 def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: dict) -> None:
     """Claim the nodes of ``nodes`` whose every use is claimed or is the anchor's own use (``anchors`` maps an
-    anchor node to the pattern node it consumes)."""
+    anchor node to the pattern node it consumes), and the checks that read only such nodes."""
     for n in reversed(list(graph.nodes)):  # users before producers
-        if n in nodes and all(u in matches.claimed or anchors.get(u) is n for u in n.users):
+        if n.target in _CHECKS and n.all_input_nodes and all(a in nodes for a in n.all_input_nodes):
+            matches.claimed.add(n)
+        elif n in nodes and all(u in matches.claimed or anchors.get(u) is n for u in n.users):
             matches.claimed.add(n)
 
 
@@ -68,6 +77,10 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
             if isinstance(found, (MetadataMask, PositionMask)):
                 mask_nodes.update(found.nodes)
                 mask_anchors[node] = mask
+    matches.blocks = match_blocks(gm, sym)
+    for mask in matches.blocks.masks.values():
+        mask_nodes.update(mask.nodes)
+    mask_anchors.update(matches.blocks.anchors)
     _claim(matches, gm.graph, mask_nodes, mask_anchors)
     for target in CONVS:
         for node in gm.graph.find_nodes(op="call_function", target=target):
@@ -85,4 +98,10 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
             if shifts:
                 matches.claimed.add(pad)
                 matches.shifts.update((s.node, s) for s in shifts)
+                continue
+            window = match_unfold_window(pad, sym)
+            if window is not None:
+                found, slices = window
+                matches.claimed.update([pad, *slices])
+                matches.convs[found.conv] = found
     return matches

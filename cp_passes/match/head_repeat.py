@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,13 @@ def same_size(a, b) -> bool:
     return expr_of(a) == expr_of(b)
 
 
+def is_whole_slice(node) -> bool:
+    """``x[:, :, 0:]``: a slice that keeps every element."""
+    return (isinstance(node, torch.fx.Node) and node.target is aten.slice.Tensor
+            and tuple(node.args[2:]) in ((), (None,), (0,), (0, None), (0, sys.maxsize), (None, None))
+            and not node.kwargs)
+
+
 def match_head_repeat(node: torch.fx.Node) -> HeadRepeat | None:
     """Match ``repeat_interleave(x, n, dim=1)`` or ``x[:, :, None].expand(...).reshape(...)`` on [B, H, S, D]."""
     if not isinstance(node, torch.fx.Node) or node.op != "call_function":
@@ -43,6 +51,8 @@ def match_head_repeat(node: torch.fx.Node) -> HeadRepeat | None:
         return None
     expanded = cur
     unsq = expanded.args[0]
+    while is_whole_slice(unsq):
+        unsq = unsq.args[0]
     if not (isinstance(unsq, torch.fx.Node) and unsq.target is aten.unsqueeze.default and unsq.args[1] % 5 == 2):
         return None
     x = unsq.args[0]

@@ -7,7 +7,7 @@ that only build it are claimed here and no per-op rule sees them (a cumsum over 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -23,6 +23,8 @@ class PositionMask:
 
     mask: torch.fx.Node
     nodes: list[torch.fx.Node]
+    size_leaves: list[torch.fx.Node] = field(default_factory=list)
+    """The lengths it reads (made global where the mask is evaluated over the whole sequence)."""
 
 
 def model_mask(mask: torch.fx.Node, sym) -> MetadataMask | PositionMask | str:
@@ -56,10 +58,11 @@ def model_mask(mask: torch.fx.Node, sym) -> MetadataMask | PositionMask | str:
             return f"its mask reads {n.op} '{n.name}'"
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     nodes.sort(key=order.__getitem__)
+    size_leaves.sort(key=order.__getitem__)
     if not tensor_leaves:
-        return PositionMask(mask, nodes)
+        return PositionMask(mask, nodes, size_leaves)
     leaves = sorted(tensor_leaves, key=order.__getitem__)
-    return MetadataMask(mask, nodes, leaves, sorted(size_leaves, key=order.__getitem__),
+    return MetadataMask(mask, nodes, leaves, size_leaves,
                         [seq_dims(leaf, sym)[0] for leaf in leaves])
 
 

@@ -1,4 +1,5 @@
-"""Convolutions along the sequence: causal ones (found by :mod:`cp_passes.match.causal_conv`) take a halo."""
+"""Convolutions along the sequence: causal ones (found by :mod:`cp_passes.match.causal_conv`) and causal
+windows (``pad(x, (k - 1, 0)).unfold(seq, k, 1)``, found by :mod:`cp_passes.match.stencils`) take a halo."""
 
 from __future__ import annotations
 
@@ -31,3 +32,17 @@ def conv_rule(ctx: RuleContext):
     note = f"halo (k-1)*dilation = {match.halo}" + (f"; declared by '{declared}'" if declared else
                                                     "; causal form read from the graph")
     return Rewrite(f"causal_conv_{form}", "halo", match, note=note)
+
+
+@register_rule(aten.unfold)
+def unfold_rule(ctx: RuleContext):
+    src, dim = ctx.arg("self"), ctx.arg("dimension")
+    if dim % max(ctx.ndim(src), 1) not in ctx.seq_dims(src):
+        return None
+    match = ctx.matches.convs.get(ctx.node)
+    if match is None:
+        ctx.refuse("it unfolds windows along the sequence, and not as a causal window cp_passes reads",
+                   "write causal windows as F.pad(x, (k - 1, 0)).unfold(seq_dim, k, 1), or unfold outside the "
+                   "compiled module")
+    return Rewrite("causal_window_unfold", "halo", match, note=f"halo k - 1 = {match.halo}; the pad's zeros at the "
+                                                                f"sequence start")

@@ -26,7 +26,7 @@ _DIM_OPS = {
     aten.chunk: "dim", aten.unbind: "dim", aten.index_select: "dim", aten.gather: "dim",
     aten.scatter: "dim", aten.scatter_add: "dim", aten.scatter_reduce: "dim", aten.index_add: "dim",
     aten.index_copy: "dim", aten.index_fill: "dim", aten.tensor_split: "dim", aten.diff: "dim",
-    aten.cat: "dim", aten.unfold: "dimension",
+    aten.cat: "dim",
 }
 
 _DIM_FIXES = {

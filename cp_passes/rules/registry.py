@@ -130,13 +130,19 @@ class RuleContext:
     values: dict = field(default_factory=dict)
     """The planner's values so far: node -> :class:`Value` where it is not read from the shape."""
     args: dict = field(default_factory=dict)
+    brought: set = field(default_factory=set)
+    """Inputs the planner brings whole along the key axis of a ``[q, k]`` block: not sharded here."""
 
     # -- queries -------------------------------------------------------------------------
     def arg(self, name):
         return self.args[name]
 
     def seq_dims(self, value) -> tuple[int, ...]:
-        return seq_dims(value, self.sym)
+        """The sharded sequence dims: a block's key axis and a brought input are whole on every rank."""
+        if isinstance(value, torch.fx.Node) and value in self.brought:
+            return ()
+        key = self.matches.blocks.keys.get(value) if isinstance(value, torch.fx.Node) and self.matches else None
+        return tuple(d for d in seq_dims(value, self.sym) if d != key)
 
     def is_seq(self, value) -> bool:
         return bool(self.seq_dims(value))

@@ -1,16 +1,17 @@
 """Transports: how sequence data moves between ranks. One module per transport; see :mod:`.base`.
 
 Importing this package registers the built-in transports, in order: positions (no communication),
-shift, halo, scan, sequence_gather, reductions.
+shift, halo, scan, sequence_gather, key_gather, reductions.
 """
 
 from .base import TRANSPORTS, Cost, Transport, collective_ops, in_order, register_transport, unregister_transport
 from .gather import SEQUENCE_GATHER
 from .halo import HALO
+from .keys import KEY_GATHER
 from .positions import POSITIONS
 from .reductions import REDUCTIONS
 from .scan import SCAN
 from .shift import SHIFT
 
-__all__ = ["Cost", "HALO", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS", "Transport", "collective_ops",
+__all__ = ["Cost", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS", "Transport", "collective_ops",
            "in_order", "register_transport", "unregister_transport"]

@@ -82,7 +82,7 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         keys, values = move(k, "cp_k"), move(v, "cp_v")
     mask = None
     if request.mask is not None:
-        whole = _global_mask(edit, request.mask)
+        whole = global_mask(edit, request.mask)
         mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo), name="cp_mask_block")
     elif halo:
         mask = edit.insert(causal_mask, (q, rank, world, request.window, True), name="cp_window_mask")
@@ -98,7 +98,7 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     edit.changed(node)
 
 
-def _global_mask(edit, found: MetadataMask) -> torch.fx.Node:
+def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata and
     global lengths."""
     leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (leaf, d, edit.world, edit.group_name),

@@ -87,13 +87,16 @@ gradient_by(halo_op, halo_backward_op)
 @dataclass
 class ConvHalo:
     """A causal convolution: ``conv(pad(x, (halo, 0)))`` (``pad`` set) or ``conv(x, padding=halo)[..., :s]``
-    (``slice`` set). The halo replaces the left pad."""
+    (``slice`` set); or a causal window ``pad(x, (halo, 0)).unfold(dim, halo + 1, 1)`` (``conv`` is the
+    unfold). The halo replaces the left pad."""
 
     conv: torch.fx.Node
     source: torch.fx.Node
     halo: int
     pad: torch.fx.Node | None = None
     slice: torch.fx.Node | None = None
+    dim: int = 2
+    """The sequence dim of ``source``."""
 
 
 def row_bytes(node: torch.fx.Node, local_len: int) -> int:
@@ -119,9 +122,9 @@ class Halo(Transport):
 
     def _conv(self, edit, match: ConvHalo) -> None:
         node = match.conv
-        halo = self.insert(edit, match.source, 2, match.halo, "cp_conv_halo", before=match.pad or node)
-        if match.pad is not None:
-            edit.replace_uses(match.pad, halo)
+        halo = self.insert(edit, match.source, match.dim, match.halo, "cp_conv_halo", before=match.pad or node)
+        if match.pad is not None:  # its users are the pattern's own (the conv, or slices before an unfold)
+            match.pad.replace_all_uses_with(halo)
         else:
             args = bind_args(node)
             args["input"], args["padding"] = halo, [0]
