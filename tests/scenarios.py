@@ -161,18 +161,22 @@ def gather_roundtrip(group, seq_len: int) -> dict:
             "local": local}
 
 
-class RunningMean(torch.nn.Module):
-    """Activations averaged over every preceding position with cumsum (a scan), then a causal conv-free head."""
+class RunningScans(torch.nn.Module):
+    """Every running op along the sequence over activations: cumsum, cumprod, logcumsumexp, and cummax /
+    cummin with their indices (token ids repeat, so equal running maxima across ranks test the tie rule)."""
 
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
-        self.proj = torch.nn.Linear(16, 64)
+        self.proj = torch.nn.Linear(6 * 16, 64)
 
     def forward(self, input_ids, position_ids, labels):
         h = self.embed(input_ids)
-        running = h.cumsum(1) / (position_ids[..., None] + 1).to(h.dtype)
-        logits = self.proj(torch.tanh(running))
+        count = (position_ids[..., None] + 1).to(h.dtype)
+        top, bottom = h.cummax(1), h.cummin(1)
+        features = [h.cumsum(1) / count, (torch.sigmoid(h) * 0.5 + 0.75).cumprod(1), h.logcumsumexp(1) - count.log(),
+                    top.values, bottom.values, (top.indices - bottom.indices).to(h.dtype) / count]
+        logits = self.proj(torch.tanh(torch.cat(features, -1)))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         return loss, logits
 
@@ -207,14 +211,22 @@ def shared_mask_batch(seq_len: int) -> dict:
     return batch
 
 
-def scan_parity(group, backend: str, seq_lens: list[int], shared_mask_inputs: bool = False) -> list[dict]:
-    """RunningMean (a cumsum over activations), or SharedMaskInputs, against one device."""
+SCAN_MODELS = {"running_scans": RunningScans, "shared_mask_inputs": SharedMaskInputs}
+
+
+def scan_batch(model: str, seq_len: int) -> dict:
+    return shared_mask_batch(seq_len) if model == "shared_mask_inputs" else toy_batch(seq_len, vocab=64)
+
+
+def scan_parity(group, backend: str, seq_lens: list[int], model: str) -> list[dict]:
+    """One of SCAN_MODELS (running ops over activations, or an arange and a cumsum shared with a mask)."""
+    name = model
     torch.manual_seed(0)
-    model = SharedMaskInputs() if shared_mask_inputs else RunningMean()
+    model = SCAN_MODELS[name]()
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
-        batch = shared_mask_batch(seq_len) if shared_mask_inputs else toy_batch(seq_len, vocab=64)
+        batch = scan_batch(name, seq_len)
         local, layout = cp_passes.shard_batch(batch, group)
         model.zero_grad()
         loss, logits = compiled(**local)

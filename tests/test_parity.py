@@ -9,8 +9,7 @@ are compared.
 import pytest
 import torch
 
-from scenarios import (HF_MODELS, RunningMean, SharedMaskInputs, hf_batch, shared_mask_batch, toy_batch,
-                       toy_model)
+from scenarios import HF_MODELS, SCAN_MODELS, hf_batch, scan_batch, toy_batch, toy_model
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -193,33 +192,33 @@ def test_shard_batch_and_gather_sequence(pool, P):
             assert (r["local"]["input_ids"][:, seq_len - rank * local:] == 0).all()
 
 
+def _scan_reference(model: str, seq_len: int):
+    torch.manual_seed(0)
+    module = SCAN_MODELS[model]()
+    loss, logits = module(**scan_batch(model, seq_len))
+    loss.backward()
+    return loss.detach(), logits.detach(), {n: p.grad for n, p in module.named_parameters()}
+
+
 @pytest.mark.parametrize("P,backend,seq_lens", [(2, "aot_eager", [16, 11]),
                                                 pytest.param(4, "inductor", [16, 13], marks=pytest.mark.full)])
-def test_cumsum_over_activations_parity(pool, parity_report, P, backend, seq_lens):
-    """h.cumsum(1) along the sequence: each rank's running sum plus the preceding ranks' totals (scan)."""
-    per_rank = pool.run("scan_parity", P, backend=backend, seq_lens=seq_lens)
+def test_running_ops_over_activations_parity(pool, parity_report, P, backend, seq_lens):
+    """cumsum, cumprod, logcumsumexp, cummax and cummin (values and indices) along the sequence: each rank's
+    running value combined with the carry from the preceding ranks' last values (scan)."""
+    per_rank = pool.run("scan_parity", P, backend=backend, seq_lens=seq_lens, model="running_scans")
     for i, seq_len in enumerate(seq_lens):
-        torch.manual_seed(0)
-        model = RunningMean()
-        loss, logits = model(**toy_batch(seq_len, vocab=64))
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        _compare(f"running-mean-cumsum-{backend}", [r[i] for r in per_rank], loss.detach(), logits.detach(), grads,
+        _compare(f"running-scans-{backend}", [r[i] for r in per_rank], *_scan_reference("running_scans", seq_len),
                  seq_len, parity_report)
-    assert ("cumsum_scan", "scan") in per_rank[0][0]["records"]
+    rules = {rule for rule, _ in per_rank[0][0]["records"]}
+    assert rules == {f"{op}_scan" for op in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")} | {"partial_sum"}
 
 
 def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool, parity_report):
     """The positions and scan transports rewire the activations' uses only; the doc-id mask, evaluated over the
     whole sequence, keeps the model's own arange and cumsum (rewiring them crashed the mask's evaluation)."""
     seq_lens = [16, 11]
-    per_rank = pool.run("scan_parity", 2, backend="aot_eager", seq_lens=seq_lens, shared_mask_inputs=True)
+    per_rank = pool.run("scan_parity", 2, backend="aot_eager", seq_lens=seq_lens, model="shared_mask_inputs")
     for i, seq_len in enumerate(seq_lens):
-        torch.manual_seed(0)
-        model = SharedMaskInputs()
-        loss, logits = model(**shared_mask_batch(seq_len))
-        loss.backward()
-        grads = {n: p.grad for n, p in model.named_parameters()}
-        _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank], loss.detach(), logits.detach(),
-                 grads, seq_len, parity_report)
+        _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank],
+                 *_scan_reference("shared_mask_inputs", seq_len), seq_len, parity_report)
     assert {"arange_positions", "cumsum_scan", "sdpa_data_mask"} <= {rule for rule, _ in per_rank[0][0]["records"]}

@@ -7,7 +7,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val, seq_multiple
 from ..transports.reductions import GlobalMean
-from ..transports.scan import Scan
+from ..transports.scan import SCANS, Scan
 from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
 
 aten = torch.ops.aten
@@ -18,8 +18,7 @@ _DIM_OPS = {
     aten.argmax: "dim", aten.argmin: "dim", aten.var: "dim", aten.std: "dim", aten.var_mean: "dim",
     aten.std_mean: "dim", aten.prod: "dim", aten.any: "dim", aten.all: "dim", aten.logsumexp: "dim",
     aten.norm: "dim", aten.linalg_vector_norm: "dim", aten.count_nonzero: "dim",
-    aten.cumsum: "dim", aten.cumprod: "dim", aten.cummax: "dim", aten.cummin: "dim",
-    aten.logcumsumexp: "dim", aten.softmax: "dim", aten._softmax: "dim", aten.log_softmax: "dim",
+    aten.softmax: "dim", aten._softmax: "dim", aten.log_softmax: "dim",
     aten._log_softmax: "dim", aten.sort: "dim", aten.argsort: "dim", aten.topk: "dim",
     aten.kthvalue: "dim", aten.median: "dim", aten.mode: "dim", aten.flip: "dims", aten.roll: "dims",
     aten.select: "dim", aten.narrow: "dim", aten.split: "dim", aten.split_with_sizes: "dim",
@@ -30,9 +29,6 @@ _DIM_OPS = {
 }
 
 _DIM_FIXES = {
-    **dict.fromkeys(("cumprod", "cummax", "cummin", "logcumsumexp", "cumsumexp"),
-                    "of the running ops along the sequence only cumsum has a rule (a local scan plus the preceding "
-                    "ranks' totals); compute this one outside the compiled module or over a non-sequence dim"),
     "flip": "reversing the sequence needs the whole sequence; flip outside the compiled module",
     "roll": "rolling the sequence moves positions across ranks; shift before sharding instead",
     "cat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
@@ -79,19 +75,21 @@ def _dim_rule(ctx: RuleContext):
 register_rule(*_DIM_OPS)(_dim_rule)
 
 
-@register_rule(aten.cumsum)
-def _cumsum(ctx: RuleContext):
-    """A running sum along the sequence: a local scan plus the preceding ranks' totals (the scan transport)."""
+@register_rule(*SCANS)
+def _scan(ctx: RuleContext):
+    """A running op along the sequence: a local scan plus a carry from the preceding ranks (the scan
+    transport)."""
     src = ctx.arg("self")
     dim = ctx.arg("dim") % max(ctx.ndim(src), 1)
     if dim not in ctx.seq_dims(src):
         return None
+    op = SCANS[(out_of_place(ctx.node.target) or ctx.node.target).overloadpacket]
     if seq_multiple(meta_val(src).shape[dim], ctx.sym) != 1 or len(ctx.seq_dims(src)) != 1:
-        ctx.refuse(f"it takes a running sum along dim {dim}, where the sequence is merged with other dims "
-                   f"({meta_val(src).shape[dim]}); the running sum would cross from one row into the next",
-                   "take the running sum along the sequence axis alone ([batch, seq, ...] layout)")
-    return Rewrite("cumsum_scan", "scan", Scan(ctx.node, src, dim),
-                   note="local running sum + the preceding ranks' totals")
+        ctx.refuse(f"it takes a {op} along dim {dim}, where the sequence is merged with other dims "
+                   f"({meta_val(src).shape[dim]}); the running value would cross from one row into the next",
+                   "take it along the sequence axis alone ([batch, seq, ...] layout)")
+    return Rewrite(f"{op}_scan", "scan", Scan(ctx.node, src, dim, op),
+                   note=f"local {op} combined with the carry from the preceding ranks' last values")
 
 
 @register_rule(aten.sum, aten.nansum)

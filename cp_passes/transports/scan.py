@@ -1,12 +1,15 @@
-"""Scan: a cumulative sum along the sequence is a local scan plus the preceding ranks' totals.
+"""Scan: a running op along the sequence is a local scan plus a carry from the preceding ranks.
 
-``cumsum(x)`` on a shard is this rank's running sum; adding the sum of every preceding rank's total (one
-all-gather of one total per rank and row, :meth:`Layout.preceding_ranks`) gives the global running sum.
-The gradient of a rank's total is the sum of the offset gradients of the ranks after it.
+``cumsum``, ``cumprod``, ``logcumsumexp``, ``cummax`` and ``cummin`` are associative: on a shard they give
+this rank's running value, and combining it with the running value at the end of every preceding rank (the
+carry) gives the global one. Each rank's last running value is all-gathered (one row per rank and batch
+row, with autograd: the backward is a reduce-scatter) and the carry is reduced from the preceding ranks'
+rows (:meth:`Layout.preceding_ranks`), masked rather than sliced so every rank reads the gathered rows.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -14,75 +17,137 @@ import torch.fx
 
 from ..graph.analysis import meta_val, numel_hint
 from ..layout import Layout
-from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_gather
+from .base import Cost, Transport, register_transport
+from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
+from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
 aten = torch.ops.aten
 
-
-@torch.library.custom_op("cp_passes::scan_offset", mutates_args=())
-def scan_offset_op(total: torch.Tensor, rank: int, world: int, group_name: str) -> torch.Tensor:
-    """The sum of ``total`` over the ranks preceding this one."""
-    gathered = all_gather(total[None], world, group_name)
-    offset = torch.zeros_like(total)
-    for q in Layout(world).preceding_ranks(rank):
-        offset += gathered[q]
-    return offset
-
-
-@scan_offset_op.register_fake
-def _(total, rank, world, group_name):
-    return torch.empty_like(total)
-
-
-@torch.library.custom_op("cp_passes::scan_offset_backward", mutates_args=())
-def scan_offset_backward_op(grad: torch.Tensor, rank: int, world: int, group_name: str) -> torch.Tensor:
-    """The gradient of this rank's total: the offset gradients of every rank it precedes."""
-    gathered = all_gather(grad[None], world, group_name)
-    layout, out = Layout(world), torch.zeros_like(grad)
-    for r in range(world):
-        if rank in layout.preceding_ranks(r):
-            out += gathered[r]
-    return out
-
-
-@scan_offset_backward_op.register_fake
-def _(grad, rank, world, group_name):
-    return torch.empty_like(grad)
-
-
-gradient_by(scan_offset_op, scan_offset_backward_op)
+SCANS = {aten.cumsum: "cumsum", aten.cumprod: "cumprod", aten.logcumsumexp: "logcumsumexp",
+         aten.cummax: "cummax", aten.cummin: "cummin"}
 
 
 @dataclass
 class Scan:
-    """``node = cumsum(source, dim)`` along the sequence."""
+    """``node = op(source, dim)`` along the sequence (``op`` one of :data:`SCANS`' names)."""
 
     node: torch.fx.Node
     source: torch.fx.Node
     dim: int
+    op: str = "cumsum"
+
+
+def _preceding(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Boolean, broadcastable against ``gathered``: which gathered rows come from the preceding ranks."""
+    mask = torch.zeros(world, dtype=torch.bool, device=gathered.device)
+    mask[Layout(world).preceding_ranks(rank)] = True
+    shape = [1] * gathered.dim()
+    shape[dim] = world
+    return mask.view(shape)
+
+
+def _lowest(dtype: torch.dtype) -> float | int:
+    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def carry_reduce(gathered: torch.Tensor, dim: int, rank: int, world: int, op: str) -> torch.Tensor:
+    """The preceding ranks' running values reduced into one carry (the op's identity on the first rank)."""
+    before = _preceding(gathered, dim, rank, world)
+    if op == "cumsum":
+        return torch.where(before, gathered, 0).sum(dim, keepdim=True, dtype=gathered.dtype)
+    if op == "cumprod":
+        return torch.where(before, gathered, 1).prod(dim, keepdim=True, dtype=gathered.dtype)
+    return torch.where(before, gathered, float("-inf")).logsumexp(dim, keepdim=True)
+
+
+def combine(local: torch.Tensor, carry: torch.Tensor, op: str) -> torch.Tensor:
+    if op == "cumsum":
+        return local + carry
+    if op == "cumprod":
+        return local * carry
+    return torch.logaddexp(local, carry)
+
+
+def global_index(indices: torch.Tensor, values: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """The global position of the last local running max (min)."""
+    return indices.narrow(dim, -1, 1) + Layout(world).start(rank, values.shape[dim])
+
+
+def extreme_carry(values: torch.Tensor, indices: torch.Tensor, dim: int, rank: int, world: int, largest: bool):
+    """The running max (min) at the end of the preceding ranks and its global index: among equal values the
+    later index, as ``torch.cummax`` picks; ``(lowest, -1)`` on the first rank."""
+    before = _preceding(values, dim, rank, world)
+    sign = 1 if largest else -1
+    key = torch.where(before, values.detach() * sign, _lowest(values.dtype))
+    best = key.amax(dim, keepdim=True)
+    ranks = torch.arange(world, device=values.device).view(before.shape)
+    chosen = torch.where(before & (key == best), ranks, -1).amax(dim, keepdim=True)
+    value = values.gather(dim, chosen.clamp(min=0))
+    index = torch.where(chosen >= 0, indices.gather(dim, chosen.clamp(min=0)), -1)
+    return value, index
+
+
+def extreme_combine(values: torch.Tensor, indices: torch.Tensor, carry_value: torch.Tensor,
+                    carry_index: torch.Tensor, dim: int, rank: int, world: int, largest: bool):
+    """The global running max (min): this rank's where it is at least the carry (a later index wins ties)."""
+    start = Layout(world).start(rank, values.shape[dim])
+    local = (values >= carry_value) if largest else (values <= carry_value)
+    local = local | (carry_index < 0)
+    return torch.where(local, values, carry_value), torch.where(local, indices + start, carry_index)
 
 
 class ScanTransport(Transport):
     name = "scan"
     order = 25
-    runtime = (torch.ops.cp_passes.scan_offset.default,)
+    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default)
+
+    def _gather(self, edit, x: torch.fx.Node, dim: int, name: str, before, grad: bool) -> torch.fx.Node:
+        """All ranks' ``x`` along ``dim``; with autograd (backward: reduce-scatter) when ``grad``."""
+        op = torch.ops.cp_passes.sequence_gather if grad else torch.ops.cp_passes.metadata_gather
+        return edit.insert(op.default, (x, dim, edit.world, edit.group_name), name=name, before=before)
 
     def apply(self, edit, request: Scan) -> None:
-        node, dtype = request.node, meta_val(request.node).dtype
-        total = edit.insert(aten.sum.dim_IntList, (request.source, [request.dim], True), {"dtype": dtype},
-                            name="cp_scan_total", before=node.next)
-        offset = edit.insert(torch.ops.cp_passes.scan_offset.default, (total, edit.rank, edit.world, edit.group_name),
-                             name="cp_scan_offset", before=total.next)
-        scanned = edit.insert(aten.add.Tensor, (node, offset), name="cp_scanned", before=offset.next)
+        node, dim, after = request.node, request.dim, request.node.next
+        if request.op in ("cummax", "cummin"):
+            return self._extreme(edit, request)
+        last = edit.insert(aten.narrow.default, (node, dim, -1, 1), name="cp_scan_last", before=after)
+        gathered = self._gather(edit, last, dim, "cp_scan_totals", after, meta_val(node).is_floating_point())
+        carry = edit.insert(carry_reduce, (gathered, dim, edit.rank, edit.world, request.op), name="cp_scan_carry",
+                            before=after)
+        scanned = edit.insert(combine, (node, carry, request.op), name="cp_scanned", before=after)
         edit.replace_uses(node, scanned)
-        edit.changed(node)
+
+    def _extreme(self, edit, request: Scan) -> None:
+        node, dim = request.node, request.dim
+        parts = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        after = max(parts.values(), key=lambda n: list(node.graph.nodes).index(n)).next if parts else node.next
+        values = parts.get(0) or edit.insert(operator.getitem, (node, 0), name="cp_scan_values", before=after)
+        indices = parts.get(1) or edit.insert(operator.getitem, (node, 1), name="cp_scan_indices", before=after)
+        largest = request.op == "cummax"
+        last_v = edit.insert(aten.narrow.default, (values, dim, -1, 1), name="cp_scan_last", before=after)
+        last_i = edit.insert(global_index, (indices, values, dim, edit.rank, edit.world), name="cp_scan_last_index",
+                             before=after)
+        gathered_v = self._gather(edit, last_v, dim, "cp_scan_totals", after, meta_val(request.source).is_floating_point())
+        gathered_i = self._gather(edit, last_i, dim, "cp_scan_total_indices", after, False)
+        carry = edit.insert(extreme_carry, (gathered_v, gathered_i, dim, edit.rank, edit.world, largest),
+                            name="cp_scan_carry", before=after)
+        carry_v = edit.insert(operator.getitem, (carry, 0), name="cp_scan_carry_value", before=after)
+        carry_i = edit.insert(operator.getitem, (carry, 1), name="cp_scan_carry_index", before=after)
+        out = edit.insert(extreme_combine, (values, indices, carry_v, carry_i, dim, edit.rank, edit.world, largest),
+                          name="cp_scanned", before=after)
+        for k, part in ((0, values), (1, indices)):
+            new = edit.insert(operator.getitem, (out, k), name=f"cp_scanned_{k}", before=after)
+            edit.replace_uses(part, new)
 
     def cost(self, request: Scan, layout, rank, local_len) -> Cost:
-        total = numel_hint(request.node) // local_len * meta_val(request.node).dtype.itemsize
+        total = numel_hint(request.node if request.op not in ("cummax", "cummin") else request.source)
+        total = total // local_len * meta_val(request.source).dtype.itemsize
+        if request.op in ("cummax", "cummin"):
+            total += total // meta_val(request.source).dtype.itemsize * 8  # and each running value's index
         moved = (layout.world - 1) * total
-        return Cost("all_gather one total per row | bw all_gather", moved // meta_val(request.node).dtype.itemsize,
-                    moved, len(layout.preceding_ranks(rank)) * total, moved)
+        return Cost("all_gather each rank's last running value | bw reduce_scatter",
+                    moved // meta_val(request.source).dtype.itemsize, moved, len(layout.preceding_ranks(rank)) * total,
+                    moved)
 
 
 SCAN = register_transport(ScanTransport())
