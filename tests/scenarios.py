@@ -237,6 +237,73 @@ def scan_parity(group, backend: str, seq_lens: list[int], model: str) -> list[di
     return results
 
 
+def _decay_attention(x):
+    """Scores plus a decay bias from a running sum over the sequence (forgetting attention): the key side of
+    the bias is a scan's output, brought after the scan made it global."""
+    decay = torch.nn.functional.logsigmoid(x[..., 0]).cumsum(1)
+    scores = x @ x.transpose(1, 2) + (decay[:, :, None] - decay[:, None, :])
+    return scores.softmax(-1) @ x
+
+
+def _shared_position_mask(x):
+    """Two hand-written causal attentions sharing one mask built from positions."""
+    pos = torch.arange(x.shape[1])
+    mask = torch.zeros(x.shape[1], x.shape[1]).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    for _ in range(2):
+        x = x + (x @ x.transpose(1, 2) / 4 + mask).softmax(-1) @ x
+    return x
+
+
+MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask}
+
+
+class Mixer(torch.nn.Module):
+    """Token embeddings, one of MIXES along the sequence, a projection; the loss a sum of squares."""
+
+    def __init__(self, mix: str):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.mix = MIXES[mix]
+
+    def forward(self, input_ids):
+        out = self.proj(self.mix(self.embed(input_ids)))
+        return out.pow(2).sum(), out
+
+
+def mixer_batch(seq_len: int) -> dict:
+    return {"input_ids": torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(3))}
+
+
+def mixer_parity(group, mix: str, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    model = Mixer(mix)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group)
+        model.zero_grad()
+        loss, out = compiled(**local)
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid})
+    return results
+
+
+class RunningExtremes(torch.nn.Module):
+    """cummax / cummin of integers, booleans and floats with NaN: values and indices, no gradients."""
+
+    def forward(self, input_ids):
+        nan = torch.where(input_ids == 7, float("nan"), input_ids.float())
+        return (input_ids.to(torch.uint8).cummin(1), (input_ids % 3 == 0).cummax(1), (input_ids % 3 == 0).cummin(1),
+                input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
+
+
+def running_extremes(group, ids: torch.Tensor) -> list:
+    compiled = cp_passes.cp_compile(RunningExtremes(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
+    return [(r.values, r.indices) for r in compiled(**local)]
+
+
 def shift_roundtrip(group, seq_len: int, offsets: list[int]) -> list[dict]:
     """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
     from cp_passes.group import resolve_group

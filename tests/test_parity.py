@@ -9,7 +9,8 @@ are compared.
 import pytest
 import torch
 
-from scenarios import HF_MODELS, SCAN_MODELS, hf_batch, scan_batch, toy_batch, toy_model
+from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, mixer_batch, scan_batch, toy_batch,
+                       toy_model)
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -222,3 +223,34 @@ def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool
         _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank],
                  *_scan_reference("shared_mask_inputs", seq_len), seq_len, parity_report)
     assert {"arange_positions", "cumsum_scan", "sdpa_data_mask"} <= {rule for rule, _ in per_rank[0][0]["records"]}
+
+
+@pytest.mark.parametrize("mix", ["decay_attention", "shared_position_mask"])
+def test_hand_written_attention_parity(pool, parity_report, mix):
+    """A key-side operand that a scan makes global is brought after the scan; a mask shared by two attentions
+    is evaluated for both (lengths divide P: full attention would see the padding keys)."""
+    seq_lens = [16, 12]
+    per_rank = pool.run("mixer_parity", 2, mix=mix, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        model = Mixer(mix)
+        loss, out = model(**mixer_batch(seq_len))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        _compare(f"mixer-{mix}-aot_eager", [r[i] for r in per_rank], loss.detach(), out.detach(), grads, seq_len,
+                 parity_report)
+
+
+def test_running_max_and_min_of_integers_booleans_and_nan(pool):
+    """Rank 0 holds the minimum 0, rank 1 a larger one: ranks 2 and 3 carry rank 0's (uint8 and int64 cummin
+    once compared negated values, which wrap); booleans; a NaN is the most extreme value and carries on."""
+    ids = torch.tensor([[0, 9, 4, 4, 5, 8, 6, 5, 9, 9, 3, 6, 8, 7, 1, 2],
+                        [4, 7, 2, 9, 5, 6, 0, 8, 3, 3, 9, 1, 7, 2, 4, 0]])
+    per_rank = pool.run("running_extremes", 4, ids=ids)
+    for k, want in enumerate(RunningExtremes()(ids)):
+        for part, expected in (("values", want.values), ("indices", want.indices)):
+            got = torch.cat([r[k][0 if part == "values" else 1] for r in per_rank], dim=1)
+            assert torch.equal(got.isnan() if got.is_floating_point() else got, expected.isnan()
+                               if expected.is_floating_point() else expected), (k, part, got, expected)
+            if got.is_floating_point():
+                assert torch.equal(got.nan_to_num(-1), expected.nan_to_num(-1)), (k, part, got, expected)

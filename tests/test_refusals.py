@@ -86,6 +86,21 @@ def test_hand_written_attention_compiles_but_not_contractions_over_the_queries(g
     assert "contracts over the sequence axis" in err.problems[0].reason
 
 
+def _merged_attention(x):
+    b, s, d = x.shape
+    flat = x.reshape(b * s, d)  # batch and sequence merged: the query axis is not one rank's positions
+    return ((flat @ flat.transpose(0, 1)).softmax(-1) @ flat).view(b, s, d)
+
+
+@pytest.mark.parametrize("mix", [lambda x: (x @ x.transpose(1, 2)).movedim(2, 1).softmax(-1).movedim(2, 1) @ x,
+                                 _merged_attention], ids=["softmax_over_queries_after_movedim", "merged_axes"])
+def test_scores_whose_key_axis_cannot_be_followed_are_refused(group, mix):
+    """movedim puts the query axis last (the softmax then runs over queries); a sequence merged with the batch
+    is no rank's contiguous positions: neither compiles."""
+    err = refusal(group, mix)
+    assert err.problems[0].op == "aten.softmax.int" and "sequence axis" in err.problems[0].reason
+
+
 def test_attention_scores_are_not_returned(group):
     class Scores(nn.Module):
         def forward(self, x):

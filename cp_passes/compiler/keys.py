@@ -26,7 +26,7 @@ _REPLAYABLE = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
                aten.clone.default, aten.alias.default, aten.detach.default, aten.to.dtype, aten._to_copy.default}
 """Ops with no size arguments that may sit between where an operand is gathered and where it is read."""
 
-_ALIGNED = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.masked_fill.Scalar,
+_ALIGNED = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
             aten.masked_fill.Tensor, aten.gather.default, aten.cat.default}
 """Ops whose inputs' dims line up with the output's from the right, as pointwise ops broadcast (gather's
 input and index, cat's inputs, have the output's rank)."""

@@ -13,6 +13,8 @@ import torch
 import torch.fx
 
 PASS, RULE = "cp_pass", "cp_rule"
+_REPLACED = "cp_passes_replaced"
+"""``gm.meta`` key: node -> the node a transport replaced its uses with."""
 _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
@@ -49,11 +51,21 @@ class Edit:
     def applied(self) -> bool:
         return bool(self.nodes)
 
-    def replace_uses(self, old: torch.fx.Node, new: torch.fx.Node) -> None:
+    def replace_uses(self, old: torch.fx.Node, new: torch.fx.Node, *, keep_claimed: bool = True) -> None:
         """Make every user of ``old`` read ``new`` instead, except the nodes this edit created (which read
-        ``old`` on purpose) and the kept nodes."""
-        created = set(self.created)
-        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in created and user not in self.keep)
+        ``old`` on purpose) and, unless ``keep_claimed`` is False, the kept nodes. Later transports find
+        ``new`` in ``old``'s place through :meth:`current`."""
+        created, keep = set(self.created), self.keep if keep_claimed else frozenset()
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in created and user not in keep)
+        self.gm.meta.setdefault(_REPLACED, {})[old] = new
+
+    def current(self, node: torch.fx.Node) -> torch.fx.Node:
+        """What stands for ``node`` now: the value an earlier transport replaced it with, if any. A planned
+        request names the nodes of the graph as it was planned; a transport reads its sources through this."""
+        replaced = self.gm.meta.get(_REPLACED, {})
+        while node in replaced:
+            node = replaced[node]
+        return node
 
     def insert(self, target, args, kwargs=None, *, name: str, before: torch.fx.Node | None = None) -> torch.fx.Node:
         """Create a node before ``before`` (default: the origin) with the origin's source information."""

@@ -50,19 +50,19 @@ _CHECKS = (aten._assert_tensor_metadata.default, aten._assert_async.default, ate
 """Ops that only check a value (torch.export leaves them in): they belong to the pattern they check."""
 
 
-def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: dict) -> None:
-    """Claim the nodes of ``nodes`` whose every use is claimed or is the anchor's own use (``anchors`` maps an
-    anchor node to the pattern node it consumes), and the checks that read only such nodes."""
+def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: set) -> None:
+    """Claim the nodes of ``nodes`` whose every use is claimed or is an anchor's own use (``anchors`` holds
+    ``(anchor node, the pattern node it consumes)``), and the checks that read only such nodes."""
     for n in reversed(list(graph.nodes)):  # users before producers
         if n.target in _CHECKS and n.all_input_nodes and all(a in nodes for a in n.all_input_nodes):
             matches.claimed.add(n)
-        elif n in nodes and all(u in matches.claimed or anchors.get(u) is n for u in n.users):
+        elif n in nodes and all(u in matches.claimed or (u, n) in anchors for u in n.users):
             matches.claimed.add(n)
 
 
 def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
     matches = Matches()
-    mask_nodes, mask_anchors = set(), {}
+    mask_nodes, mask_anchors = set(), set()
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         args = bind_args(node)
         for name in ("key", "value"):
@@ -76,11 +76,11 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
             matches.masks[node] = found
             if isinstance(found, (MetadataMask, PositionMask)):
                 mask_nodes.update(found.nodes)
-                mask_anchors[node] = mask
+                mask_anchors.add((node, mask))
     matches.blocks = match_blocks(gm, sym)
     for mask in matches.blocks.masks.values():
         mask_nodes.update(mask.nodes)
-    mask_anchors.update(matches.blocks.anchors)
+    mask_anchors |= matches.blocks.anchors
     _claim(matches, gm.graph, mask_nodes, mask_anchors)
     for target in CONVS:
         for node in gm.graph.find_nodes(op="call_function", target=target):

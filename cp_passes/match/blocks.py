@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims
+from ..graph.analysis import meta_val, seq_dims, seq_multiple
 from ..transports.masks import MetadataMask
 from .masks import PositionMask, model_mask
 
@@ -32,8 +32,8 @@ class Blocks:
     """Block node -> its key dim."""
     masks: dict = field(default_factory=dict)
     """A model-built mask combined with a block -> how it is built (:class:`MetadataMask`)."""
-    anchors: dict = field(default_factory=dict)
-    """A block op that reads a matched mask -> that mask (for claiming the mask's nodes)."""
+    anchors: set = field(default_factory=set)
+    """``(block op, mask)``: a block op that reads a matched mask (for claiming the mask's nodes)."""
     conflicts: dict = field(default_factory=dict)
     """Block node -> why its key axis is ambiguous."""
 
@@ -48,52 +48,97 @@ def is_scores(node: torch.fx.Node, sym) -> bool:
         return False
     a, b = node.args[:2]
     return (seq_dims(a, sym) == (_ndim(a) - 2,) and seq_dims(b, sym) == (_ndim(b) - 1,)
-            and seq_dims(node, sym) == (_ndim(node) - 2, _ndim(node) - 1))
+            and seq_dims(node, sym) == (_ndim(node) - 2, _ndim(node) - 1)
+            and _unmerged(node, (_ndim(node) - 2, _ndim(node) - 1), sym))
 
 
-def map_dim(node: torch.fx.Node, source: torch.fx.Node, dim: int, sym, forward: bool = True) -> int:
-    """The dim of ``node`` that ``source``'s (an input's) sequence dim ``dim`` becomes (``forward``), or the
-    dim of ``source`` that ``node``'s dim ``dim`` came from."""
-    if node.target is aten.transpose.int:
-        a, b = (d % _ndim(node) for d in node.args[1:3])
-        return b if dim == a else a if dim == b else dim
+_REORDERING = {aten.transpose.int, aten.permute.default, aten.t.default, aten.movedim.int, aten.swapaxes.default,
+               aten.swapdims.default}
+_KEEPS_ORDER = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default,
+                aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.to.dtype, aten.to.dtype_layout,
+                aten._to_copy.default, aten.type_as.default, aten.alias.default, aten.detach.default,
+                aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.slice.Tensor,
+                aten.narrow.default, aten.select.int, aten.gather.default, aten.cat.default, aten.where.self,
+                aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
+                aten.masked_fill.Tensor, aten.sum.dim_IntList, aten.amax.default, aten.amin.default,
+                aten.mean.dim, aten.logsumexp.default, aten.flip.default}
+"""Ops that keep a block's two sequence dims in the same order (besides pointwise ops)."""
+
+
+def _permutation(node: torch.fx.Node) -> list[int] | None:
+    """Output dim i of a reordering op is input dim perm[i]."""
+    nd = _ndim(node)
     if node.target is aten.permute.default:
-        perm = [d % _ndim(node) for d in node.args[1]]
+        return [d % nd for d in node.args[1]]
+    if node.target is aten.movedim.int:
+        src, dst = node.args[1] % nd, node.args[2] % nd
+        rest = [d for d in range(nd) if d != src]
+        rest.insert(dst, src)
+        return rest
+    a, b = (0, 1) if node.target is aten.t.default else (d % nd for d in node.args[1:3])
+    perm = list(range(nd))
+    perm[a], perm[b] = perm[b], perm[a]
+    return perm
+
+
+def map_dim(node: torch.fx.Node, source: torch.fx.Node, dim: int, sym, forward: bool = True) -> int | None:
+    """The dim of ``node`` that ``source``'s (an input's) sequence dim ``dim`` becomes (``forward``), or the
+    dim of ``source`` that ``node``'s dim ``dim`` came from; None where cp_passes cannot tell."""
+    if node.target in _REORDERING:
+        perm = _permutation(node)
         return perm.index(dim) if forward else perm[dim]
+    if not (node.target in _KEEPS_ORDER or torch.Tag.pointwise in getattr(node.target, "tags", ())):
+        return None
     here, there = seq_dims(node, sym), seq_dims(source, sym)
-    if forward:
-        return here[there.index(dim)]
-    return there[here.index(dim)]
+    return here[there.index(dim)] if forward else there[here.index(dim)]
+
+
+def _unmerged(node, dims, sym) -> bool:
+    return all(seq_multiple(meta_val(node).shape[d], sym) == 1 for d in dims)
 
 
 def match_blocks(gm: torch.fx.GraphModule, sym) -> Blocks:
     found = Blocks()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+
+    def give(node, key, why) -> None:
+        if key is None:
+            found.conflicts[node] = why
+        elif found.keys.setdefault(node, key) != key:
+            found.conflicts[node] = "it is used as attention scores with two different key axes"
+
     for node in nodes:
         if is_scores(node, sym):
             found.keys[node] = _ndim(node) - 1
             continue
         if len(seq_dims(node, sym)) != 2:
             continue
-        keyed = {map_dim(node, x, found.keys[x], sym) for x in node.all_input_nodes
-                 if x in found.keys and len(seq_dims(x, sym)) == 2}
-        if len(keyed) == 1:
-            found.keys[node] = keyed.pop()
-        elif keyed:
-            found.conflicts[node] = "it combines [q, k] blocks whose key axes disagree"
+        for x in node.all_input_nodes:
+            if x in found.keys and len(seq_dims(x, sym)) == 2:
+                give(node, map_dim(node, x, found.keys[x], sym),
+                     f"cp_passes cannot tell where {node.target} puts the key axis of '{x.name}'")
     inside: set = set()  # the nodes of matched masks: evaluated whole, never given a key axis of their own
     for node in reversed(nodes):
-        if node not in found.keys or node in inside:
+        if node not in found.keys or node in inside or node in found.conflicts:
             continue
         for x in node.all_input_nodes:
-            if x in found.keys or len(seq_dims(x, sym)) != 2 or x.op != "call_function":
+            if len(seq_dims(x, sym)) != 2 or x.op != "call_function":
                 continue
-            found.keys[x] = map_dim(node, x, found.keys[node], sym, forward=False)
+            key = map_dim(node, x, found.keys[node], sym, forward=False)
+            if x in found.masks:
+                found.anchors.add((node, x))
+            if x in found.keys:
+                if key != found.keys[x]:
+                    found.conflicts[node] = f"it combines '{x.name}' with a block whose key axis is another dim"
+                continue
+            give(x, key, f"cp_passes cannot tell which dim of '{x.name}' {node.target} reads as the key axis")
+            if key is None or not _unmerged(x, seq_dims(x, sym), sym):
+                continue
             mask = model_mask(x, sym)
             if isinstance(mask, PositionMask):
                 mask = MetadataMask(x, mask.nodes, [], mask.size_leaves, [])
             if isinstance(mask, MetadataMask):
                 found.masks[x] = mask
-                found.anchors[node] = x
+                found.anchors.add((node, x))
                 inside.update(mask.nodes)
     return found

@@ -11,6 +11,8 @@ aten = torch.ops.aten
 
 
 positionwise(
+    aten.log_sigmoid,
+    aten.log_sigmoid_forward,
     aten.dropout,
     aten.native_dropout,
     aten.feature_dropout,

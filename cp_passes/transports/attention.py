@@ -69,9 +69,9 @@ class AttentionKV:
 def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node, str], torch.fx.Node]) -> None:
     """Replace the attention's K/V with moved ones (``move(x, name)``) and its mask with one at this rank's
     global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
-    node, q, rank, world = request.node, request.query, edit.rank, edit.world
+    node, q, rank, world = request.node, edit.current(request.query), edit.rank, edit.world
     halo = edit.pass_name == "halo"
-    k, v = request.key, request.value
+    k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
         dk = meta_val(k).shape[-1]
         moved = move(edit.insert(aten.cat.default, ([k, v], -1), name="cp_kv"), "cp_kv")

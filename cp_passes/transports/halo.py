@@ -122,9 +122,10 @@ class Halo(Transport):
 
     def _conv(self, edit, match: ConvHalo) -> None:
         node = match.conv
-        halo = self.insert(edit, match.source, match.dim, match.halo, "cp_conv_halo", before=match.pad or node)
+        halo = self.insert(edit, edit.current(match.source), match.dim, match.halo, "cp_conv_halo",
+                           before=match.pad or node)
         if match.pad is not None:  # its users are the pattern's own (the conv, or slices before an unfold)
-            match.pad.replace_all_uses_with(halo)
+            edit.replace_uses(match.pad, halo, keep_claimed=False)
         else:
             args = bind_args(node)
             args["input"], args["padding"] = halo, [0]

@@ -71,7 +71,8 @@ class KeyGather(Transport):
             edit.replace_uses(request.mask.mask, rows)
             return
         op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
-        brought = edit.insert(op.default, (request.source, request.dim, edit.world, edit.group_name),
+        source = edit.current(request.source)  # an earlier transport may have made it global (a scan, positions)
+        brought = edit.insert(op.default, (source, request.dim, edit.world, edit.group_name),
                               name=f"cp_{request.source.name}_keys")
         for step in request.steps:
             if isinstance(step, int):
@@ -79,8 +80,9 @@ class KeyGather(Transport):
                                       name=f"cp_{request.operand.name}_heads")
             else:
                 brought = edit.copy(step, {step.args[0]: brought}, name=f"cp_{step.name}_keys")
+        operand = edit.current(request.operand)
         for consumer in request.consumers:
-            consumer.replace_input_with(request.operand, brought)
+            consumer.replace_input_with(operand, brought)
             edit.changed(consumer)
 
     def cost(self, request, layout, rank, local_len) -> Cost:

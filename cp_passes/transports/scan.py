@@ -46,10 +46,6 @@ def _preceding(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch
     return mask.view(shape)
 
 
-def _lowest(dtype: torch.dtype) -> float | int:
-    return float("-inf") if dtype.is_floating_point else torch.iinfo(dtype).min
-
-
 def carry_reduce(gathered: torch.Tensor, dim: int, rank: int, world: int, op: str) -> torch.Tensor:
     """The preceding ranks' running values reduced into one carry (the op's identity on the first rank)."""
     before = _preceding(gathered, dim, rank, world)
@@ -73,15 +69,40 @@ def global_index(indices: torch.Tensor, values: torch.Tensor, dim: int, rank: in
     return indices.narrow(dim, -1, 1) + Layout(world).start(rank, values.shape[dim])
 
 
+def _ordered(values: torch.Tensor) -> torch.Tensor:
+    return values.to(torch.uint8) if values.dtype == torch.bool else values
+
+
+def _at_least(a: torch.Tensor, b: torch.Tensor, largest: bool) -> torch.Tensor:
+    """Whether ``a`` replaces ``b`` as a running max (min) when it comes later: ``a >= b`` (``<=``), and NaN
+    is the most extreme value, as in ``torch.cummax``."""
+    a, b = _ordered(a), _ordered(b)
+    return (a >= b if largest else a <= b) | (a != a)
+
+
+def _last(condition: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """The last rank along ``dim`` where ``condition`` holds (-1 if none)."""
+    shape = [1] * condition.dim()
+    shape[dim] = world
+    ranks = torch.arange(world, device=condition.device).view(shape)
+    return torch.where(condition, ranks, -1).amax(dim, keepdim=True)
+
+
 def extreme_carry(values: torch.Tensor, indices: torch.Tensor, dim: int, rank: int, world: int, largest: bool):
-    """The running max (min) at the end of the preceding ranks and its global index: among equal values the
-    later index, as ``torch.cummax`` picks; ``(lowest, -1)`` on the first rank."""
+    """The running max (min) at the end of the preceding ranks and its global index: a NaN if any (the last
+    one), else the best value with, among equal values, the later index, as ``torch.cummax`` picks; index
+    -1 on the first rank."""
     before = _preceding(values, dim, rank, world)
-    sign = 1 if largest else -1
-    key = torch.where(before, values.detach() * sign, _lowest(values.dtype))
-    best = key.amax(dim, keepdim=True)
-    ranks = torch.arange(world, device=values.device).view(before.shape)
-    chosen = torch.where(before & (key == best), ranks, -1).amax(dim, keepdim=True)
+    ordered = _ordered(values.detach())
+    if ordered.dtype.is_floating_point:
+        fill = float("-inf") if largest else float("inf")
+    else:
+        fill = torch.iinfo(ordered.dtype).min if largest else torch.iinfo(ordered.dtype).max
+    nan = before & (ordered != ordered)
+    masked = torch.where(before & ~nan, ordered, fill)
+    best = masked.amax(dim, keepdim=True) if largest else masked.amin(dim, keepdim=True)
+    chosen = torch.where(nan.any(dim, keepdim=True), _last(nan, dim, world),
+                         _last(before & ~nan & (ordered == best), dim, world))
     value = values.gather(dim, chosen.clamp(min=0))
     index = torch.where(chosen >= 0, indices.gather(dim, chosen.clamp(min=0)), -1)
     return value, index
@@ -89,10 +110,9 @@ def extreme_carry(values: torch.Tensor, indices: torch.Tensor, dim: int, rank: i
 
 def extreme_combine(values: torch.Tensor, indices: torch.Tensor, carry_value: torch.Tensor,
                     carry_index: torch.Tensor, dim: int, rank: int, world: int, largest: bool):
-    """The global running max (min): this rank's where it is at least the carry (a later index wins ties)."""
+    """The global running max (min): this rank's where it replaces the carry (see :func:`_at_least`)."""
     start = Layout(world).start(rank, values.shape[dim])
-    local = (values >= carry_value) if largest else (values <= carry_value)
-    local = local | (carry_index < 0)
+    local = _at_least(values, carry_value, largest) | (carry_index < 0)
     return torch.where(local, values, carry_value), torch.where(local, indices + start, carry_index)
 
 

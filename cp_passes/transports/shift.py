@@ -92,7 +92,7 @@ class ShiftTransport(Transport):
 
     def apply(self, edit, request: Shift) -> None:
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
-                              (request.source, request.dim, request.offset, float(request.fill), edit.rank,
+                              (edit.current(request.source), request.dim, request.offset, float(request.fill), edit.rank,
                                edit.world, edit.group_name), name="cp_shifted", before=request.pad)
         edit.replace_uses(request.node, shifted)
 
