@@ -162,20 +162,23 @@ def gather_roundtrip(group, seq_len: int) -> dict:
 
 
 class RunningScans(torch.nn.Module):
-    """Every running op along the sequence over activations: cumsum, cumprod, logcumsumexp, and cummax /
-    cummin with their indices (token ids repeat, so equal running maxima across ranks test the tie rule)."""
+    """Every running op along the sequence over activations: cumsum, cumprod, logcumsumexp, cummax / cummin
+    with their indices (token ids repeat, so equal running maxima across ranks test the tie rule), and diff
+    with a learned first row."""
 
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(64, 16)
-        self.proj = torch.nn.Linear(6 * 16, 64)
+        self.start = torch.nn.Parameter(torch.randn(1, 1, 16))
+        self.proj = torch.nn.Linear(7 * 16, 64)
 
     def forward(self, input_ids, position_ids, labels):
         h = self.embed(input_ids)
         count = (position_ids[..., None] + 1).to(h.dtype)
         top, bottom = h.cummax(1), h.cummin(1)
         features = [h.cumsum(1) / count, (torch.sigmoid(h) * 0.5 + 0.75).cumprod(1), h.logcumsumexp(1) - count.log(),
-                    top.values, bottom.values, (top.indices - bottom.indices).to(h.dtype) / count]
+                    top.values, bottom.values, (top.indices - bottom.indices).to(h.dtype) / count,
+                    torch.diff(h, dim=1, prepend=self.start.expand(h.shape[0], 1, -1))]
         logits = self.proj(torch.tanh(torch.cat(features, -1)))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         return loss, logits

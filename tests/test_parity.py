@@ -205,13 +205,15 @@ def _scan_reference(model: str, seq_len: int):
                                                 pytest.param(4, "inductor", [16, 13], marks=pytest.mark.full)])
 def test_running_ops_over_activations_parity(pool, parity_report, P, backend, seq_lens):
     """cumsum, cumprod, logcumsumexp, cummax and cummin (values and indices) along the sequence: each rank's
-    running value combined with the carry from the preceding ranks' last values (scan)."""
+    running value combined with the carry from the preceding ranks' last values (scan); diff: the previous
+    position's row (shift), the prepended row at the first position."""
     per_rank = pool.run("scan_parity", P, backend=backend, seq_lens=seq_lens, model="running_scans")
     for i, seq_len in enumerate(seq_lens):
         _compare(f"running-scans-{backend}", [r[i] for r in per_rank], *_scan_reference("running_scans", seq_len),
                  seq_len, parity_report)
     rules = {rule for rule, _ in per_rank[0][0]["records"]}
-    assert rules == {f"{op}_scan" for op in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")} | {"partial_sum"}
+    scans = {f"{op}_scan" for op in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")}
+    assert rules == scans | {"diff_shift", "partial_sum"}
 
 
 def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool, parity_report):

@@ -8,6 +8,7 @@ import torch.fx
 from ..graph.analysis import meta_val, seq_multiple
 from ..transports.reductions import GlobalMean
 from ..transports.scan import SCANS, Scan
+from ..transports.shift import Diff
 from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
 
 aten = torch.ops.aten
@@ -24,7 +25,7 @@ _DIM_OPS = {
     aten.select: "dim", aten.narrow: "dim", aten.split: "dim", aten.split_with_sizes: "dim",
     aten.chunk: "dim", aten.unbind: "dim", aten.index_select: "dim", aten.gather: "dim",
     aten.scatter: "dim", aten.scatter_add: "dim", aten.scatter_reduce: "dim", aten.index_add: "dim",
-    aten.index_copy: "dim", aten.index_fill: "dim", aten.tensor_split: "dim", aten.diff: "dim",
+    aten.index_copy: "dim", aten.index_fill: "dim", aten.tensor_split: "dim",
     aten.cat: "dim",
 }
 
@@ -90,6 +91,25 @@ def _scan(ctx: RuleContext):
                    "take it along the sequence axis alone ([batch, seq, ...] layout)")
     return Rewrite(f"{op}_scan", "scan", Scan(ctx.node, src, dim, op),
                    note=f"local {op} combined with the carry from the preceding ranks' last values")
+
+
+@register_rule(aten.diff)
+def _diff(ctx: RuleContext):
+    """``diff`` along the sequence reads the previous position: a shift by one (the shift transport), with the
+    prepended row at the sequence's first position."""
+    src, prepend, append = ctx.arg("self"), ctx.arg("prepend"), ctx.arg("append")
+    dim = ctx.arg("dim") % max(ctx.ndim(src), 1)
+    if dim not in ctx.seq_dims(src):
+        return None
+    fix = "write it as x - shifted x (F.pad(x, (..., 1, 0))[..., :-1, ...] along the sequence), or diff outside the model"
+    if ctx.arg("n") != 1 or append is not None:
+        ctx.refuse(f"it takes diff n={ctx.arg('n')} along the sequence{' with append' if append is not None else ''}; "
+                   f"only n=1 with a prepended row has a rule (the length stays the sequence's)", fix)
+    if prepend is None or ctx.is_seq(prepend) or meta_val(prepend).shape[dim] != 1:
+        ctx.refuse("it takes diff along the sequence without prepending one row: the result is one position "
+                   "shorter than the sequence, so it cannot be sharded like it", fix)
+    return Rewrite("diff_shift", "shift", Diff(ctx.node, src, dim, -1, 0.0, prepend=prepend),
+                   note="x - x shifted by one position; the prepended row at the sequence's first position")
 
 
 @register_rule(aten.sum, aten.nansum)

@@ -85,15 +85,47 @@ class Shift:
     """The pad the slice reads: the shift reads ``source`` where the pad did (before later mutations)."""
 
 
+@dataclass
+class Diff(Shift):
+    """``node = diff(source, dim=dim, prepend=prepend)``: ``source`` minus ``source`` shifted by one, the
+    prepended row at the sequence's first position."""
+
+    prepend: torch.fx.Node | None = None
+
+
+def previous_rows(shifted: torch.Tensor, prepend: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """Each position's previous row, ``prepend`` at the sequence's first position."""
+    positions = Layout(world).positions(rank, shifted.shape[dim], shifted.device)
+    shape = [1] * shifted.dim()
+    shape[dim] = -1
+    return torch.where((positions == 0).view(shape), prepend.to(shifted.dtype), shifted)
+
+
+def difference(x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """``torch.diff``'s step: ``x != previous`` for booleans, ``x - previous`` otherwise."""
+    return x != previous if x.dtype == torch.bool else x - previous
+
+
 class ShiftTransport(Transport):
     name = "shift"
     order = 15
     runtime = (torch.ops.cp_passes.shift.default,)
 
     def apply(self, edit, request: Shift) -> None:
+        source = edit.current(request.source)
+        boolean = meta_val(request.source).dtype == torch.bool
+        if boolean:  # gloo and Inductor move numbers, not bool (as metadata_gather)
+            source = edit.insert(torch.ops.aten._to_copy.default, (source,), {"dtype": torch.uint8}, name="cp_shift_u8",
+                                 before=request.pad)
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
-                              (edit.current(request.source), request.dim, request.offset, float(request.fill), edit.rank,
+                              (source, request.dim, request.offset, float(request.fill), edit.rank,
                                edit.world, edit.group_name), name="cp_shifted", before=request.pad)
+        if boolean:
+            shifted = edit.insert(torch.ops.aten._to_copy.default, (shifted,), {"dtype": torch.bool}, name="cp_shift_bool")
+        if isinstance(request, Diff):
+            previous = edit.insert(previous_rows, (shifted, request.prepend, request.dim, edit.rank, edit.world),
+                                   name="cp_previous")
+            shifted = edit.insert(difference, (edit.current(request.source), previous), name="cp_diff")
         edit.replace_uses(request.node, shifted)
 
     def cost(self, request: Shift, layout, rank, local_len) -> Cost:
