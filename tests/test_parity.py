@@ -80,11 +80,18 @@ HALO_CASES = [
      [16, 14]),                                                                       # L=4: w = 2.5 L, 3 hops
     (4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8]),    # L=2: conv halo 6, 3 hops
     (2, "aot_eager", dict(window=5, inplace_mask=True, conv_kernel=3), [16, 11]),      # band &= distance < w
+    pytest.param(4, "aot_eager", dict(window=5, inplace_mask=True, conv_kernel=3), [16, 11],
+                 marks=pytest.mark.full),                                             # L=4 and 3: w > L
 ]
 
 
+def _halo_id(case) -> str:
+    p, backend, config, _ = case.values if hasattr(case, "values") else case
+    return f"P{p}-{backend}-" + "-".join(f"{k}{v}" for k, v in config.items())
+
+
 @pytest.mark.parametrize("P,backend,config,seq_lens", HALO_CASES,
-                         ids=[f"P{c[0]}-{c[1]}-" + "-".join(f"{k}{v}" for k, v in c[2].items()) for c in HALO_CASES])
+                         ids=[_halo_id(c) for c in HALO_CASES])
 def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
     per_rank = pool.run("toy_parity", P, backend=backend, config=config, seq_lens=seq_lens, pass_positions=False)
     name = "toy-" + ",".join(f"{k}={v}" for k, v in config.items()) + f"-{backend}"

@@ -106,7 +106,8 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
             request = state.operands[operand] = KeyOperand(operand, source, gather_dim, steps)
             rewrites.append((node, Rewrite("key_operand", "key_gather", request,
-                                           note=f"{request.describe()} brought to the key axis of '{node.name}'")))
+                                           note=f"{request.describe()} brought to the key axis of '{node.name}': every key "
+                                                f"(the mask is not read for a causal prefix or a window)")))
         request.consumers.append(node)
     for x in ctx.tensor_inputs():
         mask = blocks.masks.get(x)
