@@ -257,7 +257,15 @@ def _shared_position_mask(x):
     return x
 
 
-MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask}
+def _sdpa_over_a_running_sum(x):
+    """Causal SDPA whose keys are the running sum itself: the gather must read the scan's global values."""
+    q = x[:, None]
+    k = q.cumsum(2)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, q, is_causal=True)[:, 0]
+
+
+MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
+         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum}
 
 
 class Mixer(torch.nn.Module):

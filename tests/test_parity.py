@@ -234,10 +234,11 @@ def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool
     assert {"arange_positions", "cumsum_scan", "sdpa_data_mask"} <= {rule for rule, _ in per_rank[0][0]["records"]}
 
 
-@pytest.mark.parametrize("mix", ["decay_attention", "shared_position_mask"])
+@pytest.mark.parametrize("mix", ["decay_attention", "shared_position_mask", "sdpa_over_a_running_sum"])
 def test_hand_written_attention_parity(pool, parity_report, mix):
-    """A key-side operand that a scan makes global is brought after the scan; a mask shared by two attentions
-    is evaluated for both (lengths divide P: full attention would see the padding keys)."""
+    """A key-side operand that a scan makes global is brought after the scan (by hand-written attention and
+    by SDPA's gather alike); a mask shared by two attentions is evaluated for both (lengths divide P: full
+    attention would see the padding keys)."""
     seq_lens = [16, 12]
     per_rank = pool.run("mixer_parity", 2, mix=mix, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):

@@ -73,9 +73,10 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     halo = edit.pass_name == "halo"
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
-        dk = meta_val(k).shape[-1]
+        # Sizes from the planned nodes: k and v may be nodes a transport made (no fake value yet).
+        sizes = [meta_val(request.key).shape[-1], meta_val(request.value).shape[-1]]
         moved = move(edit.insert(aten.cat.default, ([k, v], -1), name="cp_kv"), "cp_kv")
-        parts = edit.insert(aten.split_with_sizes.default, (moved, [dk, meta_val(v).shape[-1]], -1), name="cp_kv_split")
+        parts = edit.insert(aten.split_with_sizes.default, (moved, sizes, -1), name="cp_kv_split")
         keys = edit.insert(operator.getitem, (parts, 0), name="cp_k")
         values = edit.insert(operator.getitem, (parts, 1), name="cp_v")
     else:
