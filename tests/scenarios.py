@@ -164,7 +164,7 @@ def gather_roundtrip(group, seq_len: int) -> dict:
 class RunningScans(torch.nn.Module):
     """Every running op along the sequence over activations: cumsum, cumprod, logcumsumexp, cummax / cummin
     with their indices (token ids repeat, so equal running maxima across ranks test the tie rule), and diff
-    with a learned first row."""
+    of activations (a learned first row) and of booleans."""
 
     def __init__(self):
         super().__init__()
@@ -179,6 +179,9 @@ class RunningScans(torch.nn.Module):
         features = [h.cumsum(1) / count, (torch.sigmoid(h) * 0.5 + 0.75).cumprod(1), h.logcumsumexp(1) - count.log(),
                     top.values, bottom.values, (top.indices - bottom.indices).to(h.dtype) / count,
                     torch.diff(h, dim=1, prepend=self.start.expand(h.shape[0], 1, -1))]
+        even = input_ids % 2 == 0  # a boolean diff: where evenness changes (the first position from False)
+        changes = torch.diff(even, dim=1, prepend=torch.zeros(even.shape[0], 1, dtype=torch.bool))
+        features[-1] = features[-1] + changes.to(h.dtype)[..., None]
         logits = self.proj(torch.tanh(torch.cat(features, -1)))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
         return loss, logits

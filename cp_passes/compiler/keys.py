@@ -61,7 +61,8 @@ def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
         if torch.Tag.pointwise not in node.target.tags and node.target not in _ALIGNED:
             ctx.refuse(f"it makes the [q, k] block '{node.name}' from '{x.name}', whose sequence axis cp_passes "
                        f"cannot place on the query or the key axis",
-                       "build scores as q @ k.transpose(-2, -1) and combine them with pointwise ops, gather or cat only")
+                       "build scores as q @ k.transpose(-2, -1) and combine them with pointwise ops, gather or "
+                       "cat only")
         found += [(x, d) for d in dims if d + out_nd - meta_val(x).dim() == keys[node]]
     return found
 
@@ -93,7 +94,7 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
     if node in blocks.conflicts:
         ctx.refuse(blocks.conflicts[node], "compute each attention's scores from one q @ k^T")
     if node in blocks.keys:
-        sizes = [a for a in _flat(node.args) if has_symbol(a, ctx.sym)]
+        sizes = [a for a in torch.utils._pytree.tree_leaves(node.args) if has_symbol(a, ctx.sym)]
         if sizes:
             ctx.refuse(f"it sizes the [q, k] block '{node.name}' with the local length ({sizes[0].name}), and "
                        f"cp_passes makes its key axis whole",
@@ -105,9 +106,9 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
         if request is None:
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
             request = state.operands[operand] = KeyOperand(operand, source, gather_dim, steps)
-            rewrites.append((node, Rewrite("key_operand", "key_gather", request,
-                                           note=f"{request.describe()} brought to the key axis of '{node.name}': every key "
-                                                f"(the mask is not read for a causal prefix or a window)")))
+            note = (f"{request.describe()} brought to the key axis of '{node.name}': every key (the mask is not "
+                    f"read for a causal prefix or a window)")
+            rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))
         request.consumers.append(node)
     for x in ctx.tensor_inputs():
         mask = blocks.masks.get(x)
@@ -119,8 +120,3 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                                         note=f"the model's mask from {names}, evaluated over the whole sequence")))
     return rewrites
 
-
-def _flat(args) -> list:
-    out = []
-    torch.fx.node.map_aggregate(args, out.append)
-    return out

@@ -65,7 +65,7 @@ _KEEPS_ORDER = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, a
 """Ops that keep a block's two sequence dims in the same order (besides pointwise ops)."""
 
 
-def _permutation(node: torch.fx.Node) -> list[int] | None:
+def _permutation(node: torch.fx.Node) -> list[int]:
     """Output dim i of a reordering op is input dim perm[i]."""
     nd = _ndim(node)
     if node.target is aten.permute.default:

@@ -101,7 +101,8 @@ def _diff(ctx: RuleContext):
     dim = ctx.arg("dim") % max(ctx.ndim(src), 1)
     if dim not in ctx.seq_dims(src):
         return None
-    fix = "write it as x - shifted x (F.pad(x, (..., 1, 0))[..., :-1, ...] along the sequence), or diff outside the model"
+    fix = ("write it as x - shifted x (F.pad(x, (..., 1, 0))[..., :-1, ...] along the sequence), or diff outside "
+           "the model")
     if ctx.arg("n") != 1 or append is not None:
         ctx.refuse(f"it takes diff n={ctx.arg('n')} along the sequence{' with append' if append is not None else ''}; "
                    f"only n=1 with a prepended row has a rule (the length stays the sequence's)", fix)

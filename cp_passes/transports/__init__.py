@@ -13,5 +13,5 @@ from .reductions import REDUCTIONS
 from .scan import SCAN
 from .shift import SHIFT
 
-__all__ = ["Cost", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS", "Transport", "collective_ops",
-           "in_order", "register_transport", "unregister_transport"]
+__all__ = ["Cost", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS",
+           "Transport", "collective_ops", "in_order", "register_transport", "unregister_transport"]

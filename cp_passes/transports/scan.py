@@ -37,13 +37,18 @@ class Scan:
     op: str = "cumsum"
 
 
+def _along(gathered: torch.Tensor, dim: int, world: int) -> list[int]:
+    """The shape of a per-rank vector broadcast against ``gathered`` (ranks along ``dim``)."""
+    shape = [1] * gathered.dim()
+    shape[dim] = world
+    return shape
+
+
 def _preceding(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
     """Boolean, broadcastable against ``gathered``: which gathered rows come from the preceding ranks."""
     mask = torch.zeros(world, dtype=torch.bool, device=gathered.device)
     mask[Layout(world).preceding_ranks(rank)] = True
-    shape = [1] * gathered.dim()
-    shape[dim] = world
-    return mask.view(shape)
+    return mask.view(_along(gathered, dim, world))
 
 
 def carry_reduce(gathered: torch.Tensor, dim: int, rank: int, world: int, op: str) -> torch.Tensor:
@@ -82,9 +87,7 @@ def _at_least(a: torch.Tensor, b: torch.Tensor, largest: bool) -> torch.Tensor:
 
 def _last(condition: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     """The last rank along ``dim`` where ``condition`` holds (-1 if none)."""
-    shape = [1] * condition.dim()
-    shape[dim] = world
-    ranks = torch.arange(world, device=condition.device).view(shape)
+    ranks = torch.arange(world, device=condition.device).view(_along(condition, dim, world))
     return torch.where(condition, ranks, -1).amax(dim, keepdim=True)
 
 
@@ -147,7 +150,8 @@ class ScanTransport(Transport):
         last_v = edit.insert(aten.narrow.default, (values, dim, -1, 1), name="cp_scan_last", before=after)
         last_i = edit.insert(global_index, (indices, values, dim, edit.rank, edit.world), name="cp_scan_last_index",
                              before=after)
-        gathered_v = self._gather(edit, last_v, dim, "cp_scan_totals", after, meta_val(request.source).is_floating_point())
+        grad = meta_val(request.source).is_floating_point()
+        gathered_v = self._gather(edit, last_v, dim, "cp_scan_totals", after, grad)
         gathered_i = self._gather(edit, last_i, dim, "cp_scan_total_indices", after, False)
         carry = edit.insert(extreme_carry, (gathered_v, gathered_i, dim, edit.rank, edit.world, largest),
                             name="cp_scan_carry", before=after)

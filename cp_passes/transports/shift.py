@@ -112,16 +112,9 @@ class ShiftTransport(Transport):
     runtime = (torch.ops.cp_passes.shift.default,)
 
     def apply(self, edit, request: Shift) -> None:
-        source = edit.current(request.source)
-        boolean = meta_val(request.source).dtype == torch.bool
-        if boolean:  # gloo and Inductor move numbers, not bool (as metadata_gather)
-            source = edit.insert(torch.ops.aten._to_copy.default, (source,), {"dtype": torch.uint8}, name="cp_shift_u8",
-                                 before=request.pad)
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
-                              (source, request.dim, request.offset, float(request.fill), edit.rank,
-                               edit.world, edit.group_name), name="cp_shifted", before=request.pad)
-        if boolean:
-            shifted = edit.insert(torch.ops.aten._to_copy.default, (shifted,), {"dtype": torch.bool}, name="cp_shift_bool")
+                              (edit.current(request.source), request.dim, request.offset, float(request.fill),
+                               edit.rank, edit.world, edit.group_name), name="cp_shifted", before=request.pad)
         if isinstance(request, Diff):
             previous = edit.insert(previous_rows, (shifted, request.prepend, request.dim, edit.rank, edit.world),
                                    name="cp_previous")
