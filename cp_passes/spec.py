@@ -99,6 +99,12 @@ class CPSpec:
     """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, the lower bound)
     or "gather" (the whole preceding sequence, masked; for comparison and debugging)."""
 
+    attention_keys: str = "visible"
+    """Which keys attention written by hand (``softmax(q @ k^T + mask) @ v``) brings: "visible" (those its
+    masks let a query see for one document at the compile-time length: a window's halo, or the causal
+    prefix; checked at run time against the masks the data gives) or "all" (every key: for masks that let a
+    query see later keys only for some data, such as a prefix-LM's prompt)."""
+
     causal_convs: tuple[str, ...] = ()
     """Module globs whose convolutions run causally along the sequence. Kernel size, dilation, padding and
     groups are read from the op; a declared convolution that the graph does not show as causal is refused."""
@@ -126,6 +132,8 @@ class CPSpec:
             raise ValueError(f"CPSpec.gather_kv_together must be a bool, got {self.gather_kv_together!r}")
         if self.window_transport not in ("halo", "gather"):
             raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
+        if self.attention_keys not in ("visible", "all"):
+            raise ValueError(f"CPSpec.attention_keys must be 'visible' or 'all', got {self.attention_keys!r}")
         if not isinstance(self.attention, tuple) or not all(isinstance(a, AttentionRule) for a in self.attention):
             raise ValueError(f"CPSpec.attention must be a tuple of AttentionRule, got {self.attention!r}")
         both = set(self.seq_inputs or ()) & set(self.replicated_inputs)

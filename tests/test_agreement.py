@@ -4,6 +4,7 @@ Real gloo processes; the last rank is the odd one out. A hang fails the test aft
 is then replaced). P = 4 runs with the full matrix (``-m full``)."""
 
 import pytest
+import torch
 
 HANG_S = 240
 WORLDS = [2, pytest.param(4, marks=pytest.mark.full)]
@@ -64,3 +65,16 @@ def test_a_mask_leaving_the_window_in_some_ranks_rows_fails_on_every_rank(pool, 
     errors = pool.run("envelope_violation", world, timeout=HANG_S, layout=[[(2, 2), (2, 2), (4, 4)]])
     for error in errors:
         assert "allows a key outside the causal window that the spec declares" in error, error
+
+
+def test_a_mask_that_shows_later_keys_for_some_data_fails_on_every_rank(pool):
+    """A prefix-LM mask is causal for one document, so its hand-written attention brings the causal prefix; a
+    prompt of 6 tokens (across both ranks) lets rank 0's queries see rank 1's keys. The run-time check over the
+    whole mask stops every rank, and attention_keys='all' (the fix it names) gives the single-device result."""
+    for result in pool.run("prefix_lm", 2, timeout=HANG_S, prompt=6, attention_keys="visible"):
+        assert "outside the causal prefix it showed when compiling" in result["error"], result["error"]
+        assert "attention_keys='all'" in result["error"]
+    for result in pool.run("prefix_lm", 2, timeout=HANG_S, prompt=6, attention_keys="all"):
+        assert result["error"] == "no error", result["error"]
+        local = result["out"].shape[1]
+        torch.testing.assert_close(result["out"], result["want"][:, result["start"]:result["start"] + local])

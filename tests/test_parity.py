@@ -153,11 +153,12 @@ def test_hf_mixtral_moe_parity(pool, parity_report, P, seq_lens):
                  *_hf_reference(seq_len, False, labels_in_model=True, family="mixtral"), seq_len, parity_report)
 
 
-@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11], marks=pytest.mark.full)])
+@pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11, 6], marks=pytest.mark.full)])
 def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
     """Attention written by hand (Gemma2 eager: q @ k^T, soft-capping, a mask from position_ids added,
-    softmax over keys, @ v), sliding and global layers: K and V brought to the key axis, the mask evaluated
-    over the whole sequence; called with labels=."""
+    softmax over keys, @ v), sliding and global layers, called with labels=. The sliding layers' K and V come
+    as a halo of window - 1 = 3 rows (over two ranks at P = 4 and length 6), the global layers' as the causal
+    prefix of a gather; the masks are evaluated over the whole sequence and cut to the same keys."""
     per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
                         family="gemma2")
     for i, seq_len in enumerate(seq_lens):
@@ -165,6 +166,12 @@ def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
                  *_hf_reference(seq_len, False, labels_in_model=True, family="gemma2"), seq_len, parity_report)
     rules = [rec[0] for rec in per_rank[0][-1]["records"]]
     assert rules.count("key_operand") == 4 and rules.count("key_mask") == 2  # K, V per layer; two masks
+    row = 2 * 2 * 16 * 4  # a position of K or V before the head repeat: batch 2, 2 KV heads, head_dim 16, fp32
+    for rank, results in enumerate(per_rank):
+        moved = sorted((b, bound) for rule, _, b, bound in results[0]["records"] if rule == "key_operand")
+        halo = 0 if rank == 0 else 3 * row  # rank 0's halo lies before the sequence: nothing moves
+        assert moved[:2] == [(halo, halo)] * 2, moved  # sliding K, V: exactly the window's rows
+        assert all(b == (P - 1) * 16 // P * row and bound == rank * 16 // P * row for b, bound in moved[2:]), moved
 
 
 @pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11], marks=pytest.mark.full)])

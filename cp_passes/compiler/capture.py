@@ -24,6 +24,10 @@ _KEEP_SYMBOLIC = (
 )
 
 
+INPUT_NAME = "cp_passes_input"
+"""Placeholder meta: the name of the sharded input (the model's argument or batch key) it holds."""
+
+
 def sharded_placeholders(gm: torch.fx.GraphModule, sharded: dict[int, str]) -> list[tuple[torch.fx.Node, str]]:
     """Dynamo's placeholders for the sharded inputs (``sharded`` maps ``id(tensor)`` to the input's name)."""
     found = []
@@ -104,8 +108,11 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, loc
         where = source_line(at) if at is not None else "an unknown node"
         raise _specialized_error(inputs[0][1], local_len, where)
     aten_placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
+    names = {node: name for node, name in inputs}
     for node, named in zip(aten_placeholders, placeholders):
         node._rename(named.name)  # l_doc_ids_, l_self_modules_embed_parameters_weight_ rather than arg9_1
+        if named in names:
+            node.meta[INPUT_NAME] = names[named]
     aten_gm.recompile()
     # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
     return aten_gm, [meta_val(n) for n in aten_placeholders]

@@ -2,9 +2,15 @@
 
 As in DTensor's sharding propagation, the redistribution is decided here, not by the op's rule: for every
 op on a ``[q, k]`` block (see :mod:`cp_passes.match.blocks`), an input whose sequence dim lands on the
-block's key axis is brought whole from every rank (the ``key_gather`` transport), and a mask the model built
+block's key axis is brought from the other ranks (the ``key_gather`` transport), and a mask the model built
 from metadata is evaluated over the whole sequence. The op's rule then sees the key axis as not sharded:
-softmax over keys, soft-capping and ``probs @ v`` are correct on ``[local queries, every key]``.
+softmax over keys, soft-capping and ``probs @ v`` are correct on ``[local queries, keys brought]``.
+
+Which keys: every key, unless the model's masks provably give the others zero probability
+(:mod:`cp_passes.match.key_cuts`). Then the masks are evaluated here, as the single device would at the
+compile-time length (capped at ``PROBE_MAX_LEN``) for one unpadded document (positions ``0..S-1``, one doc
+id), to read what they let a query see: a window of ``w`` keys takes a halo of ``w - 1`` rows, causal
+attention the causal prefix of a gather. The run-time check in the transport holds the model to it.
 """
 
 from __future__ import annotations
@@ -14,11 +20,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import has_symbol, meta_val, seq_dims
+from ..graph.analysis import has_symbol, hint, meta_val, seq_dims
 from ..match.blocks import SCORES
 from ..match.head_repeat import is_whole_slice, match_head_repeat
+from ..match.key_cuts import KeyCut, key_cuts
+from ..match.masks import NotPositional, PositionMask, evaluate_position_mask
 from ..rules import Rewrite, RuleContext
-from ..transports.keys import KeyMask, KeyOperand
+from ..rules.attention import PROBE_MAX_LEN
+from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden
+from .capture import INPUT_NAME
 
 aten = torch.ops.aten
 
@@ -35,8 +45,14 @@ input and index, cat's inputs, have the output's rank)."""
 @dataclass
 class KeyPlan:
     operands: dict = field(default_factory=dict)
-    """Operand node -> its :class:`KeyOperand` request (one gather, however many blocks read it)."""
-    masks: set = field(default_factory=set)
+    """``(operand node, keys)`` -> its :class:`KeyOperand` request (one transport, however many blocks read
+    it)."""
+    masks: dict = field(default_factory=dict)
+    """``(mask node, keys)`` -> its :class:`KeyMask` request."""
+    cuts: dict | None = None
+    """Block node -> its :class:`KeyCut` (found on the first call)."""
+    ranges: dict = field(default_factory=dict)
+    """Softmax -> ``(KeyRange or None, why)``."""
 
 
 def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
@@ -87,6 +103,66 @@ def _gather_point(operand: torch.fx.Node, dim: int, sym):
     return source, dim, steps[::-1]
 
 
+def _probe_leaf(leaf: torch.fx.Node, dim: int, spec, length: int) -> torch.Tensor | None:
+    """A sharded input's value for one unpadded document of ``length``, or None for an input of another role."""
+    val, name = meta_val(leaf), leaf.meta.get(INPUT_NAME)
+    shape = [length if d == dim else hint(s) for d, s in enumerate(val.shape)]
+    if name in spec.position_keys:
+        view = [-1 if d == dim else 1 for d in range(len(shape))]
+        return torch.arange(length).reshape(view).expand(shape).to(val.dtype)
+    if name == spec.doc_key:
+        return torch.zeros(shape, dtype=val.dtype)
+    return None
+
+
+def _read_keys(ctx: RuleContext, cut: KeyCut) -> tuple[KeyRange | None, str]:
+    """The keys ``cut``'s masks let a query see at the compile-time length, or None and why every key."""
+    blocks, spec = ctx.matches.blocks, ctx.spec
+    length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+    together = None
+    for masking in cut.masking:
+        found = blocks.masks[masking.mask]
+        leaves = {leaf: _probe_leaf(leaf, d, spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
+        if any(v is None for v in leaves.values()):
+            continue  # reads an input that is neither positions nor doc ids: the other masks must do
+        try:
+            value = evaluate_position_mask(PositionMask(found.mask, found.nodes, found.size_leaves), ctx.sym, length,
+                                           leaves)
+        except NotPositional:
+            continue
+        query = next(d for d in seq_dims(found.mask, ctx.sym) if d != blocks.keys[found.mask])
+        h = hidden(value, masking.hides).movedim((query, blocks.keys[found.mask]), (-2, -1))
+        together = h if together is None else together | h
+    if together is None or tuple(together.shape[-2:]) != (length, length):
+        return None, "cp_passes could not evaluate the masks that hide keys for one document"
+    seen = (~together).reshape(-1, length, length).any(0)
+    later = torch.ones(length, length, dtype=torch.bool).triu(1)
+    if bool((seen & later).any()):
+        return None, "its masks let a query see later keys (not causal)"
+    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    window = int(distance[seen].max()) + 1 if bool(seen.any()) else length
+    masking = tuple(cut.masking)
+    if window < length and spec.window_transport == "halo":
+        return KeyRange(window - 1, masking), f"window {window} read from the model's mask at length {length}"
+    return KeyRange(None, masking), ("causal, read from the model's mask" if window >= length
+                                     else f"window {window}, by gather as the spec asks")
+
+
+def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
+    if state.cuts is None:
+        state.cuts = key_cuts(ctx.matches.blocks)
+    cut = state.cuts.get(node)
+    if cut is None:
+        return None, "no softmax over these keys"
+    if cut.why is not None:
+        return None, cut.why
+    if ctx.spec.attention_keys == "all":
+        return None, "the spec asks for every key (attention_keys='all')"
+    if cut.softmax not in state.ranges:
+        state.ranges[cut.softmax] = _read_keys(ctx, cut)
+    return state.ranges[cut.softmax]
+
+
 def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rewrite]]:
     """The key-axis rewrites ``ctx.node`` needs (new ones only), and marks its brought inputs in ``ctx``."""
     blocks = ctx.matches.blocks
@@ -100,23 +176,40 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                        f"cp_passes makes its key axis whole",
                        "size attention scores from the query and key tensors' own shapes (expand_as, or no size)")
     rewrites = []
-    for operand, dim in _landings(ctx):
+    landings = _landings(ctx)
+    masks = [x for x in ctx.tensor_inputs() if x in blocks.masks]
+    if not landings and not masks:
+        return rewrites
+    keys, why = _keys_for(ctx, state, node)
+    for operand, dim in landings:
         ctx.brought.add(operand)
-        request = state.operands.get(operand)
+        request = state.operands.get((operand, keys))
         if request is None:
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
-            request = state.operands[operand] = KeyOperand(operand, source, gather_dim, steps)
-            note = (f"{request.describe()} brought to the key axis of '{node.name}': every key (the mask is not "
-                    f"read for a causal prefix or a window)")
+            request = state.operands[(operand, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys)
+            brings = keys.describe() if keys is not None else "every key"
+            note = f"{request.describe()} brought to the key axis of '{node.name}': {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))
         request.consumers.append(node)
-    for x in ctx.tensor_inputs():
-        mask = blocks.masks.get(x)
-        if mask is not None and x not in state.masks:
-            state.masks.add(x)
-            query_dim = next(d for d in seq_dims(x, ctx.sym) if d != blocks.keys[x])
+    for x in masks:
+        request = state.masks.get((x, keys))
+        if request is None:
+            mask, key_dim = blocks.masks[x], blocks.keys[x]
+            query_dim = next(d for d in seq_dims(x, ctx.sym) if d != key_dim)
+            checks = ()
+            if keys is not None and x is keys.masking[0].mask:  # one check per cut, with its first hiding mask
+                checks = tuple((blocks.masks[m.mask], m.hides, *_dims(m.mask, blocks, ctx.sym)) for m in keys.masking)
+            request = state.masks[(x, keys)] = KeyMask(mask, query_dim, key_dim, keys, checks)
             names = ", ".join(leaf.name for leaf in mask.tensor_leaves) or "positions"
-            rewrites.append((x, Rewrite("key_mask", "key_gather", KeyMask(mask, query_dim),
-                                        note=f"the model's mask from {names}, evaluated over the whole sequence")))
+            cut = (f", cut to {keys.describe()}" + (" and checked to hide every other key" if checks else "")
+                   if keys else "")
+            rewrites.append((x, Rewrite("key_mask", "key_gather", request,
+                                        note=f"the model's mask from {names}, evaluated over the whole sequence{cut}")))
+        request.consumers.append(node)
     return rewrites
 
+
+def _dims(mask: torch.fx.Node, blocks, sym) -> tuple[int, int]:
+    """``(query dim, key dim)`` of a matched mask."""
+    key = blocks.keys[mask]
+    return next(d for d in seq_dims(mask, sym) if d != key), key

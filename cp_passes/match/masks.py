@@ -70,8 +70,10 @@ class NotPositional(Exception):
     """The mask reads something other than positions: the node that does."""
 
 
-def evaluate_position_mask(found: PositionMask, sym, length: int) -> torch.Tensor:
-    """Evaluate a position mask as the single-device model would at sequence ``length``."""
+def evaluate_position_mask(found: PositionMask, sym, length: int, leaves: dict | None = None) -> torch.Tensor:
+    """Evaluate a position mask as the single-device model would at sequence ``length`` (a mask that reads
+    inputs too, given their values in ``leaves``)."""
+    leaves = leaves or {}
     env: dict[torch.fx.Node, object] = {}
     order: list[torch.fx.Node] = []
     stack, seen = [found.mask], set()
@@ -81,7 +83,7 @@ def evaluate_position_mask(found: PositionMask, sym, length: int) -> torch.Tenso
             continue
         seen.add(n)
         order.append(n)
-        if not isinstance(meta_val(n), (torch.SymInt, torch.SymFloat, int, float)):
+        if not isinstance(meta_val(n), (torch.SymInt, torch.SymFloat, int, float)) and n not in leaves:
             stack.extend(n.all_input_nodes)
     position = {n: i for i, n in enumerate(found.mask.graph.nodes)}
     for n in sorted(order, key=position.__getitem__):
@@ -91,6 +93,8 @@ def evaluate_position_mask(found: PositionMask, sym, length: int) -> torch.Tenso
             env[n] = int(value) if isinstance(val, torch.SymInt) else float(value)
         elif isinstance(val, (int, float)):
             env[n] = val
+        elif n in leaves:
+            env[n] = leaves[n]
         elif n.op == "get_attr":
             env[n] = getattr(n.graph.owning_module, n.target)
         elif n.op == "call_function":

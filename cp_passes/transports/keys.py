@@ -1,10 +1,15 @@
-"""Key axis: bring what a hand-written attention reads along its key axis from every rank.
+"""Key axis: bring what a hand-written attention reads along its key axis from other ranks.
 
 The planner asks for :class:`KeyOperand` where a sequence-sharded tensor lands on the key axis of a
 ``[q, k]`` block (K in ``q @ k^T``, V in ``probs @ v``, a key-side bias), and for :class:`KeyMask` where a
-block is combined with a mask the model builds from sequence metadata. An operand is gathered where it is
-smallest (before a GQA head repeat and any transposes), then the ops between are replayed on the gathered
-tensor; a mask is evaluated over the whole sequence from gathered metadata and this rank's query rows taken.
+block is combined with a mask the model builds from sequence metadata. An operand is moved where it is
+smallest (before a GQA head repeat and any transposes), then the ops between are replayed on what arrived;
+a mask is evaluated over the whole sequence from gathered metadata and this rank's query rows taken.
+
+Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
+says which keys come: the ``window - 1`` rows before this rank's (a halo) or the causal prefix of a gather.
+Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
+at run time over the whole sequence, on every rank alike, so no rank goes on while another fails.
 """
 
 from __future__ import annotations
@@ -19,9 +24,25 @@ from ..layout import Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
-from .masks import MetadataMask, metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
+from .masks import MetadataMask, key_positions, metadata_gather_op  # noqa: F401  (registers metadata_gather)
 
 aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class KeyRange:
+    """The keys a cut attention brings: a halo of ``halo`` rows before this rank's (a window of
+    ``halo + 1``), or with ``halo`` None the causal prefix of a gather. ``masking`` hides every other key
+    (:class:`~cp_passes.match.key_cuts.Masking`), which the run-time check confirms."""
+
+    halo: int | None
+    masking: tuple
+
+    def describe(self) -> str:
+        if self.halo is None:
+            return "the causal prefix of a gather"
+        return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})"
 
 
 @dataclass
@@ -34,6 +55,8 @@ class KeyOperand:
     dim: int
     steps: list
     consumers: list[torch.fx.Node] = field(default_factory=list)
+    keys: KeyRange | None = None
+    """The keys to bring; None: every key."""
 
     @property
     def metadata(self) -> bool:
@@ -51,6 +74,13 @@ class KeyMask:
 
     mask: MetadataMask
     query_dim: int
+    key_dim: int
+    keys: KeyRange | None = None
+    """The keys to cut the mask to; None: every key."""
+    checks: tuple = ()
+    """``(mask, hides, query dim, key dim)`` of every mask that hides keys outside ``keys``: checked here."""
+    consumers: list[torch.fx.Node] = field(default_factory=list)
+    """The block ops that read the mask with these keys."""
 
 
 def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int) -> torch.Tensor:
@@ -59,21 +89,74 @@ def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int)
     return global_mask.index_select(query_dim, Layout(world).positions(rank, local, global_mask.device))
 
 
+def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
+    """The entries of ``mask`` that hide a key (see :class:`~cp_passes.match.key_cuts.Masking`)."""
+    if hides == "additive":
+        return mask <= torch.finfo(mask.dtype).min / 2
+    return mask if hides == "true" else ~mask
+
+
+def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int | None) -> None:
+    """Fail unless the masks together hide every key a cut attention leaves out: a later key, or (with
+    ``halo``) one ``halo + 1`` or more positions back. Every rank checks the whole sequence, so all reach
+    the same verdict and none is left waiting in a collective."""
+    together = None
+    for mask, kind, (q, k) in zip(masks, hides, dims):
+        h = hidden(mask, kind).movedim((q, k), (-2, -1))
+        together = h if together is None else together | h
+    i = torch.arange(together.shape[-2], device=together.device)[:, None]
+    j = torch.arange(together.shape[-1], device=together.device)[None, :]
+    kept = (j <= i) if halo is None else (j <= i) & (i - j <= halo)
+    torch._assert_async((together | kept).all(),
+                        "cp_passes: the model's attention mask lets a query see a key outside the "
+                        + ("causal prefix" if halo is None else f"window of {halo + 1}")
+                        + " it showed when compiling (for one document), so the keys brought would be wrong; "
+                        "if the data decides which keys a query sees, set CPSpec(attention_keys='all')")
+
+
+def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, halo: int | None,
+             checked: list[torch.Tensor], hides: tuple, dims: tuple) -> torch.Tensor:
+    """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
+    brings. A key before the sequence start (a halo's zeros) takes the value of query 0 and the last key,
+    which the checked masks hide."""
+    if checked:
+        check_hidden(checked, hides, dims, halo)
+    rows = query_rows(global_mask, query_dim, rank, world)
+    positions = key_positions(rows.shape[query_dim], rank, world, halo, global_mask.device)
+    cut = rows.index_select(key_dim, positions.clamp(min=0))
+    if halo is None:
+        return cut
+    shape = [1] * cut.dim()
+    shape[key_dim] = -1
+    hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
+    return torch.where((positions < 0).reshape(shape), hiding, cut)
+
+
+def prefix_rows(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    """The rows of a gather a causal query on ``rank`` can see."""
+    return gathered.narrow(dim, 0, Layout(world).visible_prefix(rank, gathered.shape[dim] // world))
+
+
 class KeyGather(Transport):
     name = "key_gather"
     order = 35
-    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default)
+    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
+               torch.ops.cp_passes.halo.default)
 
     def apply(self, edit, request) -> None:
         if isinstance(request, KeyMask):
-            whole = global_mask(edit, request.mask)
-            rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world), name="cp_mask_rows")
-            edit.replace_uses(request.mask.mask, rows)
-            return
-        op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
-        source = edit.current(request.source)  # an earlier transport may have made it global (a scan, positions)
-        brought = edit.insert(op.default, (source, request.dim, edit.world, edit.group_name),
-                              name=f"cp_{request.source.name}_keys")
+            return self._mask(edit, request)
+        source, keys = edit.current(request.source), request.keys  # a scan or positions may have made it global
+        name = f"cp_{request.source.name}_keys"
+        if keys is not None and keys.halo is not None:
+            brought = edit.insert(torch.ops.cp_passes.halo.default,
+                                  (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name),
+                                  name=name)
+        else:
+            op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
+            brought = edit.insert(op.default, (source, request.dim, edit.world, edit.group_name), name=name)
+            if keys is not None:
+                brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world), name=name + "_prefix")
         for step in request.steps:
             if isinstance(step, int):
                 brought = edit.insert(aten.repeat_interleave.self_int, (brought, step, 1),
@@ -85,17 +168,35 @@ class KeyGather(Transport):
             consumer.replace_input_with(operand, brought)
             edit.changed(consumer)
 
+    def _mask(self, edit, request: KeyMask) -> None:
+        whole = global_mask(edit, request.mask)
+        if request.keys is None:
+            rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world), name="cp_mask_rows")
+        else:
+            checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
+            rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
+                                          request.keys.halo, checked, tuple(c[1] for c in request.checks),
+                                          tuple(c[2:] for c in request.checks)), name="cp_mask_keys")
+        for consumer in request.consumers:
+            consumer.replace_input_with(request.mask.mask, rows)
+            edit.changed(consumer)
+
     def cost(self, request, layout, rank, local_len) -> Cost:
         if isinstance(request, KeyMask):
             leaves = request.mask.tensor_leaves
             moved = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in leaves) * (layout.world - 1)
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
                         0, moved, moved, moved)
-        elements = numel_hint(request.source) * (layout.world - 1)
-        moved = elements * meta_val(request.source).dtype.itemsize
+        row = row_bytes(request.source, local_len)
+        keys, itemsize = request.keys, meta_val(request.source).dtype.itemsize
+        if keys is not None and keys.halo is not None:
+            send, recv, zeros = layout.halo_counts(keys.halo, rank, local_len)
+            return Cost(f"all_to_all {keys.halo} rows" + ("" if request.metadata else " | bw all_to_all"),
+                        sum(recv) * row // itemsize, sum(recv) * row, (keys.halo - zeros) * row, sum(send) * row)
+        moved = (layout.world - 1) * local_len * row
+        needed = (layout.visible_prefix(rank, local_len) - local_len) * row if keys is not None else moved
         collective = "all_gather (no grad)" if request.metadata else "all_gather | bw reduce_scatter"
-        # Every key may be read: the mask of a hand-written attention is not analysed for a causal prefix.
-        return Cost(collective, elements, moved, moved, moved)
+        return Cost(collective, moved // itemsize, moved, needed, moved)
 
 
 KEY_GATHER = register_transport(KeyGather())

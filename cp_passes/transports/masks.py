@@ -45,13 +45,17 @@ class MetadataMask:
     leaf_dims: list[int]
 
 
+def key_positions(local, rank: int, world: int, halo: int | None, device=None) -> torch.Tensor:
+    """The global positions of the keys a transport brings: ``[halo rows, local rows]`` after a halo
+    (negative before the sequence start), else the gathered rows a causal query can see."""
+    layout = Layout(world)
+    if halo is not None:
+        return layout.halo_positions(halo, rank, local, device)
+    return layout.gathered_positions(local, device).narrow(0, 0, layout.visible_prefix(rank, local))
+
+
 def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
-    """The global positions of the keys the transport brings: ``[window - 1 halo rows, local rows]`` after a
-    halo (negative before the sequence start), the gathered rows a causal query can see after a gather."""
-    layout, local = Layout(world), query.shape[-2]
-    if halo:
-        return layout.halo_positions(window - 1, rank, local, query.device)
-    return layout.gathered_positions(local, query.device).narrow(0, 0, layout.visible_prefix(rank, local))
+    return key_positions(query.shape[-2], rank, world, window - 1 if halo else None, query.device)
 
 
 def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
