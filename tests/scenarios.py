@@ -273,8 +273,19 @@ def _sdpa_over_a_running_sum(x):
     return torch.nn.functional.scaled_dot_product_attention(q, k, q, is_causal=True)[:, 0]
 
 
+def _window_with_key_temperature(x):
+    """A window of 3 (a band mask from positions) over scores divided by a per-key temperature: the
+    temperature lands on the key axis besides K and V, so the keys come as a gather's prefix, not as a halo
+    whose zero rows would divide by zero."""
+    pos = torch.arange(x.shape[1])
+    band = (pos[:, None] - pos[None, :] >= 0) & (pos[:, None] - pos[None, :] < 3)
+    temperature = torch.nn.functional.softplus(x[..., 0]) + 0.5
+    scores = (x @ x.transpose(1, 2)) / temperature[:, None, :]
+    return scores.masked_fill(~band, float("-inf")).softmax(-1) @ x
+
+
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
-         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum}
+         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature}
 
 
 class Mixer(torch.nn.Module):

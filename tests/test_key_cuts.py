@@ -10,6 +10,7 @@ import torch
 from cp_passes.graph.analysis import sequence_symbol
 from cp_passes.match.blocks import match_blocks
 from cp_passes.match.key_cuts import key_cuts
+from cp_passes.transports.keys import check_hidden
 
 NEG = torch.finfo(torch.float32).min
 
@@ -57,6 +58,10 @@ def too_mild_a_mask(x):
     return (x @ x.transpose(1, 2)).masked_fill(pos[None, :] > pos[:, None], -30.0).softmax(-1) @ x
 
 
+def subtracted_mask(x):
+    return torch.add(x @ x.transpose(1, 2), _causal(x), alpha=-1).softmax(-1) @ x
+
+
 def slices_keys(x):
     probs = (x @ x.transpose(1, 2) + _causal(x)).softmax(-1)
     return probs[..., 1:] @ x[:, 1:]
@@ -87,6 +92,7 @@ def test_a_masked_softmax_may_leave_hidden_keys_out(fn, hides):
     (no_mask, "no mask the model applies right before its softmax"),
     (capped_after_the_mask, "no mask the model applies right before its softmax"),
     (too_mild_a_mask, "no mask the model applies right before its softmax"),
+    (subtracted_mask, "no mask the model applies right before its softmax"),
     (probabilities_read_whole, "reads the probabilities with something else"),
     (scores_read_whole, "is also read by"),
     (slices_keys, "by more than its sink columns"),
@@ -94,3 +100,15 @@ def test_a_masked_softmax_may_leave_hidden_keys_out(fn, hides):
 def test_every_key_stays_where_a_hidden_key_could_still_count(fn, why):
     (cut,) = _cuts(fn)
     assert cut.why is not None and why in cut.why, cut.why
+
+
+def test_the_run_time_check_fails_on_a_visible_key_left_out_and_on_a_row_that_hides_every_key():
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    check_hidden([~causal], ("true",), ((0, 1),), None)  # hides exactly the later keys
+    check_hidden([~(causal & ~causal.tril(-3))], ("true",), ((0, 1),), 2)  # a window of 3
+    with pytest.raises(RuntimeError, match="outside the window of 3"):
+        check_hidden([~causal], ("true",), ((0, 1),), 2)
+    additive = torch.zeros(6, 6).masked_fill(~causal, NEG)
+    additive[2] = NEG  # query 2 sees nothing: uniform over every key on one device
+    with pytest.raises(RuntimeError, match="hides every key from some query"):
+        check_hidden([additive], ("additive",), ((0, 1),), None)

@@ -45,7 +45,7 @@ input and index, cat's inputs, have the output's rank)."""
 @dataclass
 class KeyPlan:
     operands: dict = field(default_factory=dict)
-    """``(operand node, keys)`` -> its :class:`KeyOperand` request (one transport, however many blocks read
+    """``(operand node, its dim, keys)`` -> its :class:`KeyOperand` request (one transport, however many blocks read
     it)."""
     masks: dict = field(default_factory=dict)
     """``(mask node, keys)`` -> its :class:`KeyMask` request."""
@@ -115,10 +115,47 @@ def _probe_leaf(leaf: torch.fx.Node, dim: int, spec, length: int) -> torch.Tenso
     return None
 
 
+def _side_operand(cut: KeyCut, blocks, sym) -> torch.fx.Node | None:
+    """A sequence-sharded input that lands on the key axis of an op of ``cut`` other than K in the scores and
+    V in ``probs @ v`` (a key-side bias): a halo's zero rows would reach it (``x / 0``), a prefix's would not."""
+    for node in cut.nodes:
+        if node.target in SCORES or node not in blocks.keys:
+            continue
+        out_nd = meta_val(node).dim()
+        for x in node.all_input_nodes:
+            if x not in blocks.keys and any(d + out_nd - meta_val(x).dim() == blocks.keys[node]
+                                            for d in seq_dims(x, sym)):
+                return x
+    return None
+
+
 def _read_keys(ctx: RuleContext, cut: KeyCut) -> tuple[KeyRange | None, str]:
-    """The keys ``cut``'s masks let a query see at the compile-time length, or None and why every key."""
+    """The keys ``cut``'s masks let a query see at the compile-time length (and about half of it), or None
+    and why every key."""
+    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+    shorter = max(2, longer // 2 + 1)
+    window, again = _probe_window(ctx, cut, longer), _probe_window(ctx, cut, shorter)
+    for found in (window, again):
+        if isinstance(found, str):
+            return None, found
+    if again != (window if window is not None and window < shorter else None):
+        return None, f"the window its masks show changes with the sequence length ({window} at {longer}, {again} at " \
+                     f"{shorter})"
+    masking = tuple(cut.masking)
+    if window is not None and ctx.spec.window_transport == "halo":
+        side = _side_operand(cut, ctx.matches.blocks, ctx.sym)
+        if side is None:
+            return KeyRange(window - 1, masking), f"window {window} read from the model's mask"
+        return KeyRange(None, masking), (f"window {window}; '{side.name}' is read on the key axis besides K and V, so "
+                                         f"the prefix of a gather rather than a halo with zero rows")
+    return KeyRange(None, masking), ("causal, read from the model's mask" if window is None
+                                     else f"window {window}, by gather as the spec asks")
+
+
+def _probe_window(ctx: RuleContext, cut: KeyCut, length: int) -> int | None | str:
+    """The window of keys the masks let a query see for one document of ``length`` (None: causal, no
+    narrower), or why cp_passes cannot say."""
     blocks, spec = ctx.matches.blocks, ctx.spec
-    length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
     together = None
     for masking in cut.masking:
         found = blocks.masks[masking.mask]
@@ -134,18 +171,16 @@ def _read_keys(ctx: RuleContext, cut: KeyCut) -> tuple[KeyRange | None, str]:
         h = hidden(value, masking.hides).movedim((query, blocks.keys[found.mask]), (-2, -1))
         together = h if together is None else together | h
     if together is None or tuple(together.shape[-2:]) != (length, length):
-        return None, "cp_passes could not evaluate the masks that hide keys for one document"
-    seen = (~together).reshape(-1, length, length).any(0)
-    later = torch.ones(length, length, dtype=torch.bool).triu(1)
-    if bool((seen & later).any()):
-        return None, "its masks let a query see later keys (not causal)"
+        return "cp_passes could not evaluate the masks that hide keys for one document"
+    seen = (~together).reshape(-1, length, length)
+    if not bool(seen.any(-1).all()):
+        return "its masks hide every key from some query (checked for one document)"
+    seen = seen.any(0)
+    if bool((seen & torch.ones(length, length, dtype=torch.bool).triu(1)).any()):
+        return "its masks let a query see later keys (not causal)"
     distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-    window = int(distance[seen].max()) + 1 if bool(seen.any()) else length
-    masking = tuple(cut.masking)
-    if window < length and spec.window_transport == "halo":
-        return KeyRange(window - 1, masking), f"window {window} read from the model's mask at length {length}"
-    return KeyRange(None, masking), ("causal, read from the model's mask" if window >= length
-                                     else f"window {window}, by gather as the spec asks")
+    window = int(distance[seen].max()) + 1
+    return window if window < length else None
 
 
 def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
@@ -183,10 +218,10 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
     keys, why = _keys_for(ctx, state, node)
     for operand, dim in landings:
         ctx.brought.add(operand)
-        request = state.operands.get((operand, keys))
+        request = state.operands.get((operand, dim, keys))
         if request is None:
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
-            request = state.operands[(operand, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys)
+            request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys)
             brings = keys.describe() if keys is not None else "every key"
             note = f"{request.describe()} brought to the key axis of '{node.name}': {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))

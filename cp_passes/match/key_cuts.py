@@ -75,7 +75,8 @@ def _very_negative(value, like: torch.fx.Node) -> bool:
 def _masking(node: torch.fx.Node, blocks: Blocks) -> tuple[Masking, torch.fx.Node] | None:
     """``(how node hides keys, the block it masks)`` when ``node`` applies a matched mask to a block."""
     args, t = node.args, node.target
-    if t is aten.add.Tensor and len(args) == 2 and all(isinstance(a, torch.fx.Node) for a in args):
+    if (t is aten.add.Tensor and len(args) == 2 and all(isinstance(a, torch.fx.Node) for a in args)
+            and node.kwargs.get("alpha", 1) == 1):
         for mask, x in (args, args[::-1]):
             if mask in blocks.masks and x not in blocks.masks and meta_val(mask).is_floating_point():
                 return Masking(mask, "additive"), x

@@ -112,13 +112,18 @@ def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int
                         + ("causal prefix" if halo is None else f"window of {halo + 1}")
                         + " it showed when compiling (for one document), so the keys brought would be wrong; "
                         "if the data decides which keys a query sees, set CPSpec(attention_keys='all')")
+    # A row that hides every key is uniform over all keys on one device (finfo.min) but not over fewer.
+    torch._assert_async((kept & ~together).any(-1).all(),
+                        "cp_passes: the model's attention mask hides every key from some query, whose softmax then "
+                        "spreads over every key on one device and over fewer under CP; let each query see a key "
+                        "(itself), or set CPSpec(attention_keys='all')")
 
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, halo: int | None,
-             checked: list[torch.Tensor], hides: tuple, dims: tuple) -> torch.Tensor:
+             checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
-    brings. A key before the sequence start (a halo's zeros) takes the value of query 0 and the last key,
-    which the checked masks hide."""
+    brings. A key before the sequence start (a halo's zeros) takes the hiding value (``fill``: how this mask
+    hides keys) or, for a mask that hides none, the value of query 0 and the last key."""
     if checked:
         check_hidden(checked, hides, dims, halo)
     rows = query_rows(global_mask, query_dim, rank, world)
@@ -128,7 +133,12 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
         return cut
     shape = [1] * cut.dim()
     shape[key_dim] = -1
-    hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
+    if fill == "additive":
+        hiding = torch.tensor(torch.finfo(cut.dtype).min, dtype=cut.dtype, device=cut.device)
+    elif fill is not None:
+        hiding = torch.tensor(fill == "true", device=cut.device)
+    else:
+        hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
     return torch.where((positions < 0).reshape(shape), hiding, cut)
 
 
@@ -174,9 +184,10 @@ class KeyGather(Transport):
             rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world), name="cp_mask_rows")
         else:
             checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
+            fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
                                           request.keys.halo, checked, tuple(c[1] for c in request.checks),
-                                          tuple(c[2:] for c in request.checks)), name="cp_mask_keys")
+                                          tuple(c[2:] for c in request.checks), fill), name="cp_mask_keys")
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
             edit.changed(consumer)
