@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+from ..compiler.capture import INPUT_NAME
 from ..compiler.pipeline import CompileRecord, rewrite_graph
 from ..compiler.planner import plan_graph
 from ..graph.analysis import meta_val, numel_hint, sequence_symbol
@@ -53,6 +54,9 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     (sym,) = sequence_symbol(placeholders) or (None,)
+    for node in placeholders:
+        if node.name in inputs:  # export names a forward argument's placeholder after it
+            node.meta[INPUT_NAME] = node.name
     per_rank = {}
     if sym is not None:
         for rank in plan_ranks:
