@@ -44,6 +44,46 @@ class AttentionRule:
 
 
 @dataclass(frozen=True)
+class Recurrence:
+    """A recurrent kernel the model calls as a Python function: cp_passes captures each call as one op
+    (``cp_passes::recurrence``) and hands its state from rank to rank (the carry transport)."""
+
+    kernel: str
+    """``"package.module:function"``: the module attribute the model's code reads at call time. cp_passes
+    replaces it with a captured call of the original (which may itself dispatch to a hub kernel on GPU)."""
+    sequence_args: tuple[str, ...]
+    """The kernel's tensor arguments that carry the sequence (on ``seq_dim``), in order; the first gives
+    the output's shape outside its last dim."""
+    form: str = "affine"
+    """How ranks get their initial state. ``"affine"``: the state is ``[batch, heads, K, V]`` for a key
+    ``[batch, seq, heads, K]`` and a value ``[batch, seq, heads, V]`` (the flash-linear-attention layout),
+    and a shard's final state is ``M @ S0 + h``; every rank reads its ``[h | M]`` from one extra call (values
+    extended with K zero columns from the state ``[0 | I]``), one all-gather, then folds its predecessors'
+    maps (linear attention, the gated delta rule, KDA). ``"sequential"``: any state; P - 1 rounds, in each
+    of which every rank runs from its predecessor's last final state (P calls of the kernel per rank)."""
+    initial_state: str = "initial_state"
+    """The argument that takes the initial state."""
+    output_final_state: str = "output_final_state"
+    """The flag that asks for the final state (returned second)."""
+    key_arg: str = "key"
+    value_arg: str = "value"
+    """For ``"affine"``: the arguments whose last dims are the state's K and V."""
+    seq_dim: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kernel, str) or self.kernel.count(":") != 1:
+            raise ValueError(f"Recurrence.kernel must be 'package.module:function', got {self.kernel!r}")
+        _check_names("sequence_args", self.sequence_args)
+        if not self.sequence_args:
+            raise ValueError("Recurrence.sequence_args must name at least one argument")
+        if self.form not in ("affine", "sequential"):
+            raise ValueError(f"Recurrence.form must be 'affine' or 'sequential', got {self.form!r}")
+        if self.form == "affine" and not {self.key_arg, self.value_arg} <= set(self.sequence_args):
+            raise ValueError(f"an affine Recurrence needs key_arg {self.key_arg!r} and value_arg {self.value_arg!r} "
+                             f"among sequence_args {self.sequence_args!r}")
+
+
+@dataclass(frozen=True)
 class CPSpec:
     """How to shard one model family along the sequence.
 
@@ -105,6 +145,9 @@ class CPSpec:
     prefix; checked at run time against the masks the data gives) or "all" (every key: for masks that let a
     query see later keys only for some data, such as a prefix-LM's prompt)."""
 
+    recurrences: tuple[Recurrence, ...] = ()
+    """Recurrent kernels whose state flows from rank to rank (see :class:`Recurrence`)."""
+
     causal_convs: tuple[str, ...] = ()
     """Module globs whose convolutions run causally along the sequence. Kernel size, dilation, padding and
     groups are read from the op; a declared convolution that the graph does not show as causal is refused."""
@@ -134,6 +177,8 @@ class CPSpec:
             raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
         if self.attention_keys not in ("visible", "all"):
             raise ValueError(f"CPSpec.attention_keys must be 'visible' or 'all', got {self.attention_keys!r}")
+        if not isinstance(self.recurrences, tuple) or not all(isinstance(r, Recurrence) for r in self.recurrences):
+            raise ValueError(f"CPSpec.recurrences must be a tuple of Recurrence, got {self.recurrences!r}")
         if not isinstance(self.attention, tuple) or not all(isinstance(a, AttentionRule) for a in self.attention):
             raise ValueError(f"CPSpec.attention must be a tuple of AttentionRule, got {self.attention!r}")
         both = set(self.seq_inputs or ()) & set(self.replicated_inputs)

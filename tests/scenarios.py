@@ -527,3 +527,87 @@ def schedules_differ(group) -> str:
     compiled = cp_passes.cp_compile(toy_model(window=window), mesh=group, backend="aot_eager", verbose=False)
     local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
     return _error(lambda: compiled(**local))
+
+
+KDA_KERNEL = "transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention"
+
+
+def kda_spec(form: str = "affine") -> cp_passes.CPSpec:
+    return cp_passes.CPSpec(recurrences=(cp_passes.Recurrence(KDA_KERNEL, ("query", "key", "value", "g", "beta"),
+                                                              form=form),))
+
+
+class DeltaRule(torch.nn.Module):
+    """Kimi Delta Attention as transformers writes it (chunk_kimi_delta_attention: a Python loop over chunks of
+    64), called through its module attribute as Glm5Next's layers do: a [K, V] state per head flows along the
+    sequence, across ranks under CP."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.qkvg = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.beta = torch.nn.Linear(16, 2)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        from transformers.models.glm5_next import modeling_glm5_next as glm
+
+        h = self.embed(input_ids)
+        q, k, v, g = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkvg]
+        o, _ = glm.chunk_kimi_delta_attention(q, k, v, g=-torch.sigmoid(g), beta=torch.sigmoid(self.beta(h)),
+                                              use_qk_l2norm_in_kernel=True)
+        out = self.out(o.flatten(-2))
+        return out.pow(2).sum(), out
+
+
+def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    model = DeltaRule()
+    compiled = cp_passes.cp_compile(model, kda_spec(form), mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group)
+        model.zero_grad()
+        loss, out = compiled(**local)
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
+    return results
+
+
+def hf_glm5_next(seed: int = 0):
+    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative) with its three linear-attention (KDA)
+    layers: short causal convs, the KDA recurrence, hyper-connections, dense MLPs."""
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+
+    config = Glm5NextTextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4,
+        index_head_dim=16, index_n_heads=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
+        hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False)
+    torch.manual_seed(seed)
+    return Glm5NextTextModel(config).float()
+
+
+def glm5_next_batch(seq_len: int) -> dict:
+    ids = torch.randint(1, 128, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
+
+
+def glm5_next_parity(group, seq_lens: list[int]) -> list[dict]:
+    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
+    model = hf_glm5_next()
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group)
+        model.zero_grad()
+        out = compiled(**local).last_hidden_state
+        loss = out.pow(2).sum()
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
+    return results

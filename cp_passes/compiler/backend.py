@@ -21,6 +21,7 @@ import torch.fx
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
+from ..recurrence import install
 from ..spec import CPSpec, resolve_spec
 from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
@@ -154,6 +155,7 @@ class CPModule(torch.nn.Module):
         self._agreed = self._entered = False
         self._guard_failures: list[str] = []
         self._signature = inspect.signature(model.forward)
+        install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
         # graph failed when a call recompiles.
         compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,

@@ -1,10 +1,11 @@
 """Transports: how sequence data moves between ranks. One module per transport; see :mod:`.base`.
 
 Importing this package registers the built-in transports, in order: positions (no communication),
-shift, halo, scan, sequence_gather, key_gather, reductions.
+shift, halo, scan, carry, sequence_gather, key_gather, reductions.
 """
 
 from .base import TRANSPORTS, Cost, Transport, collective_ops, in_order, register_transport, unregister_transport
+from .carry import CARRY
 from .gather import SEQUENCE_GATHER
 from .halo import HALO
 from .keys import KEY_GATHER
@@ -13,5 +14,5 @@ from .reductions import REDUCTIONS
 from .scan import SCAN
 from .shift import SHIFT
 
-__all__ = ["Cost", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS",
+__all__ = ["CARRY", "Cost", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "TRANSPORTS",
            "Transport", "collective_ops", "in_order", "register_transport", "unregister_transport"]

@@ -1,0 +1,163 @@
+"""Recurrent kernels as one op: ``cp_passes::recurrence``, so dynamo never traces their loop.
+
+A model calls a recurrent kernel (a chunked linear-attention scan, Kimi Delta Attention, an SSM) as a
+Python function that loops over chunks of the sequence: traced, the loop pins the length. A
+:class:`~cp_passes.spec.Recurrence` in the spec names the function by the module attribute the model
+reads; :func:`install` replaces that attribute with a wrapper that calls ``cp_passes::recurrence``, whose
+implementation calls the original (with whatever it dispatches to: transformers' hub kernels on GPU). The
+op always asks the kernel for its final state, and its fake kernel reads output and state shapes from one
+call of the real kernel at sequence length 1. Its gradient recomputes the kernel under autograd
+(``cp_passes::recurrence_backward``). The carry transport then makes the state flow across ranks.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+
+import torch
+
+_KERNELS: dict[str, tuple[object, object]] = {}
+"""``Recurrence.kernel`` -> (the original function, its :class:`~cp_passes.spec.Recurrence`)."""
+
+
+def _encode(options: dict) -> str:
+    """The kernel's constant arguments as op-schema text (``name=repr;...``; dynamo traces f-strings)."""
+    return ";".join(f"{name}={value!r}" for name, value in sorted(options.items()))
+
+
+def _decode(options: str) -> dict:
+    return {name: ast.literal_eval(value) for name, value in (o.split("=", 1) for o in options.split(";") if o)}
+
+
+def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str):
+    fn, rec = _KERNELS[kernel]
+    kwargs = dict(zip(rec.sequence_args, args), **_decode(options))
+    kwargs[rec.initial_state] = initial_state
+    kwargs[rec.output_final_state] = True
+    out = fn(**kwargs)
+    return out[0], out[1]
+
+
+@torch.library.custom_op("cp_passes::recurrence", mutates_args=())
+def recurrence_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Tensor | None,
+                  options: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The declared kernel on ``args`` (its sequence arguments, in the spec's order) from ``initial_state``
+    (None: the kernel's own zeros): ``(output, final state)``."""
+    out, state = _call(kernel, args, initial_state, options)
+    # Fresh contiguous tensors: never a view of an input, and the strides the fake kernel promises.
+    return out.clone(memory_format=torch.contiguous_format), state.clone(memory_format=torch.contiguous_format)
+
+
+_SHAPES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _shapes(kernel: str, args, initial_state, options: str):
+    """Output and state of the real kernel at sequence length 1 (concrete, tiny), to shape the fake."""
+    _, rec = _KERNELS[kernel]
+    key = (kernel, options, *((tuple(a.shape[:rec.seq_dim]), tuple(a.shape[rec.seq_dim + 1:]), a.dtype) for a in args),
+           None if initial_state is None else (tuple(initial_state.shape), initial_state.dtype))
+    if key not in _SHAPES:
+        _SHAPES[key] = _probe(kernel, args, initial_state, options)
+    return _SHAPES[key]
+
+
+def _probe(kernel: str, args, initial_state, options: str):
+    _, rec = _KERNELS[kernel]
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():
+        tiny = [torch.zeros([1 if d == rec.seq_dim else int(s) for d, s in enumerate(a.shape)], dtype=a.dtype,
+                            device=a.device) for a in args]
+        state = None if initial_state is None else torch.zeros([int(s) for s in initial_state.shape],
+                                                                 dtype=initial_state.dtype, device=initial_state.device)
+        with torch.no_grad():
+            return _call(kernel, tiny, state, options)
+
+
+@recurrence_op.register_fake
+def _(kernel, args, initial_state, options):
+    out, state = _shapes(kernel, args, initial_state, options)
+    _, rec = _KERNELS[kernel]
+    length = args[0].shape[rec.seq_dim]
+    shape = [length if d == rec.seq_dim else s for d, s in enumerate(out.shape)]
+    return args[0].new_empty(shape, dtype=out.dtype), args[0].new_empty(state.shape, dtype=state.dtype)
+
+
+@torch.library.custom_op("cp_passes::recurrence_backward", mutates_args=())
+def recurrence_backward_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Tensor | None, options: str,
+                           grad_out: torch.Tensor, grad_state: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of :func:`recurrence_op` for ``args`` and then ``initial_state`` (zeros when it is None),
+    by running the kernel again under ``torch.func.vjp`` (a custom op runs below autograd; functorch's
+    transform works there)."""
+    floating = [i for i, a in enumerate(args) if a.is_floating_point()]
+
+    def run(*primals):
+        inputs = list(args)
+        for i, x in zip(floating, primals):
+            inputs[i] = x
+        return _call(kernel, inputs, primals[len(floating)] if initial_state is not None else None, options)
+
+    primals = [args[i] for i in floating] + ([initial_state] if initial_state is not None else [])
+    _, vjp = torch.func.vjp(run, *primals)
+    grads = list(vjp((grad_out, grad_state)))
+    result = [torch.zeros_like(a) for a in args]  # the inputs' strides, as the fake kernel promises
+    for i, g in zip(floating, grads):
+        result[i].copy_(g)
+    result.append(torch.zeros_like(grad_state) if initial_state is None
+                  else torch.empty_like(initial_state).copy_(grads[len(floating)]))
+    return result
+
+
+@recurrence_backward_op.register_fake
+def _(kernel, args, initial_state, options, grad_out, grad_state):
+    return [torch.empty_like(a) for a in args] + [torch.empty_like(grad_state if initial_state is None
+                                                                   else initial_state)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    kernel, args, initial_state, options = inputs
+    ctx.kernel, ctx.options, ctx.has_state = kernel, options, initial_state is not None
+    ctx.save_for_backward(*args, *([initial_state] if initial_state is not None else []))
+
+
+def _backward(ctx, grad_out, grad_state):
+    saved = list(ctx.saved_tensors)
+    initial_state = saved.pop() if ctx.has_state else None
+    grads = torch.ops.cp_passes.recurrence_backward(ctx.kernel, saved, initial_state, ctx.options, grad_out,
+                                                    grad_state)
+    return None, grads[:-1], grads[-1] if ctx.has_state else None, None
+
+
+recurrence_op.register_autograd(_backward, setup_context=_setup)
+
+
+def _resolve(kernel: str):
+    module_name, _, attr = kernel.partition(":")
+    module = importlib.import_module(module_name)
+    return module, attr, getattr(module, attr)
+
+
+def install(recurrences) -> None:
+    """Replace each declared kernel (``module:attribute``) with a call of ``cp_passes::recurrence``."""
+    for rec in recurrences:
+        module, attr, fn = _resolve(rec.kernel)
+        if getattr(fn, "cp_passes_recurrence", None) == rec.kernel:  # installed by an earlier cp_compile
+            fn = fn.__wrapped__
+        _KERNELS[rec.kernel] = (fn, rec)
+        setattr(module, attr, _wrapper(rec, fn))
+
+
+def _wrapper(rec, fn):
+    signature = inspect.signature(fn)
+    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, *rec.sequence_args}
+
+    def call(*args, **kwargs):
+        bound = dict(zip(signature.parameters, args), **kwargs)
+        options = {k: v for k, v in bound.items() if k in named and isinstance(v, (bool, int, float, str))}
+        out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
+                                                    bound.get(rec.initial_state), _encode(options))
+        return out, (state if bound.get(rec.output_final_state) else None)
+
+    call.cp_passes_recurrence = rec.kernel
+    call.__wrapped__ = fn
+    return call

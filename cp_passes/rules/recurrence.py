@@ -1,0 +1,35 @@
+"""Recurrent kernels (``cp_passes::recurrence``): the state flows across ranks by the carry transport."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..transports.carry import Carry
+from .registry import Rewrite, RuleContext, register_rule
+
+
+@register_rule(torch.ops.cp_passes.recurrence.default)
+def recurrence_rule(ctx: RuleContext):
+    kernel, args, initial_state, _ = ctx.node.args
+    rec = next((r for r in ctx.spec.recurrences if r.kernel == kernel), None)
+    if rec is None:
+        ctx.refuse(f"it runs the recurrent kernel {kernel}, which this spec does not declare (another cp_compile "
+                   f"in this process did)", "declare it in this spec's recurrences too")
+    for name, arg in zip(rec.sequence_args, args):
+        if ctx.seq_dims(arg) != (rec.seq_dim,):
+            ctx.refuse(f"argument {name!r} of the recurrent kernel {rec.kernel} carries the sequence on dims "
+                       f"{ctx.seq_dims(arg)}, not on dim {rec.seq_dim} alone",
+                       "pass the kernel [batch, seq, ...] tensors, or fix the Recurrence's seq_dim")
+    if initial_state is not None and ctx.is_seq(initial_state):
+        ctx.refuse("its initial state is sharded along the sequence", "pass one state for the whole sequence")
+    for user in ctx.node.users:
+        if user.target is operator.getitem and user.args[1] == 1 and user.users:
+            ctx.refuse(f"the model reads the final state of {rec.kernel}; under CP each rank's final state is "
+                       f"that of its shard (only the last rank's is the sequence's)",
+                       "read the final state outside the compiled module, or only in inference without CP")
+    how = ("every rank's [h | M] gathered and folded" if rec.form == "affine"
+           else f"{ctx.world - 1} rounds of handing final states on")
+    return Rewrite(f"carry_{rec.form}", "carry", Carry(ctx.node, rec),
+                   note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")

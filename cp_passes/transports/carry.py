@@ -1,0 +1,124 @@
+"""Carry: a recurrent kernel's state handed from rank to rank, so rank r starts where ranks 0..r-1 leave off.
+
+The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.compiler.recurrence`). Two algorithms, as
+the spec's :class:`~cp_passes.spec.Recurrence` chooses:
+
+- ``affine``: a shard's final state is ``M @ S0 + h``. Every rank runs the kernel once more on its shard
+  with values extended by K zero columns from the state ``[0 | I]``, which returns ``[h | M]``; one
+  all-gather of those (backward: a reduce-scatter); each rank folds its predecessors'
+  ``S <- M_q @ S + h_q`` and runs the kernel from the true ``S0``. Ranks work in parallel.
+- ``sequential``: P - 1 rounds; in each, every rank runs from its predecessor's final state of the round
+  before (one all-gather of final states per round); after round r - 1 rank r's state is exact.
+
+Autograd runs through the kernel calls and the gathers, so the gradient of each initial state returns to
+the ranks that produced it. Bytes are state-sized, independent of the sequence length.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..graph.analysis import meta_val
+from .base import Cost, Transport, register_transport
+from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
+
+aten = torch.ops.aten
+
+
+@dataclass
+class Carry:
+    """One ``cp_passes::recurrence`` node and its declaration."""
+
+    node: torch.fx.Node
+    recurrence: object
+
+    @property
+    def state(self) -> torch.Tensor:
+        return meta_val(self.node)[1]
+
+
+def affine_summary(kernel: str, args: list[torch.Tensor], options: str, key: int, value: int) -> torch.Tensor:
+    """``[h | M]`` of this rank's shard: the kernel from the state ``[0 | I]`` on values extended by K zero
+    columns (``h``: the final state from zeros; ``M``: how the final state depends on the initial one)."""
+    k, v = args[key], args[value]
+    n_k, n_v = k.shape[-1], v.shape[-1]
+    extended = list(args)
+    extended[value] = torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1)
+    batch = (v.shape[0], v.shape[2])
+    start = torch.cat([torch.zeros(*batch, n_k, n_v, device=v.device),
+                       torch.eye(n_k, device=v.device).expand(*batch, n_k, n_k)], -1)
+    return torch.ops.cp_passes.recurrence(kernel, extended, start, options)[1]
+
+
+def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int) -> torch.Tensor:
+    """This rank's initial state from every rank's ``[h | M]`` (stacked in rank order): the preceding ranks'
+    maps applied in order to the sequence's initial state. Rank 0 reads ``every`` too (times zero), so that
+    no rank's graph drops the all-gather that the others wait in."""
+    state = every[0, ..., :n_v] * 0 if initial_state is None else initial_state + every[0, ..., :n_v] * 0
+    for q in range(rank):
+        state = every[q, ..., n_v:] @ state + every[q, ..., :n_v]
+    return state
+
+
+def final_state(kernel: str, args: list[torch.Tensor], state, options: str) -> torch.Tensor:
+    return torch.ops.cp_passes.recurrence(kernel, args, state, options)[1]
+
+
+def predecessor(every: torch.Tensor, initial_state, rank: int) -> torch.Tensor:
+    """The final state of the rank before (rank 0: the sequence's initial state, reading ``every`` too)."""
+    if rank > 0:
+        return every[rank - 1]
+    return every[0] * 0 if initial_state is None else initial_state + every[0] * 0
+
+
+class CarryTransport(Transport):
+    name = "carry"
+    order = 27
+    runtime = (torch.ops.cp_passes.sequence_gather.default,)
+
+    def apply(self, edit, request: Carry) -> None:
+        node, rec = request.node, request.recurrence
+        kernel, args, initial_state, options = node.args
+        args = [edit.current(a) for a in args]
+        if rec.form == "affine":
+            summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.key_arg),
+                                                   rec.sequence_args.index(rec.value_arg)), name="cp_carry_summary")
+            every = self._gather(edit, summary, "cp_carry_summaries")
+            n_v = meta_val(node)[1].shape[-1]
+            start = edit.insert(affine_fold, (every, initial_state, n_v, edit.rank), name="cp_carry_in")
+        else:
+            start = initial_state
+            for round_ in range(edit.world - 1):
+                final = edit.insert(final_state, (kernel, args, start, options), name=f"cp_carry_round{round_}")
+                every = self._gather(edit, final, f"cp_carry_finals{round_}")
+                start = edit.insert(predecessor, (every, initial_state, edit.rank), name=f"cp_carry_in{round_}")
+        node.args = (kernel, args, start, options)
+        edit.changed(node)
+
+    def _gather(self, edit, state: torch.fx.Node, name: str) -> torch.fx.Node:
+        """Every rank's ``state`` stacked in rank order (a graph node, so the ranks' agreement sees it;
+        backward: each rank's gradient returns to it)."""
+        one = edit.insert(aten.unsqueeze.default, (state, 0), name=name + "_one")
+        return edit.insert(torch.ops.cp_passes.sequence_gather.default, (one, 0, edit.world, edit.group_name),
+                           name=name)
+
+    def cost(self, request: Carry, layout, rank, local_len) -> Cost:
+        state = request.state
+        itemsize, shape = state.dtype.itemsize, list(state.shape)
+        elements = 1
+        for s in shape:
+            elements *= int(s)
+        bound = elements * itemsize if rank > 0 else 0  # the predecessor's final state
+        if request.recurrence.form == "affine":
+            per_rank = elements + elements // shape[-1] * shape[-2]  # [h | M]: K more columns
+            moved = per_rank * (layout.world - 1)
+            return Cost("all_gather [h | M] | bw reduce_scatter", moved, moved * itemsize, bound, per_rank * itemsize)
+        moved = elements * (layout.world - 1) ** 2
+        return Cost(f"{layout.world - 1} x all_gather final state | bw reduce_scatter", moved, moved * itemsize,
+                    bound, elements * (layout.world - 1) * itemsize)
+
+
+CARRY = register_transport(CarryTransport())

@@ -1,0 +1,22 @@
+"""GLM-5.3-Flash's public relative in transformers: Glm5NextTextModel and Glm5NextForConditionalGeneration.
+
+Its linear-attention layers run Kimi Delta Attention: a short causal convolution (read from the graph: a
+halo of kernel - 1 rows) and ``chunk_kimi_delta_attention``, a recurrence with a ``[K, V]`` state per head
+that the model calls as a Python function looping over chunks. The spec declares it: cp_passes captures each
+call as one op and hands the state on across ranks with the affine carry (one all-gather of every rank's
+``[h | M]`` per layer, state-sized). On GPU the same module attribute dispatches to flash-linear-attention's
+``chunk_kda`` when it is installed. The indexed (sparse) attention layers are not covered yet: build the
+model with linear-attention layers only (``num_hidden_layers`` up to 3 with the default layer types).
+"""
+
+from cp_passes.spec import CPSpec, Recurrence
+
+SPEC = CPSpec(
+    name="glm5_next",
+    seq_inputs=("input_ids", "position_ids", "labels", "shift_labels", "doc_ids"),
+    position_keys=("position_ids",),
+    recurrences=(
+        Recurrence("transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention",
+                   ("query", "key", "value", "g", "beta"), form="affine"),
+    ),
+)

@@ -1,0 +1,136 @@
+"""Recurrent kernels across ranks: a kernel declared in the spec runs as one op, and its state flows from
+rank to rank (the carry transport, affine or sequential). Parity on real gloo processes against one device;
+refusals on the fake process group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import cp_passes
+from cp_passes import CPCompileError
+from scenarios import DeltaRule, glm5_next_batch, hf_glm5_next, kda_spec, mixer_batch
+from test_parity import GRAD_RTOL, _compare
+
+STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
+
+
+def _delta_rule_reference(seq_len):
+    torch.manual_seed(0)
+    model = DeltaRule()
+    loss, out = model(**mixer_batch(seq_len))
+    loss.backward()
+    return loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+CASES = [(2, "affine"), pytest.param(2, "sequential", marks=pytest.mark.full),
+         pytest.param(4, "affine", marks=pytest.mark.full), pytest.param(4, "sequential", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,form", CASES)
+def test_delta_rule_state_crosses_ranks(pool, parity_report, P, form):
+    """transformers' chunk_kimi_delta_attention (a Python loop over chunks) behind its module attribute: each
+    rank starts from the state the ranks before it leave, forward and backward. Bytes per rank are
+    state-sized: affine gathers every rank's [h | M] once (K more columns than the state), sequential
+    gathers the final states P - 1 times; the bound is the predecessor's state."""
+    seq_lens = [16, 12]
+    per_rank = pool.run("recurrence_parity", P, form=form, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        _compare(f"delta-rule-{form}-aot_eager", [r[i] for r in per_rank], *_delta_rule_reference(seq_len), seq_len,
+                 parity_report)
+    for rank, results in enumerate(per_rank):
+        (carry,) = [rec for rec in results[0]["records"] if rec[1] == "carry"]
+        moved = (P - 1) * 2 * STATE if form == "affine" else (P - 1) ** 2 * STATE
+        assert carry == (f"carry_{form}", "carry", moved, STATE if rank else 0), carry
+
+
+def _split_floor(P: int, seq_len: int) -> float:
+    """How far one device's own gradients move when its KDA kernel runs as the affine carry does (each of P
+    parts from zero and from [0 | I] on values extended by K zero columns, the maps folded, each part run
+    again from its state): the same math, rounded differently. No CP run can be expected closer."""
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    kernel = glm.chunk_kimi_delta_attention
+
+    def affine(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
+        local, (n_k, n_v) = query.shape[1] // P, (key.shape[-1], value.shape[-1])
+        parts = [[x[:, r * local:(r + 1) * local] for x in (query, key, value, g, beta)] for r in range(P)]
+        batch = (value.shape[0], value.shape[2])
+        start = torch.cat([torch.zeros(*batch, n_k, n_v), torch.eye(n_k).expand(*batch, n_k, n_k)], -1)
+        maps = [kernel(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1), gr, b, initial_state=start,
+                       output_final_state=True, **kwargs)[1] for q, k, v, gr, b in parts]
+        outs, state = [], torch.zeros(*batch, n_k, n_v)
+        for part, hm in zip(parts, maps):
+            outs.append(kernel(*part, initial_state=state, output_final_state=True, **kwargs)[0])
+            state = hm[..., n_v:] @ state + hm[..., :n_v]
+        return torch.cat(outs, 1), state
+
+    grads = []
+    for fn in (kernel, affine):
+        glm.chunk_kimi_delta_attention = fn
+        try:
+            model = hf_glm5_next()
+            model(**glm5_next_batch(seq_len)).last_hidden_state.pow(2).sum().backward()
+        finally:
+            glm.chunk_kimi_delta_attention = kernel
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    return max(((grads[1][n] - g).abs().max() / g.abs().max()).item() for n, g in grads[0].items())
+
+
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+def test_glm5_next_matches_one_device(pool, parity_report, P):
+    """Glm5NextTextModel (GLM-5.3-Flash's public relative) with model_specs/glm5_next.py: three KDA layers
+    (short causal convs by halo, the recurrence by the affine carry), hyper-connections. The gradient
+    tolerance is the larger of the suite's and twice the model's own floor: on one device, running the
+    kernel as the affine carry does moves the hyper-connection scales' gradients by 1e-5 to 2e-5."""
+    seq_len = 16
+    per_rank = pool.run("glm5_next_parity", P, seq_lens=[seq_len])
+    model = hf_glm5_next()
+    out = model(**glm5_next_batch(seq_len)).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    tolerance = max(GRAD_RTOL, 2 * _split_floor(P, seq_len))
+    _compare(f"hf-Glm5NextTextModel-kda-aot_eager (grad tol {tolerance:.1e})", [r[0] for r in per_rank],
+             loss.detach(), out.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
+    rules = [rec[0] for rec in per_rank[0][0]["records"]]
+    assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    return dist.group.WORLD
+
+
+class ReadsTheFinalState(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rule = DeltaRule()
+
+    def forward(self, input_ids):
+        from transformers.models.glm5_next import modeling_glm5_next as glm
+
+        h = self.rule.embed(input_ids).unflatten(-1, (2, 8))
+        out, state = glm.chunk_kimi_delta_attention(h, h, h, g=-h.sigmoid(), beta=h[..., 0].sigmoid(),
+                                                    output_final_state=True)
+        return out.sum() + state.sum()
+
+
+def test_reading_the_final_state_is_refused(group):
+    compiled = cp_passes.cp_compile(ReadsTheFinalState(), kda_spec(), mesh=group, backend="aot_eager",
+                                    verbose=False)
+    with pytest.raises(CPCompileError, match="reads the final state of"):
+        compiled(torch.randint(0, 32, (2, 8)))
+
+
+def test_a_recurrence_declaration_is_checked():
+    with pytest.raises(ValueError, match="package.module:function"):
+        cp_passes.Recurrence("no_colon", ("query",))
+    with pytest.raises(ValueError, match="needs key_arg"):
+        cp_passes.Recurrence("m:f", ("q", "v"))
+    with pytest.raises(ValueError, match="'affine' or 'sequential'"):
+        cp_passes.Recurrence("m:f", ("key", "value"), form="parallel")
