@@ -65,9 +65,8 @@ class Recurrence:
     """The argument that takes the initial state."""
     output_final_state: str = "output_final_state"
     """The flag that asks for the final state (returned second)."""
-    key_arg: str = "key"
     value_arg: str = "value"
-    """For ``"affine"``: the arguments whose last dims are the state's K and V."""
+    """For ``"affine"``: the argument whose last dim is the state's V (extended by K zero columns)."""
     seq_dim: int = 1
 
     def __post_init__(self) -> None:
@@ -78,9 +77,9 @@ class Recurrence:
             raise ValueError("Recurrence.sequence_args must name at least one argument")
         if self.form not in ("affine", "sequential"):
             raise ValueError(f"Recurrence.form must be 'affine' or 'sequential', got {self.form!r}")
-        if self.form == "affine" and not {self.key_arg, self.value_arg} <= set(self.sequence_args):
-            raise ValueError(f"an affine Recurrence needs key_arg {self.key_arg!r} and value_arg {self.value_arg!r} "
-                             f"among sequence_args {self.sequence_args!r}")
+        if self.form == "affine" and self.value_arg not in self.sequence_args:
+            raise ValueError(f"an affine Recurrence needs value_arg {self.value_arg!r} among sequence_args "
+                             f"{self.sequence_args!r}")
 
 
 @dataclass(frozen=True)

@@ -306,18 +306,24 @@ def mixer_batch(seq_len: int) -> dict:
     return {"input_ids": torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(3))}
 
 
-def mixer_parity(group, mix: str, seq_lens: list[int]) -> list[dict]:
-    torch.manual_seed(0)
-    model = Mixer(mix)
-    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
+    """A model called as ``loss, out = model(input_ids=...)`` on mixer batches: this rank's results."""
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     results = []
     for seq_len in seq_lens:
         local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group)
         model.zero_grad()
         loss, out = compiled(**local)
         loss.backward()
-        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid})
+        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
     return results
+
+
+def mixer_parity(group, mix: str, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, Mixer(mix), None, seq_lens)
 
 
 class PrefixLM(torch.nn.Module):
@@ -562,18 +568,7 @@ class DeltaRule(torch.nn.Module):
 
 def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
     torch.manual_seed(0)
-    model = DeltaRule()
-    compiled = cp_passes.cp_compile(model, kda_spec(form), mesh=group, backend="aot_eager", verbose=False)
-    results = []
-    for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group)
-        model.zero_grad()
-        loss, out = compiled(**local)
-        loss.backward()
-        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
-                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
-                                    for r in compiled.compile_records[-1].records]})
-    return results
+    return small_parity(group, DeltaRule(), kda_spec(form), seq_lens)
 
 
 def hf_glm5_next(seed: int = 0):

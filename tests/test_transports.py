@@ -80,12 +80,12 @@ def compile_once(group, model):
 
 
 def test_a_rewrite_naming_an_unknown_transport_is_refused_at_plan_time(group, rule_asking_for):
-    rule_asking_for("carry")
-    assert "carry" not in TRANSPORTS
+    rule_asking_for("relay")
+    assert "relay" not in TRANSPORTS
     with pytest.raises(CPCompileError) as info:
         compile_once(group, UsesRunningScale())
     text = str(info.value)
-    assert "rule 'running_scale_carry'" in text and "transport 'carry', which is not registered" in text
+    assert "rule 'running_scale_carry'" in text and "transport 'relay', which is not registered" in text
     assert "test_transports.py" in text  # the source line of the op whose rule asked
 
 

@@ -21,7 +21,7 @@ import torch.fx
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
-from ..recurrence import install
+from ..kernels import install
 from ..spec import CPSpec, resolve_spec
 from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record

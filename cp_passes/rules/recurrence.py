@@ -6,6 +6,7 @@ import operator
 
 import torch
 
+from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
 from ..transports.carry import Carry
 from .registry import Rewrite, RuleContext, register_rule
 

@@ -22,6 +22,7 @@ from ..compiler.pipeline import CompileRecord, rewrite_graph
 from ..compiler.planner import plan_graph
 from ..graph.analysis import meta_val, numel_hint, sequence_symbol
 from ..group import resolve_group
+from ..kernels import install
 from ..spec import CPSpec
 
 
@@ -51,6 +52,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     """
     spec = spec if spec is not None else CPSpec()
     cp = resolve_group(mesh)
+    install(spec.recurrences)
     gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     (sym,) = sequence_symbol(placeholders) or (None,)

@@ -1,6 +1,6 @@
 """Carry: a recurrent kernel's state handed from rank to rank, so rank r starts where ranks 0..r-1 leave off.
 
-The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.compiler.recurrence`). Two algorithms, as
+The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.kernels`). Two algorithms, as
 the spec's :class:`~cp_passes.spec.Recurrence` chooses:
 
 - ``affine``: a shard's final state is ``M @ S0 + h``. Every rank runs the kernel once more on its shard
@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
+from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 
@@ -40,16 +41,17 @@ class Carry:
         return meta_val(self.node)[1]
 
 
-def affine_summary(kernel: str, args: list[torch.Tensor], options: str, key: int, value: int) -> torch.Tensor:
+def affine_summary(kernel: str, args: list[torch.Tensor], options: str, value: int, state: list[int],
+                   dtype: torch.dtype) -> torch.Tensor:
     """``[h | M]`` of this rank's shard: the kernel from the state ``[0 | I]`` on values extended by K zero
-    columns (``h``: the final state from zeros; ``M``: how the final state depends on the initial one)."""
-    k, v = args[key], args[value]
-    n_k, n_v = k.shape[-1], v.shape[-1]
+    columns (``h``: the final state from zeros; ``M``: how the final state depends on the initial one).
+    ``state`` is the kernel's state shape ``[..., K, V]``."""
+    *batch, n_k, n_v = state
+    v = args[value]
     extended = list(args)
     extended[value] = torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1)
-    batch = (v.shape[0], v.shape[2])
-    start = torch.cat([torch.zeros(*batch, n_k, n_v, device=v.device),
-                       torch.eye(n_k, device=v.device).expand(*batch, n_k, n_k)], -1)
+    start = torch.cat([torch.zeros(*batch, n_k, n_v, dtype=dtype, device=v.device),
+                       torch.eye(n_k, dtype=dtype, device=v.device).expand(*batch, n_k, n_k)], -1)
     return torch.ops.cp_passes.recurrence(kernel, extended, start, options)[1]
 
 
@@ -83,11 +85,14 @@ class CarryTransport(Transport):
         node, rec = request.node, request.recurrence
         kernel, args, initial_state, options = node.args
         args = [edit.current(a) for a in args]
+        initial_state = edit.current(initial_state) if initial_state is not None else None
         if rec.form == "affine":
-            summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.key_arg),
-                                                   rec.sequence_args.index(rec.value_arg)), name="cp_carry_summary")
+            state = request.state
+            summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.value_arg),
+                                                   [int(s) for s in state.shape], state.dtype),
+                                  name="cp_carry_summary")
             every = self._gather(edit, summary, "cp_carry_summaries")
-            n_v = meta_val(node)[1].shape[-1]
+            n_v = state.shape[-1]
             start = edit.insert(affine_fold, (every, initial_state, n_v, edit.rank), name="cp_carry_in")
         else:
             start = initial_state
@@ -112,13 +117,14 @@ class CarryTransport(Transport):
         for s in shape:
             elements *= int(s)
         bound = elements * itemsize if rank > 0 else 0  # the predecessor's final state
+        others = layout.world - 1
         if request.recurrence.form == "affine":
             per_rank = elements + elements // shape[-1] * shape[-2]  # [h | M]: K more columns
-            moved = per_rank * (layout.world - 1)
-            return Cost("all_gather [h | M] | bw reduce_scatter", moved, moved * itemsize, bound, per_rank * itemsize)
-        moved = elements * (layout.world - 1) ** 2
-        return Cost(f"{layout.world - 1} x all_gather final state | bw reduce_scatter", moved, moved * itemsize,
-                    bound, elements * (layout.world - 1) * itemsize)
+            return Cost("all_gather [h | M] | bw reduce_scatter", per_rank * others, per_rank * others * itemsize,
+                        bound, per_rank * others * itemsize)
+        moved = elements * others * others  # P - 1 rounds, each receiving every other rank's state
+        return Cost(f"{others} x all_gather final state | bw reduce_scatter", moved, moved * itemsize, bound,
+                    moved * itemsize)
 
 
 CARRY = register_transport(CarryTransport())

@@ -6,8 +6,9 @@ Python function that loops over chunks of the sequence: traced, the loop pins th
 reads; :func:`install` replaces that attribute with a wrapper that calls ``cp_passes::recurrence``, whose
 implementation calls the original (with whatever it dispatches to: transformers' hub kernels on GPU). The
 op always asks the kernel for its final state, and its fake kernel reads output and state shapes from one
-call of the real kernel at sequence length 1. Its gradient recomputes the kernel under autograd
-(``cp_passes::recurrence_backward``). The carry transport then makes the state flow across ranks.
+call of the real kernel at sequence length 1. Its gradient reruns the kernel under ``torch.func.vjp``
+(``cp_passes::recurrence_backward``). The carry transport then makes the state flow across ranks. The
+replacement stays for the process: called outside cp_passes, the op computes what the kernel does.
 """
 
 from __future__ import annotations
@@ -15,15 +16,25 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import math
 
 import torch
+
+_PACKING = ("cu_seqlens", "seq_idx")
+"""Arguments that split a call into documents (flash-linear-attention's names)."""
 
 _KERNELS: dict[str, tuple[object, object]] = {}
 """``Recurrence.kernel`` -> (the original function, its :class:`~cp_passes.spec.Recurrence`)."""
 
 
-def _encode(options: dict) -> str:
+def _encode(kernel: str, options: dict) -> str:
     """The kernel's constant arguments as op-schema text (``name=repr;...``; dynamo traces f-strings)."""
+    for name, value in options.items():
+        if not (isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value))
+                or (isinstance(value, str) and not set(value) & set(";=\\'\""))):
+            raise ValueError(f"cp_passes passes only plain constants to the recurrent kernel {kernel}, and its argument "
+                             f"{name!r} is {value!r}; a tensor argument (cu_seqlens, a parameter) must be declared "
+                             f"among the Recurrence's sequence_args if it carries the sequence, or the call changed")
     return ";".join(f"{name}={value!r}" for name, value in sorted(options.items()))
 
 
@@ -33,10 +44,11 @@ def _decode(options: str) -> dict:
 
 def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str):
     fn, rec = _KERNELS[kernel]
-    kwargs = dict(zip(rec.sequence_args, args), **_decode(options))
+    kwargs = _decode(options)
     kwargs[rec.initial_state] = initial_state
     kwargs[rec.output_final_state] = True
-    out = fn(**kwargs)
+    # The sequence arguments by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v.
+    out = fn(*args, **kwargs)
     return out[0], out[1]
 
 
@@ -50,37 +62,34 @@ def recurrence_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Te
     return out.clone(memory_format=torch.contiguous_format), state.clone(memory_format=torch.contiguous_format)
 
 
-_SHAPES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SHAPES: dict[tuple, tuple] = {}
 
 
-def _shapes(kernel: str, args, initial_state, options: str):
-    """Output and state of the real kernel at sequence length 1 (concrete, tiny), to shape the fake."""
+def _shapes(kernel: str, args, initial_state, options: str) -> tuple:
+    """``((output shape, dtype), (state shape, dtype))`` of the real kernel at sequence length 1 (concrete and
+    tiny), to shape the fake; cached by the other dims."""
     _, rec = _KERNELS[kernel]
-    key = (kernel, options, *((tuple(a.shape[:rec.seq_dim]), tuple(a.shape[rec.seq_dim + 1:]), a.dtype) for a in args),
-           None if initial_state is None else (tuple(initial_state.shape), initial_state.dtype))
+    key = (kernel, options, *((str(tuple(a.shape[:rec.seq_dim] + a.shape[rec.seq_dim + 1:])), a.dtype, a.device)
+                              for a in args),
+           None if initial_state is None else (str(tuple(initial_state.shape)), initial_state.dtype))
     if key not in _SHAPES:
-        _SHAPES[key] = _probe(kernel, args, initial_state, options)
+        with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+            tiny = [torch.zeros([1 if d == rec.seq_dim else int(s) for d, s in enumerate(a.shape)], dtype=a.dtype,
+                                device=a.device) for a in args]
+            state = None if initial_state is None else torch.zeros(
+                [int(s) for s in initial_state.shape], dtype=initial_state.dtype, device=initial_state.device)
+            out, final = _call(kernel, tiny, state, options)
+        _SHAPES[key] = ((tuple(out.shape), out.dtype), (tuple(final.shape), final.dtype))
     return _SHAPES[key]
-
-
-def _probe(kernel: str, args, initial_state, options: str):
-    _, rec = _KERNELS[kernel]
-    with torch._subclasses.fake_tensor.unset_fake_temporarily():
-        tiny = [torch.zeros([1 if d == rec.seq_dim else int(s) for d, s in enumerate(a.shape)], dtype=a.dtype,
-                            device=a.device) for a in args]
-        state = None if initial_state is None else torch.zeros([int(s) for s in initial_state.shape],
-                                                                 dtype=initial_state.dtype, device=initial_state.device)
-        with torch.no_grad():
-            return _call(kernel, tiny, state, options)
 
 
 @recurrence_op.register_fake
 def _(kernel, args, initial_state, options):
-    out, state = _shapes(kernel, args, initial_state, options)
+    (out, out_dtype), (state, state_dtype) = _shapes(kernel, args, initial_state, options)
     _, rec = _KERNELS[kernel]
     length = args[0].shape[rec.seq_dim]
-    shape = [length if d == rec.seq_dim else s for d, s in enumerate(out.shape)]
-    return args[0].new_empty(shape, dtype=out.dtype), args[0].new_empty(state.shape, dtype=state.dtype)
+    shape = [length if d == rec.seq_dim else s for d, s in enumerate(out)]
+    return args[0].new_empty(shape, dtype=out_dtype), args[0].new_empty(state, dtype=state_dtype)
 
 
 @torch.library.custom_op("cp_passes::recurrence_backward", mutates_args=())
@@ -143,8 +152,22 @@ def install(recurrences) -> None:
         module, attr, fn = _resolve(rec.kernel)
         if getattr(fn, "cp_passes_recurrence", None) == rec.kernel:  # installed by an earlier cp_compile
             fn = fn.__wrapped__
+        _check(rec, fn)
         _KERNELS[rec.kernel] = (fn, rec)
         setattr(module, attr, _wrapper(rec, fn))
+
+
+def _check(rec, fn) -> None:
+    """The declaration must name the kernel's own parameters: its sequence arguments first, in order (they
+    are passed by position), and its initial-state and final-state parameters."""
+    params = list(inspect.signature(fn).parameters)
+    if params[:len(rec.sequence_args)] != list(rec.sequence_args):
+        raise ValueError(f"Recurrence {rec.kernel}: sequence_args {rec.sequence_args} must be the kernel's first "
+                         f"parameters in order; it takes {params}")
+    for field in ("initial_state", "output_final_state"):
+        if getattr(rec, field) not in params:
+            raise ValueError(f"Recurrence {rec.kernel}: {field}={getattr(rec, field)!r} is not a parameter of the "
+                             f"kernel ({params})")
 
 
 def _wrapper(rec, fn):
@@ -153,9 +176,13 @@ def _wrapper(rec, fn):
 
     def call(*args, **kwargs):
         bound = dict(zip(signature.parameters, args), **kwargs)
-        options = {k: v for k, v in bound.items() if k in named and isinstance(v, (bool, int, float, str))}
+        packed = [k for k in _PACKING if bound.get(k) is not None]
+        if packed:
+            raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents); "
+                             f"cp_passes' carry does not yet stop the state at document boundaries")
+        options = {k: v for k, v in bound.items() if k in named and v is not None}
         out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
-                                                    bound.get(rec.initial_state), _encode(options))
+                                                    bound.get(rec.initial_state), _encode(rec.kernel, options))
         return out, (state if bound.get(rec.output_final_state) else None)
 
     call.cp_passes_recurrence = rec.kernel
