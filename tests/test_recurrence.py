@@ -140,3 +140,16 @@ def test_a_recurrence_declaration_is_checked():
         cp_passes.Recurrence("m:f", ("q", "v"))
     with pytest.raises(ValueError, match="'affine' or 'sequential'"):
         cp_passes.Recurrence("m:f", ("key", "value"), form="parallel")
+
+
+def test_the_carry_moves_state_sized_bytes_whatever_the_length(group):
+    """Rank 3 of 8: the affine carry receives the other 7 ranks' [h | M] (K more columns than the state), the
+    same at every sequence length; the bound is one predecessor's state."""
+    records = []
+    for local in (2, 8):  # this rank's shard of 16 and of 64 positions
+        torch.manual_seed(0)
+        compiled = cp_passes.cp_compile(DeltaRule(), kda_spec(), mesh=group, backend="aot_eager", verbose=False)
+        compiled(**mixer_batch(local))
+        (carry,) = [r for r in compiled.compile_records[-1].records if r.transport == "carry"]
+        records.append((carry.bytes, carry.lower_bound_bytes))
+    assert records == [(7 * 2 * STATE, STATE)] * 2
