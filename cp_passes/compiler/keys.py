@@ -28,6 +28,7 @@ from ..match.masks import NotPositional, PositionMask, evaluate_position_mask
 from ..rules import Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden
+from ..transports.masks import band
 from .capture import INPUT_NAME
 
 aten = torch.ops.aten
@@ -53,6 +54,8 @@ class KeyPlan:
     """Block node -> its :class:`KeyCut` (found on the first call)."""
     ranges: dict = field(default_factory=dict)
     """Softmax -> ``(KeyRange or None, why)``."""
+    probes: dict = field(default_factory=dict)
+    """``(masks that hide keys, length)`` -> what they show (layers sharing a mask evaluate it once)."""
 
 
 def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
@@ -69,7 +72,6 @@ def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
     if node not in keys:
         return []
     found = []
-    out_nd = meta_val(node).dim()
     for x in ctx.tensor_inputs():
         dims = seq_dims(x, sym)
         if x in keys or not dims:
@@ -79,8 +81,15 @@ def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
                        f"cannot place on the query or the key axis",
                        "build scores as q @ k.transpose(-2, -1) and combine them with pointwise ops, gather or "
                        "cat only")
-        found += [(x, d) for d in dims if d + out_nd - meta_val(x).dim() == keys[node]]
+        found += [(x, d) for d in _on_key_axis(node, x, keys, sym)]
     return found
+
+
+def _on_key_axis(node: torch.fx.Node, x: torch.fx.Node, keys: dict, sym) -> list[int]:
+    """The sequence dims of ``x`` that land on block ``node``'s key axis (dims line up from the right, as
+    pointwise ops broadcast)."""
+    out_nd = meta_val(node).dim()
+    return [d for d in seq_dims(x, sym) if d + out_nd - meta_val(x).dim() == keys[node]]
 
 
 def _gather_point(operand: torch.fx.Node, dim: int, sym):
@@ -121,20 +130,21 @@ def _side_operand(cut: KeyCut, blocks, sym) -> torch.fx.Node | None:
     for node in cut.nodes:
         if node.target in SCORES or node not in blocks.keys:
             continue
-        out_nd = meta_val(node).dim()
         for x in node.all_input_nodes:
-            if x not in blocks.keys and any(d + out_nd - meta_val(x).dim() == blocks.keys[node]
-                                            for d in seq_dims(x, sym)):
+            if x not in blocks.keys and _on_key_axis(node, x, blocks.keys, sym):
                 return x
     return None
 
 
-def _read_keys(ctx: RuleContext, cut: KeyCut) -> tuple[KeyRange | None, str]:
+def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | None, str]:
     """The keys ``cut``'s masks let a query see at the compile-time length (and about half of it), or None
     and why every key."""
     longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
     shorter = max(2, longer // 2 + 1)
-    window, again = _probe_window(ctx, cut, longer), _probe_window(ctx, cut, shorter)
+    for length in (longer, shorter):
+        if (cut.masking, length) not in probes:
+            probes[(cut.masking, length)] = _probe_window(ctx, cut, length)
+    window, again = probes[(cut.masking, longer)], probes[(cut.masking, shorter)]
     for found in (window, again):
         if isinstance(found, str):
             return None, found
@@ -176,7 +186,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int) -> int | None | st
     if not bool(seen.any(-1).all()):
         return "its masks hide every key from some query (checked for one document)"
     seen = seen.any(0)
-    if bool((seen & torch.ones(length, length, dtype=torch.bool).triu(1)).any()):
+    if bool((seen & ~band(length, None)).any()):
         return "its masks let a query see later keys (not causal)"
     distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
     window = int(distance[seen].max()) + 1
@@ -194,7 +204,7 @@ def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[Ke
     if ctx.spec.attention_keys == "all":
         return None, "the spec asks for every key (attention_keys='all')"
     if cut.softmax not in state.ranges:
-        state.ranges[cut.softmax] = _read_keys(ctx, cut)
+        state.ranges[cut.softmax] = _read_keys(ctx, cut, state.probes)
     return state.ranges[cut.softmax]
 
 

@@ -25,7 +25,7 @@ from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
-from .masks import MetadataMask, key_positions, metadata_gather_op  # noqa: F401  (registers metadata_gather)
+from .masks import MetadataMask, band, key_positions, metadata_gather_op  # noqa: F401  (registers metadata_gather)
 
 aten = torch.ops.aten
 
@@ -104,9 +104,7 @@ def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int
     for mask, kind, (q, k) in zip(masks, hides, dims):
         h = hidden(mask, kind).movedim((q, k), (-2, -1))
         together = h if together is None else together | h
-    i = torch.arange(together.shape[-2], device=together.device)[:, None]
-    j = torch.arange(together.shape[-1], device=together.device)[None, :]
-    kept = (j <= i) if halo is None else (j <= i) & (i - j <= halo)
+    kept = band(together.shape[-1], None if halo is None else halo + 1, together.device)
     torch._assert_async((together | kept).all(),
                         "cp_passes: the model's attention mask lets a query see a key outside the "
                         + ("causal prefix" if halo is None else f"window of {halo + 1}")

@@ -58,6 +58,12 @@ def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | Non
     return key_positions(query.shape[-2], rank, world, window - 1 if halo else None, query.device)
 
 
+def band(size: int, window: int | None, device=None) -> torch.Tensor:
+    """``[size, size]``: key ``j`` may be visible to query ``i`` (``0 <= i - j``, ``< window`` for a window)."""
+    visible = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+    return visible if window is None else visible.triu(1 - window)
+
+
 def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
     """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
     ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0``."""
@@ -79,9 +85,7 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
     (columns before the sequence start are False). Fails at run time if the model allows a key outside the
     causal (window) envelope the transport was planned for: every rank checks every row of the global mask,
     so all ranks reach the same verdict and none is left waiting in a collective."""
-    envelope = torch.ones(global_mask.shape[-2:], dtype=torch.bool, device=query.device).tril()
-    if window is not None:
-        envelope = envelope.triu(1 - window)
+    envelope = band(global_mask.shape[-1], window, query.device)
     torch._assert_async((global_mask & ~envelope).logical_not().all(),
                         "cp_passes: the model's attention mask allows a key outside the causal window that the "
                         "spec declares (or outside causal attention); declare the right AttentionRule")
