@@ -11,7 +11,8 @@ import torch.nn as nn
 
 import cp_passes
 from cp_passes import CPCompileError
-from scenarios import DeltaRule, glm5_next_batch, hf_glm5_next, kda_spec, mixer_batch
+from cp_passes.kernels import install
+from scenarios import KDA_KERNEL, DeltaRule, glm5_next_batch, hf_glm5_next, kda_spec, mixer_batch
 from test_parity import GRAD_RTOL, _compare
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
@@ -153,3 +154,20 @@ def test_the_carry_moves_state_sized_bytes_whatever_the_length(group):
         (carry,) = [r for r in compiled.compile_records[-1].records if r.transport == "carry"]
         records.append((carry.bytes, carry.lower_bound_bytes))
     assert records == [(7 * 2 * STATE, STATE)] * 2
+
+
+def test_a_declaration_is_checked_against_the_kernel_and_packed_calls_are_refused():
+    from transformers.models.glm5_next import modeling_glm5_next as glm
+
+    args = ("query", "key", "value", "g", "beta")
+    with pytest.raises(ValueError, match="initial_state='init' is not a parameter"):
+        install((cp_passes.Recurrence(KDA_KERNEL, args, initial_state="init"),))
+    with pytest.raises(ValueError, match="must be the kernel's first parameters in order"):
+        install((cp_passes.Recurrence(KDA_KERNEL, ("key", "query", "value", "g", "beta")),))
+    install(kda_spec().recurrences)
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="called with cu_seqlens"):
+        glm.chunk_kimi_delta_attention(x, x, x, g=-x.sigmoid(), beta=x[..., 0].sigmoid(),
+                                       cu_seqlens=torch.tensor([0, 2, 4]))
+    with pytest.raises(ValueError, match="its argument 'chunk_size' is inf"):
+        glm.chunk_kimi_delta_attention(x, x, x, g=-x.sigmoid(), beta=x[..., 0].sigmoid(), chunk_size=float("inf"))
