@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, sequence_symbol
+from ..graph.fills import fills_out_of_place
 from ..graph.provenance import Edit, format_graph
 from ..transports import in_order
 from .planner import Plan, RewriteRecord, plan_graph
@@ -64,6 +66,8 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     CPCompileError on refusal."""
     sym = find_symbol(aten_gm, spec, record.local_len)
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
+    if fills_out_of_place(aten_gm):
+        record.history.append(("fills out of place", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
     record.records = plan.records
@@ -107,7 +111,10 @@ def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list,
                 f"{e.pass_name!r}" for e in skipped] or ["a rewrite's transport did not run"]
         raise CPCompileError(f"cp_passes internal error: planned rewrites were not applied: {'; '.join(what)}. "
                              f"A transport's apply() must edit the graph through its Edit")
-    FakeTensorProp(gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)
+    # Under the Python dispatcher, as dynamo traced: ops sized by data-dependent counts (F.pad by an
+    # indexer's top-k width) have Python meta kernels only.
+    with enable_python_dispatcher():
+        FakeTensorProp(gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)
     # Shapes print through the shape env, so a length the transports pinned (guards) prints the same in both.
     shapes_before, shapes_after = _shapes(before), _shapes(_output_values(gm))
     if shapes_after != shapes_before:

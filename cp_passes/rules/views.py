@@ -95,6 +95,16 @@ def _slice(ctx: RuleContext):
     )
 
 
+@register_rule(aten.slice_scatter, aten.select_scatter)
+def _write_slice(ctx: RuleContext):
+    """``x[..., a:b] = y`` out of place: position-wise unless it writes along the sequence axis."""
+    dim = ctx.arg("dim") % ctx.ndim(ctx.node)
+    if dim in ctx.seq_dims(ctx.node):
+        ctx.refuse(f"it writes a slice of the sequence axis (dim {dim}); on a shard that would be this rank's "
+                   f"positions, not the sequence's", NO_RULE_FIX)
+    return None
+
+
 @register_rule(aten.repeat)
 def _repeat(ctx: RuleContext):
     src = ctx.arg("self")

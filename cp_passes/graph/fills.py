@@ -1,0 +1,91 @@
+"""Fills of a fresh tensor through views, written out of place before anything is planned.
+
+Models assemble a tensor by copying into slices of an empty one (MLA's ``expand_kv``: ``k =
+x.new_empty(...); k[..., :a].copy_(k_nope); k[..., a:].copy_(k_rope)``). Every later op reads the base,
+which the copies changed through views: a graph cp_passes reads as values cannot follow that. Where the
+base is fresh and its views serve only the copies, each copy becomes its functional form (the source broadcast
+to the view's value, then ``slice_scatter`` / ``select_scatter`` back up the chain of views) and the base's
+later readers read the result. Any other mutation through a view is left alone (and refused by the
+planner, naming it).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+_FRESH = {aten.new_empty.default, aten.empty.memory_format, aten.new_zeros.default, aten.zeros.default,
+          aten.new_full.default, aten.full.default, aten.empty_like.default, aten.zeros_like.default}
+_SCATTER = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten.select_scatter.default,
+            aten.alias.default: None}
+"""A view op -> the op that writes a value back through it (None: the view is the whole tensor)."""
+
+
+def _copies(base: torch.fx.Node) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]] | None:
+    """Every ``copy_`` into a chain of views of ``base`` with that chain, or None where a view is read
+    otherwise or a copy's result is used."""
+    found, stack = [], [(base, [])]
+    while stack:
+        node, chain = stack.pop()
+        for user in node.users:
+            if user.target in _SCATTER and user.args[0] is node:
+                stack.append((user, chain + [user]))
+            elif user.target is aten.copy_.default and user.args[0] is node and chain and not user.users:
+                found.append((user, chain))
+            elif chain:
+                return None  # a view read by something other than a copy into it
+    return found
+
+
+def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies) -> None:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    copies.sort(key=lambda c: order[c[0]])
+    current = base
+    for copy, chain in copies:
+        with graph.inserting_before(copy):
+            values = [current]
+            for view in chain:  # the view's value, read from the current base
+                values.append(graph.call_function(view.target, (values[-1], *view.args[1:]), dict(view.kwargs)))
+            # copy_'s value: the source broadcast to the view's shape, in its dtype.
+            written = graph.call_function(aten.expand_as.default, (copy.args[1], values[-1]))
+            written = graph.call_function(aten.type_as.default, (written, values[-1]))
+            for view, below in zip(reversed(chain), reversed(values[:-1])):
+                scatter = _SCATTER[view.target]
+                written = written if scatter is None else graph.call_function(scatter, (below, written,
+                                                                                       *view.args[1:]))
+        for new in graph.nodes:
+            if new not in order:
+                new.meta.update({k: v for k, v in copy.meta.items() if k != "val"})
+                new.meta["val"] = new.target(*torch.fx.map_arg(new.args, lambda n: n.meta["val"]))
+                order[new] = order[copy]
+        current = written
+        graph.erase_node(copy)
+        for view in reversed(chain):
+            if not view.users:
+                graph.erase_node(view)
+    for user in list(base.users):
+        if user is not current and order[user] > order[copies[-1][0]]:
+            user.replace_input_with(base, current)
+
+
+def fills_out_of_place(gm: torch.fx.GraphModule) -> int:
+    """Rewrite the copies into views of fresh tensors as out-of-place ops (see the module doc); returns
+    how many fresh tensors were rewritten."""
+    graph, rewritten = gm.graph, 0
+    for base in list(graph.nodes):
+        if base.op != "call_function" or base.target not in _FRESH:
+            continue
+        copies = _copies(base)
+        if not copies:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        first, last = min(order[c] for c, _ in copies), max(order[c] for c, _ in copies)
+        # A reader between the copies would see a half-filled base: leave such graphs to the planner's refusal.
+        if any(first < order[u] < last for u in base.users if u.target not in _SCATTER):
+            continue
+        _rewrite(graph, base, copies)
+        rewritten += 1
+    gm.recompile()
+    return rewritten
