@@ -8,18 +8,19 @@ replaces them as a whole.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
 
-from ..graph.analysis import bind_args, seq_dims
+from ..graph.analysis import bind_args, meta_val, seq_dims
 from ..transports.halo import ConvHalo
 from ..transports.masks import MetadataMask
 from .blocks import Blocks, match_blocks
 from .causal_conv import CONVS, match_causal_conv
 from .head_repeat import HeadRepeat, match_head_repeat, same_size
-from .masks import NotPositional, PositionMask, evaluate_position_mask, model_mask
+from .masks import NotPositional, PositionMask, evaluate_position_mask, may_carry_gradient, model_mask
 from .stencils import PADS, match_shifts, match_unfold_window
 
 aten = torch.ops.aten
@@ -46,13 +47,20 @@ class Matches:
     """Attention written by hand: each ``[q, k]`` block's key dim, and the masks combined with them."""
 
 
-_CHECKS = (aten._assert_tensor_metadata.default, aten._assert_async.default, aten._assert_async.msg)
+_CHECKS = (aten._assert_tensor_metadata.default, aten._assert_async.default, aten._assert_async.msg,
+           aten._assert_scalar.default)
 """Ops that only check a value (torch.export leaves them in): they belong to the pattern they check."""
 
 
 def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: set) -> None:
     """Claim the nodes of ``nodes`` whose every use is claimed or is an anchor's own use (``anchors`` holds
-    ``(anchor node, the pattern node it consumes)``), and the checks that read only such nodes."""
+    ``(anchor node, the pattern node it consumes)``), and the checks that read only such nodes (with the
+    size arithmetic they test: ``torch._check`` on a count the pattern computed, and the parts of its tuples)."""
+    nodes = set(nodes)
+    for n in graph.nodes:
+        if (n not in nodes and n.all_input_nodes and all(a in nodes for a in n.all_input_nodes)
+                and (isinstance(meta_val(n), (torch.SymInt, torch.SymBool)) or n.target is operator.getitem)):
+            nodes.add(n)
     for n in reversed(list(graph.nodes)):  # users before producers
         if n.target in _CHECKS and n.all_input_nodes and all(a in nodes for a in n.all_input_nodes):
             matches.claimed.add(n)
@@ -63,6 +71,7 @@ def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: set) ->
 def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
     matches = Matches()
     mask_nodes, mask_anchors = set(), set()
+    carry = may_carry_gradient(gm.graph)
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         args = bind_args(node)
         for name in ("key", "value"):
@@ -72,12 +81,12 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
         mask = args["attn_mask"]
         sharded = seq_dims(args["query"], sym) and (seq_dims(args["key"], sym) or seq_dims(args["value"], sym))
         if isinstance(mask, torch.fx.Node) and sharded:  # the attention rule replaces this mask
-            found = model_mask(mask, sym)
+            found = model_mask(mask, sym, carry)
             matches.masks[node] = found
             if isinstance(found, (MetadataMask, PositionMask)):
                 mask_nodes.update(found.nodes)
                 mask_anchors.add((node, mask))
-    matches.blocks = match_blocks(gm, sym)
+    matches.blocks = match_blocks(gm, sym, carry)
     for mask in matches.blocks.masks.values():
         mask_nodes.update(mask.nodes)
     mask_anchors |= matches.blocks.anchors

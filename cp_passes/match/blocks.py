@@ -97,7 +97,7 @@ def _unmerged(node, dims, sym) -> bool:
     return all(seq_multiple(meta_val(node).shape[d], sym) == 1 for d in dims)
 
 
-def match_blocks(gm: torch.fx.GraphModule, sym) -> Blocks:
+def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None) -> Blocks:
     found = Blocks()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -134,7 +134,7 @@ def match_blocks(gm: torch.fx.GraphModule, sym) -> Blocks:
             give(x, key, f"cp_passes cannot tell which dim of '{x.name}' {node.target} reads as the key axis")
             if key is None or not _unmerged(x, seq_dims(x, sym), sym):
                 continue
-            mask = model_mask(x, sym)
+            mask = model_mask(x, sym, carry)
             if isinstance(mask, PositionMask):
                 mask = MetadataMask(x, mask.nodes, [], mask.size_leaves, [])
             if isinstance(mask, MetadataMask):

@@ -27,9 +27,63 @@ class PositionMask:
     """The lengths it reads (made global where the mask is evaluated over the whole sequence)."""
 
 
-def model_mask(mask: torch.fx.Node, sym) -> MetadataMask | PositionMask | str:
-    """What builds ``mask``, or why it cannot be rebuilt per rank (a reason)."""
-    nodes, tensor_leaves, size_leaves, seen, stack = [], [], [], set(), [mask]
+def _float(val) -> bool:
+    return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
+
+
+def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The nodes whose value may carry a gradient: floating-point values computed from a floating-point
+    input (a parameter, embeddings). Integer and boolean values (indices, comparisons, masks) never do."""
+    found = set()
+    for n in graph.nodes:
+        val = meta_val(n)
+        if n.op == "placeholder":
+            if _float(val):
+                found.add(n)
+        elif n.op == "call_function" and any(a in found for a in n.all_input_nodes):
+            if _float(val) or isinstance(val, (tuple, list)):
+                found.add(n)
+    return found
+
+
+def _gradient_path(mask: torch.fx.Node, carry: set) -> set[torch.fx.Node]:
+    """The nodes a gradient of ``mask`` would reach (through floating-point values only)."""
+    path, stack = set(), [mask] if mask in carry else []
+    while stack:
+        n = stack.pop()
+        if n not in path:
+            path.add(n)
+            stack.extend(a for a in n.all_input_nodes if a in carry)
+    return path
+
+
+def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
+    """The nodes computed only for ``mask``: every use leads to it (a value nothing reads does not count)."""
+    ancestors, stack = set(), [mask]
+    while stack:
+        n = stack.pop()
+        if n not in ancestors:
+            ancestors.add(n)
+            stack.extend(n.all_input_nodes)
+    own = {mask}
+    for n in reversed(list(mask.graph.nodes)):
+        if n in ancestors and n.users and all(u in own or (not u.users and not u.is_impure()) for u in n.users):
+            own.add(n)
+    return own
+
+
+def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMask | PositionMask | str:
+    """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
+
+    Its leaves are sharded integer inputs (doc ids, positions) and the lengths it reads. A mask no gradient
+    flows through (an indexer's top-k selection: activations become indices, then a boolean mask) may read
+    activations too: those the model also uses elsewhere (so the plan computes them right on each rank) are
+    leaves like metadata, gathered without an autograd edge; what is computed only for the mask is replayed
+    over the whole sequence, and the parameters it reads are passed in. ``carry`` is
+    :func:`may_carry_gradient` of the graph (computed here when not given)."""
+    carry = may_carry_gradient(mask.graph) if carry is None else carry
+    grads, own = _gradient_path(mask, carry), _own(mask)
+    nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
         n = stack.pop()
         if n in seen:
@@ -37,21 +91,31 @@ def model_mask(mask: torch.fx.Node, sym) -> MetadataMask | PositionMask | str:
         seen.add(n)
         val = meta_val(n)
         if isinstance(val, (torch.SymInt, torch.SymFloat)):
-            if sym in val.node.expr.free_symbols:
-                if seq_multiple(val, sym) is None:
-                    return f"its mask uses the length expression {val}, which cp_passes cannot rescale"
+            if sym in val.node.expr.free_symbols and seq_multiple(val, sym) is not None:
                 size_leaves.append(n)
-            else:
+            elif sym in val.node.expr.free_symbols and n.op != "call_function":
+                return f"its mask uses the length expression {val}, which cp_passes cannot rescale"
+            else:  # arithmetic on lengths (``seq_len - 1``) is replayed on the global ones
                 stack.extend(n.all_input_nodes)
                 nodes.append(n)
+            continue
+        tensor = isinstance(val, torch.Tensor)
+        dims = seq_dims(n, sym) if tensor else ()
+        if n in grads and n.op == "placeholder":
+            return (f"its mask reads input '{n.name}' {tuple(getattr(val, 'shape', ()))} and carries its gradient "
+                    f"(a learned mask, or one computed from activations)")
+        if n in grads and dims:
+            return f"its mask depends on '{n.name}', a value with gradients (activations are not metadata)"
+        if n.op == "placeholder" and tensor and not dims:
+            inputs.append(n)  # a parameter, or an input every rank holds whole
+        elif (n in carry and n not in own and tensor and len(dims) == 1
+              and seq_multiple(val.shape[dims[0]], sym) == 1):
+            tensor_leaves.append(n)  # an activation the model uses elsewhere, read here without its gradient
         elif n.op == "placeholder":
-            if not isinstance(val, torch.Tensor) or not seq_dims(n, sym) or val.is_floating_point() or val.requires_grad:
-                return (f"its mask reads input '{n.name}' {tuple(getattr(val, 'shape', ()))}, which is not integer "
-                        f"sequence metadata (doc ids, positions)")
+            if not tensor:
+                return f"its mask reads input '{n.name}', which is not a tensor"
             tensor_leaves.append(n)
         elif n.op in ("call_function", "get_attr"):
-            if isinstance(val, torch.Tensor) and val.requires_grad:
-                return f"its mask depends on '{n.name}', a value with gradients (activations are not metadata)"
             nodes.append(n)
             stack.extend(n.all_input_nodes)
         else:
@@ -59,11 +123,12 @@ def model_mask(mask: torch.fx.Node, sym) -> MetadataMask | PositionMask | str:
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     nodes.sort(key=order.__getitem__)
     size_leaves.sort(key=order.__getitem__)
-    if not tensor_leaves:
+    inputs.sort(key=order.__getitem__)
+    if not tensor_leaves and not inputs:
         return PositionMask(mask, nodes, size_leaves)
     leaves = sorted(tensor_leaves, key=order.__getitem__)
     return MetadataMask(mask, nodes, leaves, size_leaves,
-                        [seq_dims(leaf, sym)[0] for leaf in leaves])
+                        [seq_dims(leaf, sym)[0] for leaf in leaves], inputs)
 
 
 class NotPositional(Exception):

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..graph.analysis import meta_val, numel_hint
 from .base import Cost
@@ -100,16 +101,30 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
 
 
 def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
-    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata and
-    global lengths."""
-    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (leaf, d, edit.world, edit.group_name),
+    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
+    activations, for a mask computed without gradient), global lengths and the parameters it reads."""
+
+    def detached(leaf):
+        if not meta_val(leaf).requires_grad:
+            return leaf
+        return edit.insert(aten.detach.default, (leaf,), name=f"cp_{leaf.name}_detached")
+
+    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(leaf), d, edit.world,
+                                                                         edit.group_name),
                           name=f"cp_{leaf.name}_gathered")
               for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
     leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")
                for leaf in found.size_leaves]
+    leaves += [detached(leaf) for leaf in found.inputs]
+    if any(free_unbacked_symbols(meta_val(n)) for n in found.nodes):
+        # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
+        env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))
+        for n in found.nodes:
+            env[n] = edit.copy(n, env, name=f"cp_mask_{n.name}")
+        return env[found.mask]
     graph = torch.fx.Graph()
-    env = {leaf: graph.placeholder(leaf.name) for leaf in found.tensor_leaves + found.size_leaves}
+    env = {leaf: graph.placeholder(leaf.name) for leaf in found.tensor_leaves + found.size_leaves + found.inputs}
     for n in found.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)
     graph.output(env[found.mask])

@@ -6,7 +6,7 @@ The mask functions are traced into the graph (ATen); the positions of queries an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -35,14 +35,16 @@ def _(x, dim, world, group_name):
 @dataclass
 class MetadataMask:
     """An attention mask the model builds from sequence metadata (doc ids, position ids) as well as
-    positions: ``nodes`` compute ``mask`` from ``tensor_leaves`` (sharded integer inputs, gathered) and
-    ``size_leaves`` (lengths, made global)."""
+    positions: ``nodes`` compute ``mask`` from ``tensor_leaves`` (sharded inputs, or activations of a mask
+    computed without gradient: gathered), ``size_leaves`` (lengths, made global) and ``inputs`` (what every
+    rank holds whole: parameters, read as they are)."""
 
     mask: torch.fx.Node
     nodes: list[torch.fx.Node]
     tensor_leaves: list[torch.fx.Node]
     size_leaves: list[torch.fx.Node]
     leaf_dims: list[int]
+    inputs: list[torch.fx.Node] = field(default_factory=list)
 
 
 def key_positions(local, rank: int, world: int, halo: int | None, device=None) -> torch.Tensor:
