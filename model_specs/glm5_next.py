@@ -5,8 +5,11 @@ halo of kernel - 1 rows) and ``chunk_kimi_delta_attention``, a recurrence with a
 that the model calls as a Python function looping over chunks. The spec declares it: cp_passes captures each
 call as one op and hands the state on across ranks with the affine carry (one all-gather of every rank's
 ``[h | M]`` per layer, state-sized). On GPU the same module attribute dispatches to flash-linear-attention's
-``chunk_kda`` when it is installed. The indexed (sparse) attention layers are not covered yet: build the
-model with linear-attention layers only (``num_hidden_layers`` up to 3 with the default layer types).
+``chunk_kda`` when it is installed. Its indexed-attention layers need nothing declared: the indexer's
+top-k mask carries no gradient, so it is evaluated over the whole sequence from gathered activations, and
+MLA's ``expand_kv`` (copies into slices of an empty tensor) is rewritten out of place. Its MoE layers are
+not covered yet (the grouped-mm dispatch sorts tokens over the flattened sequence): build it with
+``mlp_layer_types=["dense"] * num_hidden_layers``.
 """
 
 from cp_passes.spec import CPSpec, Recurrence

@@ -4,6 +4,7 @@ the tests compare them with the single-device model in the main process."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
@@ -284,8 +285,27 @@ def _window_with_key_temperature(x):
     return scores.masked_fill(~band, float("-inf")).softmax(-1) @ x
 
 
+def _top_k_attention(x):
+    """Sparse attention as an indexer writes it: under no_grad, scores from the activations pick each query's
+    3 best causal keys (top-k), the indices are scattered into a boolean mask; attention sees those keys only."""
+    s = x.shape[1]
+    causal = torch.arange(s)[:, None] >= torch.arange(s)[None, :]
+    with torch.no_grad():
+        index = (x @ x.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+        picked = index.topk(min(3, s), dim=-1).indices
+        keep = torch.zeros(x.shape[0], s, s, dtype=torch.bool).scatter(-1, picked, True) & causal
+    return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ x
+
+
+def _both_ways_activation_mask(x):
+    """SDPA with a boolean mask computed from activations that lets queries see later keys."""
+    q, positive = x[:, None], x.sum(-1) > 0
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=positive[:, None, :, None] & positive[:, None, None, :])[:, 0]
+
+
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
-         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature}
+         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
+         "top_k_attention": _top_k_attention, "both_ways_activation_mask": _both_ways_activation_mask}
 
 
 class Mixer(torch.nn.Module):
@@ -454,6 +474,14 @@ def _error(call) -> str:
     return "no error"
 
 
+def mixer_error(group, mix: str, seq_len: int) -> str:
+    """The error of one step of Mixer(mix) under CP (or "no error")."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(Mixer(mix), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(mixer_batch(seq_len), group)
+    return _error(lambda: compiled(**local))
+
+
 def envelope_violation(group, layout: list | None = None) -> str:
     """A doc-id mask that reaches further back than the spec's declared window must fail the first step, on
     every rank, even when only some ranks' rows leave the window."""
@@ -571,17 +599,27 @@ def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
     return small_parity(group, DeltaRule(), kda_spec(form), seq_lens)
 
 
-def hf_glm5_next(seed: int = 0):
-    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative) with its three linear-attention (KDA)
-    layers: short causal convs, the KDA recurrence, hyper-connections, dense MLPs."""
+KDA_LAYERS = ("linear_attention",) * 3
+"""Glm5Next's first three layer types: Kimi Delta Attention."""
+GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
+"""Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
+
+
+def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
+    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative): linear-attention (KDA) layers (short
+    causal convs, the KDA recurrence) and indexed-attention layers (MLA over the keys a top-k indexer picks
+    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, dense MLPs
+    (its MoE is issue 13's)."""
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
 
+    n = len(layer_types)
     config = Glm5NextTextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=n,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4,
         index_head_dim=16, index_n_heads=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
-        hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False)
+        hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False, layer_types=list(layer_types),
+        mlp_layer_types=["dense"] * n, indexer_types=["full"] * n)
     torch.manual_seed(seed)
     return Glm5NextTextModel(config).float()
 
@@ -591,9 +629,9 @@ def glm5_next_batch(seq_len: int) -> dict:
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
 
 
-def glm5_next_parity(group, seq_lens: list[int]) -> list[dict]:
+def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
     """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
-    model = hf_glm5_next()
+    model = hf_glm5_next(layer_types=tuple(layer_types))
     compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
     results = []
     for seq_len in seq_lens:

@@ -67,6 +67,14 @@ def test_a_mask_leaving_the_window_in_some_ranks_rows_fails_on_every_rank(pool, 
         assert "allows a key outside the causal window that the spec declares" in error, error
 
 
+def test_a_mask_from_activations_that_shows_later_keys_fails_on_every_rank(pool):
+    """A boolean mask computed from activations carries no gradient, so it is evaluated over the whole sequence
+    from the gathered activations; SDPA then brings the causal prefix, and this mask lets queries see later
+    keys: every rank's check over the whole mask stops it."""
+    for error in pool.run("mixer_error", 2, timeout=HANG_S, mix="both_ways_activation_mask", seq_len=8):
+        assert "allows a key outside the causal window that the spec declares" in error, error
+
+
 def test_a_mask_that_shows_later_keys_for_some_data_fails_on_every_rank(pool):
     """A prefix-LM mask is causal for one document, so its hand-written attention brings the causal prefix; a
     prompt of 6 tokens (across both ranks) lets rank 0's queries see rank 1's keys. The run-time check over the

@@ -23,23 +23,23 @@ _SCATTER = {aten.slice.Tensor: aten.slice_scatter.default, aten.select.int: aten
 """A view op -> the op that writes a value back through it (None: the view is the whole tensor)."""
 
 
-def _copies(base: torch.fx.Node) -> list[tuple[torch.fx.Node, list[torch.fx.Node]]] | None:
-    """Every ``copy_`` into a chain of views of ``base`` with that chain, or None where a view is read
-    otherwise or a copy's result is used."""
-    found, stack = [], [(base, [])]
+def _uses(base: torch.fx.Node):
+    """``(copies, reads)``: every ``copy_`` into a chain of views of ``base`` with that chain, and every other
+    use of ``base`` or of a view of it, with the first node on its way from ``base``."""
+    copies, reads, stack = [], [], [(base, [])]
     while stack:
         node, chain = stack.pop()
         for user in node.users:
-            if user.target in _SCATTER and user.args[0] is node:
+            if user.target is aten.copy_.default and user.args[0] is node and chain and not user.users:
+                copies.append((user, chain))
+            elif user.target in _SCATTER and user.args[0] is node:
                 stack.append((user, chain + [user]))
-            elif user.target is aten.copy_.default and user.args[0] is node and chain and not user.users:
-                found.append((user, chain))
-            elif chain:
-                return None  # a view read by something other than a copy into it
-    return found
+            else:
+                reads.append((user, (chain + [user])[0]))
+    return copies, reads
 
 
-def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies) -> None:
+def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies, reads) -> None:
     order = {n: i for i, n in enumerate(graph.nodes)}
     copies.sort(key=lambda c: order[c[0]])
     current = base
@@ -65,9 +65,8 @@ def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies) -> None:
         for view in reversed(chain):
             if not view.users:
                 graph.erase_node(view)
-    for user in list(base.users):
-        if user is not current and order[user] > order[copies[-1][0]]:
-            user.replace_input_with(base, current)
+    for _, first in reads:  # each later read (of the base, or through a view taken after the copies)
+        first.replace_input_with(base, current)
 
 
 def fills_out_of_place(gm: torch.fx.GraphModule) -> int:
@@ -77,15 +76,16 @@ def fills_out_of_place(gm: torch.fx.GraphModule) -> int:
     for base in list(graph.nodes):
         if base.op != "call_function" or base.target not in _FRESH:
             continue
-        copies = _copies(base)
+        copies, reads = _uses(base)
         if not copies:
             continue
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first, last = min(order[c] for c, _ in copies), max(order[c] for c, _ in copies)
-        # A reader between the copies would see a half-filled base: leave such graphs to the planner's refusal.
-        if any(first < order[u] < last for u in base.users if u.target not in _SCATTER):
+        last = max(order[c] for c, _ in copies)
+        # A read before the last copy (or through a view taken before it) would see the tensor half filled:
+        # leave such graphs to the planner, which refuses the copies.
+        if any(order[first] < last for _, first in reads):
             continue
-        _rewrite(graph, base, copies)
+        _rewrite(graph, base, copies, reads)
         rewritten += 1
     gm.recompile()
     return rewritten

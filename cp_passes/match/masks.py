@@ -83,6 +83,10 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
     :func:`may_carry_gradient` of the graph (computed here when not given)."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
     grads, own = _gradient_path(mask, carry), _own(mask)
+    if grads:
+        return (f"its mask '{mask.name}' carries a gradient back to what it is computed from (a learned or "
+                f"data-dependent bias, not a mask); masks without one (boolean, or from metadata or indices) "
+                f"are evaluated over the whole sequence")
     nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
         n = stack.pop()
@@ -101,11 +105,6 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
             continue
         tensor = isinstance(val, torch.Tensor)
         dims = seq_dims(n, sym) if tensor else ()
-        if n in grads and n.op == "placeholder":
-            return (f"its mask reads input '{n.name}' {tuple(getattr(val, 'shape', ()))} and carries its gradient "
-                    f"(a learned mask, or one computed from activations)")
-        if n in grads and dims:
-            return f"its mask depends on '{n.name}', a value with gradients (activations are not metadata)"
         if n.op == "placeholder" and tensor and not dims:
             inputs.append(n)  # a parameter, or an input every rank holds whole
         elif (n in carry and n not in own and tensor and len(dims) == 1
