@@ -7,8 +7,12 @@ reads; :func:`install` replaces that attribute with a wrapper that calls ``cp_pa
 implementation calls the original (with whatever it dispatches to: transformers' hub kernels on GPU). The
 op always asks the kernel for its final state, and its fake kernel reads output and state shapes from one
 call of the real kernel at sequence length 1. Its gradient reruns the kernel under ``torch.func.vjp``
-(``cp_passes::recurrence_backward``). The carry transport then makes the state flow across ranks. The
-replacement stays for the process: called outside cp_passes, the op computes what the kernel does.
+(``cp_passes::recurrence_backward``). The carry transport then makes the state flow across ranks. A kernel
+that takes packed documents' boundaries (``Recurrence.documents``, ``cu_seqlens``) gets the whole
+sequence's from the model; the op cuts them to the segments of the positions it holds (from ``offset``,
+which the transport sets) and passes the carried state to the first segment only, unless a document starts
+there. The replacement stays for the process: called outside cp_passes, the op computes what the kernel
+does.
 """
 
 from __future__ import annotations
@@ -42,22 +46,41 @@ def _decode(options: str) -> dict:
     return {name: ast.literal_eval(value) for name, value in (o.split("=", 1) for o in options.split(";") if o)}
 
 
-def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str):
+def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.Tensor, bool]:
+    """This shard's document boundaries (``cu_seqlens`` of its ``length`` positions from global position
+    ``offset``; positions past the last document form one more segment) and whether a document starts at
+    its first position (the carried state is then not used)."""
+    inner = documents - offset
+    inner = inner[(inner > 0) & (inner < length)]
+    local = torch.cat([inner.new_zeros(1), inner, inner.new_full((1,), length)])
+    starts = bool((documents == offset).any()) or offset >= int(documents[-1])
+    return local, starts
+
+
+def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
     fn, rec = _KERNELS[kernel]
     kwargs = _decode(options)
-    kwargs[rec.initial_state] = initial_state
     kwargs[rec.output_final_state] = True
+    if documents is not None:
+        local, starts = _segments(documents, offset, args[0].shape[rec.seq_dim])
+        kwargs[rec.documents] = local
+        if initial_state is not None:  # one state per segment: the carried one (or zeros) first
+            first = initial_state * 0 if starts else initial_state
+            initial_state = torch.cat([first, first.new_zeros(len(local) - 2, *first.shape[1:])])
+    kwargs[rec.initial_state] = initial_state
     # The sequence arguments by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v.
     out = fn(*args, **kwargs)
-    return out[0], out[1]
+    return out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
 
 
 @torch.library.custom_op("cp_passes::recurrence", mutates_args=())
 def recurrence_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Tensor | None,
-                  options: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  options: str, documents: torch.Tensor | None, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The declared kernel on ``args`` (its sequence arguments, in the spec's order) from ``initial_state``
-    (None: the kernel's own zeros): ``(output, final state)``."""
-    out, state = _call(kernel, args, initial_state, options)
+    (None: the kernel's own zeros): ``(output, final state)``. With ``documents`` (the whole sequence's
+    ``cu_seqlens``) the kernel runs on the segments of positions ``offset ..`` (the final state: the last
+    segment's)."""
+    out, state = _call(kernel, args, initial_state, options, documents, offset)
     # Fresh contiguous tensors: never a view of an input, and the strides the fake kernel promises.
     return out.clone(memory_format=torch.contiguous_format), state.clone(memory_format=torch.contiguous_format)
 
@@ -84,7 +107,7 @@ def _shapes(kernel: str, args, initial_state, options: str) -> tuple:
 
 
 @recurrence_op.register_fake
-def _(kernel, args, initial_state, options):
+def _(kernel, args, initial_state, options, documents, offset):
     (out, out_dtype), (state, state_dtype) = _shapes(kernel, args, initial_state, options)
     _, rec = _KERNELS[kernel]
     length = args[0].shape[rec.seq_dim]
@@ -94,7 +117,8 @@ def _(kernel, args, initial_state, options):
 
 @torch.library.custom_op("cp_passes::recurrence_backward", mutates_args=())
 def recurrence_backward_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Tensor | None, options: str,
-                           grad_out: torch.Tensor, grad_state: torch.Tensor) -> list[torch.Tensor]:
+                           documents: torch.Tensor | None, offset: int, grad_out: torch.Tensor,
+                           grad_state: torch.Tensor) -> list[torch.Tensor]:
     """Gradients of :func:`recurrence_op` for ``args`` and then ``initial_state`` (zeros when it is None),
     by running the kernel again under ``torch.func.vjp`` (a custom op runs below autograd; functorch's
     transform works there)."""
@@ -104,7 +128,8 @@ def recurrence_backward_op(kernel: str, args: list[torch.Tensor], initial_state:
         inputs = list(args)
         for i, x in zip(floating, primals):
             inputs[i] = x
-        return _call(kernel, inputs, primals[len(floating)] if initial_state is not None else None, options)
+        return _call(kernel, inputs, primals[len(floating)] if initial_state is not None else None, options,
+                     documents, offset)
 
     primals = [args[i] for i in floating] + ([initial_state] if initial_state is not None else [])
     _, vjp = torch.func.vjp(run, *primals)
@@ -118,23 +143,26 @@ def recurrence_backward_op(kernel: str, args: list[torch.Tensor], initial_state:
 
 
 @recurrence_backward_op.register_fake
-def _(kernel, args, initial_state, options, grad_out, grad_state):
+def _(kernel, args, initial_state, options, documents, offset, grad_out, grad_state):
     return [torch.empty_like(a) for a in args] + [torch.empty_like(grad_state if initial_state is None
                                                                    else initial_state)]
 
 
 def _setup(ctx, inputs, output) -> None:
-    kernel, args, initial_state, options = inputs
-    ctx.kernel, ctx.options, ctx.has_state = kernel, options, initial_state is not None
-    ctx.save_for_backward(*args, *([initial_state] if initial_state is not None else []))
+    kernel, args, initial_state, options, documents, offset = inputs
+    ctx.kernel, ctx.options, ctx.offset = kernel, options, offset
+    ctx.has_state, ctx.has_documents = initial_state is not None, documents is not None
+    ctx.save_for_backward(*args, *([initial_state] if initial_state is not None else []),
+                          *([documents] if documents is not None else []))
 
 
 def _backward(ctx, grad_out, grad_state):
     saved = list(ctx.saved_tensors)
+    documents = saved.pop() if ctx.has_documents else None
     initial_state = saved.pop() if ctx.has_state else None
-    grads = torch.ops.cp_passes.recurrence_backward(ctx.kernel, saved, initial_state, ctx.options, grad_out,
-                                                    grad_state)
-    return None, grads[:-1], grads[-1] if ctx.has_state else None, None
+    grads = torch.ops.cp_passes.recurrence_backward(ctx.kernel, saved, initial_state, ctx.options, documents,
+                                                    ctx.offset, grad_out, grad_state)
+    return None, grads[:-1], grads[-1] if ctx.has_state else None, None, None, None
 
 
 recurrence_op.register_autograd(_backward, setup_context=_setup)
@@ -164,7 +192,7 @@ def _check(rec, fn) -> None:
     if params[:len(rec.sequence_args)] != list(rec.sequence_args):
         raise ValueError(f"Recurrence {rec.kernel}: sequence_args {rec.sequence_args} must be the kernel's first "
                          f"parameters in order; it takes {params}")
-    for field in ("initial_state", "output_final_state"):
+    for field in ("initial_state", "output_final_state", *(("documents",) if rec.documents else ())):
         if getattr(rec, field) not in params:
             raise ValueError(f"Recurrence {rec.kernel}: {field}={getattr(rec, field)!r} is not a parameter of the "
                              f"kernel ({params})")
@@ -172,17 +200,20 @@ def _check(rec, fn) -> None:
 
 def _wrapper(rec, fn):
     signature = inspect.signature(fn)
-    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, *rec.sequence_args}
+    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, rec.documents, *rec.sequence_args}
 
     def call(*args, **kwargs):
         bound = dict(zip(signature.parameters, args), **kwargs)
-        packed = [k for k in _PACKING if bound.get(k) is not None]
+        packed = [k for k in _PACKING if k != rec.documents and bound.get(k) is not None]
         if packed:
-            raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents); "
-                             f"cp_passes' carry does not yet stop the state at document boundaries")
+            raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents), "
+                             f"which its Recurrence does not declare: declare documents={packed[0]!r} if the kernel "
+                             f"takes cu_seqlens-style boundaries (per-token document indices are not supported)")
         options = {k: v for k, v in bound.items() if k in named and v is not None}
+        documents = bound.get(rec.documents) if rec.documents else None
         out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
-                                                    bound.get(rec.initial_state), _encode(rec.kernel, options))
+                                                    bound.get(rec.initial_state), _encode(rec.kernel, options),
+                                                    documents, 0)
         return out, (state if bound.get(rec.output_final_state) else None)
 
     call.cp_passes_recurrence = rec.kernel

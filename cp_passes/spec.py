@@ -68,6 +68,12 @@ class Recurrence:
     value_arg: str = "value"
     """For ``"affine"``: the argument whose last dim is the state's V (extended by K zero columns)."""
     seq_dim: int = 1
+    documents: str | None = None
+    """The argument that takes packed documents' boundaries, ``cu_seqlens`` in flash-linear-attention's
+    convention (cumulative lengths ``[N + 1]`` over a batch of 1; the state starts from ``initial_state[n]``
+    at document ``n``'s start). The model passes the whole sequence's; each rank's kernel receives its own
+    shard's segments, the state carried into the first one unless a document starts exactly there. None:
+    the kernel takes none, and a call with ``cu_seqlens`` is refused."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernel, str) or self.kernel.count(":") != 1:

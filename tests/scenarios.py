@@ -599,6 +599,77 @@ def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
     return small_parity(group, DeltaRule(), kda_spec(form), seq_lens)
 
 
+def gated_scan(query, key, value, g, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """A gated linear recurrence written as a Python loop over positions, in flash-linear-attention's layout:
+    query, key ``[B, T, H, K]``, value ``[B, T, H, V]``, g ``[B, T, H]`` (log decay); the state ``[H, K, V]``
+    goes ``S <- exp(g_t) S + k_t^T v_t`` and ``o_t = q_t S``. With ``cu_seqlens`` (B = 1) document n starts
+    from ``initial_state[n]`` (zeros when None), and the final states are one per document."""
+    batch, length, heads, n_k = key.shape
+    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
+    segments = ([(b, 0, length, b) for b in range(batch)] if cu_seqlens is None else
+                [(0, start, stop, n) for n, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    states = (initial_state if initial_state is not None else
+              key.new_zeros(len(segments), heads, n_k, value.shape[-1]))
+    outs, finals = [[] for _ in range(batch)], []
+    for b, start, stop, n in segments:
+        state = states[n]
+        for t in range(start, stop):
+            state = g[b, t].exp()[:, None, None] * state + key[b, t][:, :, None] * value[b, t][:, None, :]
+            outs[b].append(torch.einsum("hk,hkv->hv", query[b, t], state))
+        finals.append(state)
+    return torch.stack([torch.stack(o) for o in outs]), (torch.stack(finals) if output_final_state else None)
+
+
+SCAN_KERNEL = "scenarios:gated_scan"
+
+
+def scan_spec(form: str = "affine") -> cp_passes.CPSpec:
+    return cp_passes.CPSpec(recurrences=(cp_passes.Recurrence(SCAN_KERNEL, ("query", "key", "value", "g"), form=form,
+                                                              documents="cu_seqlens"),))
+
+
+class PackedScan(torch.nn.Module):
+    """Token embeddings, gated_scan over packed documents (the boundaries passed as ``cu_seqlens``, the whole
+    sequence's), a projection; the loss a sum of squares."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.gate = torch.nn.Linear(16, 2)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids, cu_seqlens=None):
+        h = self.embed(input_ids)
+        q, k, v = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkv]
+        o, _ = gated_scan(q, k, v, F.logsigmoid(self.gate(h)), cu_seqlens=cu_seqlens)
+        out = self.out(o.flatten(-2))
+        return out.pow(2).sum(), out
+
+
+def packed_scan_batch(lengths: list[int]) -> dict:
+    ids = torch.randint(0, 32, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
+
+
+def packed_scan_parity(group, form: str, documents: list[list[int]]) -> list[dict]:
+    """PackedScan under CP, one forward/backward per packing: this rank's results."""
+    torch.manual_seed(0)
+    model = PackedScan()
+    compiled = cp_passes.cp_compile(model, scan_spec(form), mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for lengths in documents:
+        batch = packed_scan_batch(lengths)
+        local, layout = cp_passes.shard_batch({"input_ids": batch["input_ids"]}, group)
+        model.zero_grad()
+        loss, out = compiled(**local, cu_seqlens=batch["cu_seqlens"])
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
+    return results
+
+
 KDA_LAYERS = ("linear_attention",) * 3
 """Glm5Next's first three layer types: Kimi Delta Attention."""
 GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)

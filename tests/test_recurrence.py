@@ -12,7 +12,8 @@ import torch.nn as nn
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.kernels import install
-from scenarios import GLM5_LAYERS, KDA_KERNEL, DeltaRule, glm5_next_batch, hf_glm5_next, kda_spec, mixer_batch
+from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, hf_glm5_next, kda_spec,
+                       mixer_batch, packed_scan_batch)
 from test_parity import GRAD_RTOL, _compare
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
@@ -27,7 +28,7 @@ def _delta_rule_reference(seq_len):
 
 
 # P = 4 by default: at P = 2 the second rank starts from h alone and M (and the fold's order) go unchecked.
-CASES = [(4, "affine"), pytest.param(2, "affine", marks=pytest.mark.full),
+CASES = [(4, "affine"), pytest.param(1, "affine", marks=pytest.mark.full), pytest.param(2, "affine", marks=pytest.mark.full),
          pytest.param(2, "sequential", marks=pytest.mark.full), pytest.param(4, "sequential", marks=pytest.mark.full)]
 
 
@@ -91,7 +92,7 @@ def _split_floor(P: int, seq_len: int, layer_types) -> float:
     return floor
 
 
-@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+@pytest.mark.parametrize("P", [2, pytest.param(1, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
 def test_glm5_next_matches_one_device(pool, parity_report, P):
     """Glm5NextTextModel (GLM-5.3-Flash's public relative) with model_specs/glm5_next.py and its default layer
     types: three KDA layers (short causal convs by halo, the recurrence by the affine carry) and an
@@ -114,6 +115,43 @@ def test_glm5_next_matches_one_device(pool, parity_report, P):
     rules = [rec[0] for rec in per_rank[0][0]["records"]]
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
     assert rules.count("sdpa_data_mask") == 1, rules
+
+
+def _packed_reference(lengths: list[int]):
+    """One device on the packed sequence; the kernel is first checked to restart at each document (its output
+    on the packing is its output on each document alone)."""
+    torch.manual_seed(0)
+    model = PackedScan()
+    batch = packed_scan_batch(lengths)
+    loss, out = model(**batch)
+    with torch.no_grad():
+        alone = [model(batch["input_ids"][:, a:b])[1] for a, b in zip(batch["cu_seqlens"][:-1], batch["cu_seqlens"][1:])]
+    torch.testing.assert_close(out.detach(), torch.cat(alone, 1), rtol=1e-6, atol=1e-6)
+    loss.backward()
+    return loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+PACKED = [(4, "affine"), pytest.param(1, "affine", marks=pytest.mark.full),
+          pytest.param(2, "affine", marks=pytest.mark.full), pytest.param(4, "sequential", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,form", PACKED)
+def test_packed_documents_restart_the_state_across_ranks(pool, parity_report, P, form):
+    """A kernel that takes cu_seqlens (flash-linear-attention's convention), called with the whole sequence's:
+    each rank's kernel runs on its own shard's segments, the state carried into the first unless a document
+    starts exactly there. At P = 4 (4 positions a rank) documents of 3, 9, 4 put the second across ranks 0, 1
+    and 2 and start the third at rank 3's first position; 8, 5, 3 start one at rank 2's (at P = 2, rank 1's).
+    Bytes stay state-sized."""
+    documents = [[3, 9, 4], [8, 5, 3]]
+    per_rank = pool.run("packed_scan_parity", P, form=form, documents=documents)
+    for i, lengths in enumerate(documents):
+        _compare(f"packed-gated-scan-{form}-aot_eager", [r[i] for r in per_rank], *_packed_reference(lengths),
+                 sum(lengths), parity_report)
+    state = 2 * 8 * 8 * 4  # batch 1, 2 heads, K = V = 8, fp32
+    for rank, results in enumerate(per_rank):
+        (carry,) = [rec for rec in results[0]["records"] if rec[1] == "carry"]
+        moved = (P - 1) * 2 * state if form == "affine" else (P - 1) ** 2 * state
+        assert carry == (f"carry_{form}", "carry", moved, state if rank else 0), carry
 
 
 @pytest.fixture(scope="module")

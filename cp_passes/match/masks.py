@@ -15,6 +15,8 @@ import torch.fx
 from ..graph.analysis import meta_val, seq_dims, seq_multiple
 from ..transports.masks import MetadataMask
 
+aten = torch.ops.aten
+
 
 @dataclass
 class PositionMask:
@@ -31,16 +33,27 @@ def _float(val) -> bool:
     return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
+_VALUELESS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
+              aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
+              aten.rand_like.default, aten.randn_like.default, aten.detach.default}
+"""Ops that read only their input's shape, dtype or device (or cut its gradient): no gradient flows back."""
+
+
 def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes whose value may carry a gradient: floating-point values computed from a floating-point
-    input (a parameter, embeddings). Integer and boolean values (indices, comparisons, masks) never do."""
-    found = set()
+    input (a parameter, embeddings). Integer and boolean values (indices, comparisons, masks) never do,
+    nor a tensor made like another (``new_full``, ``zeros_like``)."""
+    found, module = set(), graph.owning_module
     for n in graph.nodes:
         val = meta_val(n)
-        if n.op == "placeholder":
+        if n.op == "placeholder":  # the graph's fake values say nothing of requires_grad: any float may
             if _float(val):
                 found.add(n)
-        elif n.op == "call_function" and any(a in found for a in n.all_input_nodes):
+        elif n.op == "get_attr":  # a parameter held by the graph module: its own flag
+            attr = torch.fx.graph_module._get_attr(module, n.target) if module is not None else None
+            if _float(attr) and attr.requires_grad:
+                found.add(n)
+        elif n.op == "call_function" and n.target not in _VALUELESS and any(a in found for a in n.all_input_nodes):
             if _float(val) or isinstance(val, (tuple, list)):
                 found.add(n)
     return found

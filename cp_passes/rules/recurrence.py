@@ -13,7 +13,7 @@ from .registry import Rewrite, RuleContext, register_rule
 
 @register_rule(torch.ops.cp_passes.recurrence.default)
 def recurrence_rule(ctx: RuleContext):
-    kernel, args, initial_state, _ = ctx.node.args
+    kernel, args, initial_state, _, documents, _ = ctx.node.args
     rec = next((r for r in ctx.spec.recurrences if r.kernel == kernel), None)
     if rec is None:
         ctx.refuse(f"it runs the recurrent kernel {kernel}, which this spec does not declare (another cp_compile "
@@ -25,6 +25,10 @@ def recurrence_rule(ctx: RuleContext):
                        "pass the kernel [batch, seq, ...] tensors, or fix the Recurrence's seq_dim")
     if initial_state is not None and ctx.is_seq(initial_state):
         ctx.refuse("its initial state is sharded along the sequence", "pass one state for the whole sequence")
+    if documents is not None and ctx.is_seq(documents):
+        ctx.refuse(f"its document boundaries {rec.documents!r} are sharded along the sequence",
+                   "pass the whole sequence's cu_seqlens (every rank holds them; cp_passes cuts each rank's "
+                   "segments)")
     for user in ctx.node.users:
         if user.target is operator.getitem and user.args[1] == 1 and user.users:
             ctx.refuse(f"the model reads the final state of {rec.kernel}; under CP each rank's final state is "

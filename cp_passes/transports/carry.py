@@ -16,6 +16,7 @@ the ranks that produced it. Bytes are state-sized, independent of the sequence l
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -42,17 +43,18 @@ class Carry:
 
 
 def affine_summary(kernel: str, args: list[torch.Tensor], options: str, value: int, state: list[int],
-                   dtype: torch.dtype) -> torch.Tensor:
+                   dtype: torch.dtype, documents, offset) -> torch.Tensor:
     """``[h | M]`` of this rank's shard: the kernel from the state ``[0 | I]`` on values extended by K zero
     columns (``h``: the final state from zeros; ``M``: how the final state depends on the initial one).
-    ``state`` is the kernel's state shape ``[..., K, V]``."""
+    ``state`` is the kernel's state shape ``[..., K, V]``. With packed documents, a shard in which a document
+    starts (at its first position or later) has ``M = 0``: the kernel restarts the state there."""
     *batch, n_k, n_v = state
     v = args[value]
     extended = list(args)
     extended[value] = torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1)
     start = torch.cat([torch.zeros(*batch, n_k, n_v, dtype=dtype, device=v.device),
                        torch.eye(n_k, dtype=dtype, device=v.device).expand(*batch, n_k, n_k)], -1)
-    return torch.ops.cp_passes.recurrence(kernel, extended, start, options)[1]
+    return torch.ops.cp_passes.recurrence(kernel, extended, start, options, documents, offset)[1]
 
 
 def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int) -> torch.Tensor:
@@ -65,8 +67,8 @@ def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int) -> torc
     return state
 
 
-def final_state(kernel: str, args: list[torch.Tensor], state, options: str) -> torch.Tensor:
-    return torch.ops.cp_passes.recurrence(kernel, args, state, options)[1]
+def final_state(kernel: str, args: list[torch.Tensor], state, options: str, documents, offset) -> torch.Tensor:
+    return torch.ops.cp_passes.recurrence(kernel, args, state, options, documents, offset)[1]
 
 
 def predecessor(every: torch.Tensor, initial_state, rank: int) -> torch.Tensor:
@@ -83,13 +85,17 @@ class CarryTransport(Transport):
 
     def apply(self, edit, request: Carry) -> None:
         node, rec = request.node, request.recurrence
-        kernel, args, initial_state, options = node.args
+        kernel, args, initial_state, options, documents, _ = node.args
         args = [edit.current(a) for a in args]
         initial_state = edit.current(initial_state) if initial_state is not None else None
+        # This shard's first global position, rank * local length (a carry needs contiguous shards): packed
+        # documents are cut to its segments.
+        length = edit.insert(aten.sym_size.int, (args[0], rec.seq_dim), name="cp_carry_length")
+        offset = edit.insert(operator.mul, (length, edit.rank), name="cp_carry_offset")
         if rec.form == "affine":
             state = request.state
             summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.value_arg),
-                                                   [int(s) for s in state.shape], state.dtype),
+                                                   [int(s) for s in state.shape], state.dtype, documents, offset),
                                   name="cp_carry_summary")
             every = self._gather(edit, summary, "cp_carry_summaries")
             n_v = state.shape[-1]
@@ -97,10 +103,11 @@ class CarryTransport(Transport):
         else:
             start = initial_state
             for round_ in range(edit.world - 1):
-                final = edit.insert(final_state, (kernel, args, start, options), name=f"cp_carry_round{round_}")
+                final = edit.insert(final_state, (kernel, args, start, options, documents, offset),
+                                    name=f"cp_carry_round{round_}")
                 every = self._gather(edit, final, f"cp_carry_finals{round_}")
                 start = edit.insert(predecessor, (every, initial_state, edit.rank), name=f"cp_carry_in{round_}")
-        node.args = (kernel, args, start, options)
+        node.args = (kernel, args, start, options, documents, offset)
         edit.changed(node)
 
     def _gather(self, edit, state: torch.fx.Node, name: str) -> torch.fx.Node:
