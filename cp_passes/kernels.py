@@ -209,8 +209,12 @@ def _wrapper(rec, fn):
             raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents), "
                              f"which its Recurrence does not declare: declare documents={packed[0]!r} if the kernel "
                              f"takes cu_seqlens-style boundaries (per-token document indices are not supported)")
-        options = {k: v for k, v in bound.items() if k in named and v is not None}
         documents = bound.get(rec.documents) if rec.documents else None
+        if documents is not None and (bound.get(rec.initial_state) is not None or bound.get(rec.output_final_state)):
+            # One state per document in or out (generation with a cache): the op carries one. Run the kernel
+            # itself; under cp_compile its loop then pins the length, which is refused naming the line.
+            return fn(*args, **kwargs)
+        options = {k: v for k, v in bound.items() if k in named and v is not None}
         out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
                                                     bound.get(rec.initial_state), _encode(rec.kernel, options),
                                                     documents, 0)

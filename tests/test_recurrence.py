@@ -13,7 +13,7 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.kernels import install
 from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, hf_glm5_next, kda_spec,
-                       mixer_batch, packed_scan_batch)
+                       mixer_batch, packed_scan_batch, scan_spec)
 from test_parity import GRAD_RTOL, _compare
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
@@ -221,3 +221,19 @@ def test_a_declaration_is_checked_against_the_kernel_and_packed_calls_are_refuse
                                        cu_seqlens=torch.tensor([0, 2, 4]))
     with pytest.raises(ValueError, match="its argument 'chunk_size' is inf"):
         glm.chunk_kimi_delta_attention(x, x, x, g=-x.sigmoid(), beta=x[..., 0].sigmoid(), chunk_size=float("inf"))
+
+
+def test_a_call_with_one_state_per_document_runs_the_kernel_itself():
+    """cu_seqlens with initial states or final states per document (generation with a cache) is not what
+    the op carries: the installed wrapper calls the kernel as it is, so a call outside CP is unchanged."""
+    import scenarios
+
+    raw = getattr(scenarios.gated_scan, "__wrapped__", scenarios.gated_scan)  # installed by an earlier test
+    install(scan_spec().recurrences)
+    x = torch.randn(1, 6, 2, 8)
+    g, cu, states = -x[..., 0].sigmoid(), torch.tensor([0, 2, 6]), torch.randn(2, 2, 8, 8)
+    got = scenarios.gated_scan(x, x, x, g, initial_state=states, output_final_state=True, cu_seqlens=cu)
+    want = raw(x, x, x, g, initial_state=states, output_final_state=True, cu_seqlens=cu)
+    assert scenarios.gated_scan is not raw
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -51,6 +51,8 @@ def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies, reads) -> None:
             # copy_'s value: the source broadcast to the view's shape, in its dtype.
             written = graph.call_function(aten.expand_as.default, (copy.args[1], values[-1]))
             written = graph.call_function(aten.type_as.default, (written, values[-1]))
+            if all(_SCATTER[view.target] is None for view in chain):  # the whole tensor: a copy, not the source
+                written = graph.call_function(aten.clone.default, (written,))
             for view, below in zip(reversed(chain), reversed(values[:-1])):
                 scatter = _SCATTER[view.target]
                 written = written if scatter is None else graph.call_function(scatter, (below, written,
@@ -58,7 +60,8 @@ def _rewrite(graph: torch.fx.Graph, base: torch.fx.Node, copies, reads) -> None:
         for new in graph.nodes:
             if new not in order:
                 new.meta.update({k: v for k, v in copy.meta.items() if k != "val"})
-                new.meta["val"] = new.target(*torch.fx.map_arg(new.args, lambda n: n.meta["val"]))
+                args, kwargs = torch.fx.map_arg((new.args, new.kwargs), lambda n: n.meta["val"])
+                new.meta["val"] = new.target(*args, **kwargs)
                 order[new] = order[copy]
         current = written
         graph.erase_node(copy)

@@ -126,6 +126,8 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
         elif n.op == "placeholder":
             if not tensor:
                 return f"its mask reads input '{n.name}', which is not a tensor"
+            if len(dims) != 1 or seq_multiple(val.shape[dims[0]], sym) != 1:
+                return f"its mask reads input '{n.name}', whose sequence axis is not one whole dim"
             tensor_leaves.append(n)
         elif n.op in ("call_function", "get_attr"):
             nodes.append(n)
