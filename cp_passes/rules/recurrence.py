@@ -34,7 +34,8 @@ def recurrence_rule(ctx: RuleContext):
             ctx.refuse(f"the model reads the final state of {rec.kernel}; under CP each rank's final state is "
                        f"that of its shard (only the last rank's is the sequence's)",
                        "read the final state outside the compiled module, or only in inference without CP")
-    how = ("every rank's [h | M] gathered and folded" if rec.form == "affine"
-           else f"{ctx.world - 1} rounds of handing final states on")
+    how = ("every rank's [h | M] gathered and folded; the kernel runs twice per rank, once on K more value "
+           "columns, ranks in parallel" if rec.form == "affine"
+           else f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
     return Rewrite(f"carry_{rec.form}", "carry", Carry(ctx.node, rec),
                    note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")
