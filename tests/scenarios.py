@@ -326,6 +326,12 @@ def mixer_batch(seq_len: int) -> dict:
     return {"input_ids": torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(3))}
 
 
+def _step(model, compiled, loss, out, layout) -> dict:
+    """One step's results on this rank: loss, outputs, gradients, which rows are real, the rewrite table."""
+    return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+            "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes) for r in compiled.compile_records[-1].records]}
+
+
 def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
     """A model called as ``loss, out = model(input_ids=...)`` on mixer batches: this rank's results."""
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
@@ -335,9 +341,7 @@ def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
         model.zero_grad()
         loss, out = compiled(**local)
         loss.backward()
-        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
-                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
-                                    for r in compiled.compile_records[-1].records]})
+        results.append(_step(model, compiled, loss, out, layout))
     return results
 
 
@@ -664,9 +668,7 @@ def packed_scan_parity(group, form: str, documents: list[list[int]]) -> list[dic
         model.zero_grad()
         loss, out = compiled(**local, cu_seqlens=batch["cu_seqlens"])
         loss.backward()
-        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
-                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
-                                    for r in compiled.compile_records[-1].records]})
+        results.append(_step(model, compiled, loss, out, layout))
     return results
 
 
@@ -711,7 +713,5 @@ def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = 
         out = compiled(**local).last_hidden_state
         loss = out.pow(2).sum()
         loss.backward()
-        results.append({"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
-                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
-                                    for r in compiled.compile_records[-1].records]})
+        results.append(_step(model, compiled, loss, out, layout))
     return results

@@ -71,17 +71,22 @@ def _gradient_path(mask: torch.fx.Node, carry: set) -> set[torch.fx.Node]:
 
 
 def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
-    """The nodes computed only for ``mask``: every use leads to it (a value nothing reads does not count)."""
+    """The nodes computed only for ``mask``: every use leads to it (a value nothing reads, or a size check,
+    does not count)."""
     ancestors, stack = set(), [mask]
     while stack:
         n = stack.pop()
         if n not in ancestors:
             ancestors.add(n)
             stack.extend(n.all_input_nodes)
-    own = {mask}
+    own, checks = {mask}, set()
     for n in reversed(list(mask.graph.nodes)):
-        if n in ancestors and n.users and all(u in own or (not u.users and not u.is_impure()) for u in n.users):
+        if n in ancestors and n.users and all(u in own or u in checks or (not u.users and not u.is_impure())
+                                              for u in n.users):
             own.add(n)
+        elif n.target is aten._assert_scalar.default or (
+                isinstance(meta_val(n), (torch.SymInt, torch.SymBool)) and n.users and all(u in checks for u in n.users)):
+            checks.add(n)  # a size check (torch._check on a top-k width): no value of its own
     return own
 
 
