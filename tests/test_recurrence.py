@@ -108,7 +108,8 @@ def test_glm5_next_matches_one_device(pool, parity_report, P):
     loss = out.pow(2).sum()
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    tolerance = max(GRAD_RTOL, 2 * _split_floor(P, seq_len, GLM5_LAYERS))
+    # At P = 1 the split is no split; the model's sensitivity to rounding is read from a split in two.
+    tolerance = max(GRAD_RTOL, 2 * _split_floor(max(P, 2), seq_len, GLM5_LAYERS))
     _compare(f"hf-Glm5NextTextModel-kda-indexed-aot_eager (grad tol {tolerance:.1e})",
              [r[0] for r in per_rank], loss.detach(), out.detach(), grads, seq_len, parity_report,
              grad_rtol=tolerance)
