@@ -297,6 +297,18 @@ def _top_k_attention(x):
     return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ x
 
 
+def _top_k_over_a_running_sum(x):
+    """The top-k indexer reads a running sum that the values use too: the mask's leaf is the scan's output as
+    the carry makes it, not the shard's own running sum."""
+    s, running = x.shape[1], x.cumsum(1)
+    causal = torch.arange(s)[:, None] >= torch.arange(s)[None, :]
+    with torch.no_grad():
+        index = (running @ running.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+        picked = index.topk(min(3, s), dim=-1).indices
+        keep = torch.zeros(x.shape[0], s, s, dtype=torch.bool).scatter(-1, picked, True) & causal
+    return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ running
+
+
 def _both_ways_activation_mask(x):
     """SDPA with a boolean mask computed from activations that lets queries see later keys."""
     q, positive = x[:, None], x.sum(-1) > 0
@@ -305,7 +317,8 @@ def _both_ways_activation_mask(x):
 
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
          "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
-         "top_k_attention": _top_k_attention, "both_ways_activation_mask": _both_ways_activation_mask}
+         "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
+         "both_ways_activation_mask": _both_ways_activation_mask}
 
 
 class Mixer(torch.nn.Module):

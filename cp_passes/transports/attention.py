@@ -104,14 +104,15 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
     activations, for a mask computed without gradient), global lengths and the parameters it reads."""
 
-    def detached(leaf):  # the graph's fake values do not say which tensors require grad: any float may
+    def detached(leaf):
+        """This rank's ``leaf`` as the rewritten graph computes it (a scan's, say, after its carry), without
+        its autograd edge (the graph's fake values do not say which tensors require grad: any float may)."""
+        now = edit.current(leaf)
         if not meta_val(leaf).is_floating_point():
-            return leaf
-        return edit.insert(aten.detach.default, (leaf,), name=f"cp_{leaf.name}_detached")
+            return now
+        return edit.insert(aten.detach.default, (now,), name=f"cp_{leaf.name}_detached")
 
-    # A leaf is this rank's rows as the rewritten graph computes them (a scan's, say, after its carry).
-    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(edit.current(leaf)), d, edit.world,
-                                                                         edit.group_name),
+    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(leaf), d, edit.world, edit.group_name),
                           name=f"cp_{leaf.name}_gathered")
               for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
