@@ -116,6 +116,12 @@ def test_glm5_next_matches_one_device(pool, parity_report, P):
     rules = [rec[0] for rec in per_rank[0][0]["records"]]
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
     assert rules.count("sdpa_data_mask") == 1, rules
+    # The indexed layer receives the other ranks' rows of what its indexer reads besides its own nodes (the layer
+    # input, 64 wide, and q's low-rank input, 16) and of K and V (2 heads x 16 each): batch 2, fp32.
+    local = seq_len // P
+    for results in per_rank:
+        (indexed,) = [rec for rec in results[0]["records"] if rec[0] == "sdpa_data_mask"]
+        assert indexed[2] == (P - 1) * local * 2 * (64 + 16 + 64) * 4, indexed
 
 
 def _packed_reference(lengths: list[int]):

@@ -221,6 +221,23 @@ def test_copies_into_slices_of_a_fresh_tensor_are_written_out_of_place(group):
     assert "aten.slice_scatter" in history["fills out of place"] and "aten.copy_" not in history["fills out of place"]
 
 
+def _filled_whole(x):
+    whole = x.new_empty(x.shape)
+    whole[..., :8].copy_(x)  # every column: an alias of the whole tensor
+    return whole.mul_(2) + x
+
+
+def test_a_copy_into_the_whole_of_a_fresh_tensor_stays_a_copy(group):
+    """Written out of place, the filled tensor must not be the source itself: the in-place doubling after it
+    would double x too."""
+    torch.manual_seed(0)
+    model = Tiny(_filled_whole)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 32, (2, 8))
+    torch.testing.assert_close(compiled(ids), model(ids), rtol=0, atol=0)
+    assert "aten.alias" in dict(compiled.compile_records[0].history)["aten (pre-dispatch)"]
+
+
 def test_a_read_between_copies_into_a_fresh_tensor_is_refused(group):
     def mix(x):
         both = x.new_empty(*x.shape[:-1], 16)

@@ -33,16 +33,9 @@ def _float(val) -> bool:
     return isinstance(val, torch.Tensor) and (val.is_floating_point() or val.is_complex())
 
 
-_VALUELESS = {aten.new_empty.default, aten.new_zeros.default, aten.new_ones.default, aten.new_full.default,
-              aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default,
-              aten.rand_like.default, aten.randn_like.default, aten.detach.default}
-"""Ops that read only their input's shape, dtype or device (or cut its gradient): no gradient flows back."""
-
-
 def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The nodes whose value may carry a gradient: floating-point values computed from a floating-point
-    input (a parameter, embeddings). Integer and boolean values (indices, comparisons, masks) never do,
-    nor a tensor made like another (``new_full``, ``zeros_like``)."""
+    input (a parameter, embeddings). Integer and boolean values (indices, comparisons, masks) never do."""
     found, module = set(), graph.owning_module
     for n in graph.nodes:
         val = meta_val(n)
@@ -53,21 +46,10 @@ def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             attr = torch.fx.graph_module._get_attr(module, n.target) if module is not None else None
             if _float(attr) and attr.requires_grad:
                 found.add(n)
-        elif n.op == "call_function" and n.target not in _VALUELESS and any(a in found for a in n.all_input_nodes):
+        elif n.op == "call_function" and any(a in found for a in n.all_input_nodes):
             if _float(val) or isinstance(val, (tuple, list)):
                 found.add(n)
     return found
-
-
-def _gradient_path(mask: torch.fx.Node, carry: set) -> set[torch.fx.Node]:
-    """The nodes a gradient of ``mask`` would reach (through floating-point values only)."""
-    path, stack = set(), [mask] if mask in carry else []
-    while stack:
-        n = stack.pop()
-        if n not in path:
-            path.add(n)
-            stack.extend(a for a in n.all_input_nodes if a in carry)
-    return path
 
 
 def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
@@ -100,11 +82,11 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
     over the whole sequence, and the parameters it reads are passed in. ``carry`` is
     :func:`may_carry_gradient` of the graph (computed here when not given)."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
-    grads, own = _gradient_path(mask, carry), _own(mask)
-    if grads:
+    if mask in carry:
         return (f"its mask '{mask.name}' carries a gradient back to what it is computed from (a learned or "
                 f"data-dependent bias, not a mask); masks without one (boolean, or from metadata or indices) "
                 f"are evaluated over the whole sequence")
+    own = _own(mask)
     nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
         n = stack.pop()

@@ -16,7 +16,7 @@ the ranks that produced it. Bytes are state-sized, independent of the sequence l
 
 from __future__ import annotations
 
-import operator
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val
 from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
+from ..layout import Layout
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 
@@ -40,6 +41,11 @@ class Carry:
     @property
     def state(self) -> torch.Tensor:
         return meta_val(self.node)[1]
+
+
+def shard_start(rank: int, world: int, local_len):
+    """The global position of this rank's first row (a carry's shards are contiguous)."""
+    return Layout(world).start(rank, local_len)
 
 
 def affine_summary(kernel: str, args: list[torch.Tensor], options: str, value: int, state: list[int],
@@ -88,10 +94,9 @@ class CarryTransport(Transport):
         kernel, args, initial_state, options, documents, _ = node.args
         args = [edit.current(a) for a in args]
         initial_state = edit.current(initial_state) if initial_state is not None else None
-        # This shard's first global position, rank * local length (a carry needs contiguous shards): packed
-        # documents are cut to its segments.
+        # Packed documents are cut to the segments of this shard, from its first global position.
         length = edit.insert(aten.sym_size.int, (args[0], rec.seq_dim), name="cp_carry_length")
-        offset = edit.insert(operator.mul, (length, edit.rank), name="cp_carry_offset")
+        offset = edit.insert(shard_start, (edit.rank, edit.world, length), name="cp_carry_offset")
         if rec.form == "affine":
             state = request.state
             summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.value_arg),
@@ -119,10 +124,8 @@ class CarryTransport(Transport):
 
     def cost(self, request: Carry, layout, rank, local_len) -> Cost:
         state = request.state
-        itemsize, shape = state.dtype.itemsize, list(state.shape)
-        elements = 1
-        for s in shape:
-            elements *= int(s)
+        itemsize, shape = state.dtype.itemsize, [int(s) for s in state.shape]
+        elements = math.prod(shape)
         bound = elements * itemsize if rank > 0 else 0  # the predecessor's final state
         others = layout.world - 1
         if request.recurrence.form == "affine":
