@@ -285,28 +285,28 @@ def _window_with_key_temperature(x):
     return scores.masked_fill(~band, float("-inf")).softmax(-1) @ x
 
 
-def _top_k_attention(x):
-    """Sparse attention as an indexer writes it: under no_grad, scores from the activations pick each query's
-    3 best causal keys (top-k), the indices are scattered into a boolean mask; attention sees those keys only."""
+def _top_k(x, indexed, values):
+    """Sparse attention as an indexer writes it: under no_grad, scores from ``indexed`` pick each query's 3
+    best causal keys (top-k), the indices are scattered into a boolean mask; attention over ``x`` sees those
+    keys only and reads ``values``."""
     s = x.shape[1]
     causal = torch.arange(s)[:, None] >= torch.arange(s)[None, :]
     with torch.no_grad():
-        index = (x @ x.transpose(1, 2)).masked_fill(~causal, float("-inf"))
+        index = (indexed @ indexed.transpose(1, 2)).masked_fill(~causal, float("-inf"))
         picked = index.topk(min(3, s), dim=-1).indices
         keep = torch.zeros(x.shape[0], s, s, dtype=torch.bool).scatter(-1, picked, True) & causal
-    return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ x
+    return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ values
+
+
+def _top_k_attention(x):
+    return _top_k(x, x, x)
 
 
 def _top_k_over_a_running_sum(x):
-    """The top-k indexer reads a running sum that the values use too: the mask's leaf is the scan's output as
-    the carry makes it, not the shard's own running sum."""
-    s, running = x.shape[1], x.cumsum(1)
-    causal = torch.arange(s)[:, None] >= torch.arange(s)[None, :]
-    with torch.no_grad():
-        index = (running @ running.transpose(1, 2)).masked_fill(~causal, float("-inf"))
-        picked = index.topk(min(3, s), dim=-1).indices
-        keep = torch.zeros(x.shape[0], s, s, dtype=torch.bool).scatter(-1, picked, True) & causal
-    return (x @ x.transpose(1, 2)).masked_fill(~keep, float("-inf")).softmax(-1) @ running
+    """The indexer reads a running sum that the values use too: the mask's leaf is the scan's output as the
+    carry makes it, not the shard's own running sum."""
+    running = x.cumsum(1)
+    return _top_k(x, running, running)
 
 
 def _both_ways_activation_mask(x):
