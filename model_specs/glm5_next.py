@@ -10,6 +10,12 @@ top-k mask carries no gradient, so it is evaluated over the whole sequence from 
 MLA's ``expand_kv`` (copies into slices of an empty tensor) is rewritten out of place. Its MoE layers are
 not covered yet (the grouped-mm dispatch sorts tokens over the flattened sequence): build it with
 ``mlp_layer_types=["dense"] * num_hidden_layers``.
+
+Packed rows: ``shard_batch`` with this spec adds doc ids and per-document positions, which the model takes
+and does not read (it uses no positions, and its indexer masks padding only), so its state and its indexer
+run across documents, as on one device. To keep documents apart the model must be called with
+``cu_seqlens``, which transformers' CPU fallbacks refuse ("can't keep packed sequences apart"), and so does
+this spec, naming ``Recurrence.documents``.
 """
 
 from cp_passes.spec import CPSpec, Recurrence

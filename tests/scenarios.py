@@ -728,3 +728,21 @@ def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = 
         loss.backward()
         results.append(_step(model, compiled, loss, out, layout))
     return results
+
+
+def glm5_next_packed_batch(documents: list[list[int]]) -> dict:
+    """Two packed rows of Glm5Next tokens, one per list of document lengths (each row's lengths sum alike)."""
+    ids = torch.randint(1, 128, (len(documents), sum(documents[0])), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
+
+
+def glm5_next_packed_parity(group, documents: list[list[int]], layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
+    """The model with model_specs/glm5_next.py on packed rows sharded by shard_batch (doc ids and per-document
+    positions added, which the model takes and does not read); the loss as in glm5_next_parity."""
+    model = hf_glm5_next(layer_types=tuple(layer_types))
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(glm5_next_packed_batch(documents), group, "glm5_next")
+    out = compiled(**local).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return _step(model, compiled, loss, out, layout)

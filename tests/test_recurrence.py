@@ -11,9 +11,10 @@ import torch.nn as nn
 
 import cp_passes
 from cp_passes import CPCompileError
+from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
-from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, hf_glm5_next, kda_spec,
-                       mixer_batch, packed_scan_batch, scan_spec)
+from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, glm5_next_packed_batch,
+                       hf_glm5_next, kda_spec, mixer_batch, packed_scan_batch, scan_spec)
 from test_parity import GRAD_RTOL, _compare
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
@@ -92,36 +93,55 @@ def _split_floor(P: int, seq_len: int, layer_types) -> float:
     return floor
 
 
-@pytest.mark.parametrize("P", [2, pytest.param(1, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
-def test_glm5_next_matches_one_device(pool, parity_report, P):
-    """Glm5NextTextModel (GLM-5.3-Flash's public relative) with model_specs/glm5_next.py and its default layer
-    types: three KDA layers (short causal convs by halo, the recurrence by the affine carry) and an
-    indexed-attention layer, whose top-k indexer (no gradient; pools of 4 keys, the open pool's tail) is
-    evaluated over the whole sequence from its gathered inputs: at length 16 the last queries attend to 8 of
-    their 16 causal keys. Hyper-connections throughout. The gradient tolerance is the larger of the suite's
-    and twice the model's one-device floor: running the kernel as the affine carry does moves the indexed
-    layer's hyper-connection scale gradient, which cancels to a small total, by 4.6e-4 of its size."""
-    seq_len = 16
-    per_rank = pool.run("glm5_next_parity", P, seq_lens=[seq_len], layer_types=GLM5_LAYERS)
+def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
+    """One device on ``batch`` against this step's results on every rank. The gradient tolerance is the larger
+    of the suite's and twice the model's one-device floor: running the kernel as the affine carry does moves
+    the indexed layer's hyper-connection scale gradient, which cancels to a small total, by 4.6e-4 of its
+    size. Every KDA layer's short conv goes by halo and its recurrence by the affine carry; the indexed
+    layer receives the other ranks' rows of what its indexer reads besides its own nodes (the layer input,
+    64 wide, and q's low-rank input, 16) and of K and V (2 heads x 16 each): batch 2, fp32."""
     model = hf_glm5_next(layer_types=GLM5_LAYERS)
-    out = model(**glm5_next_batch(seq_len)).last_hidden_state
+    out = model(**batch).last_hidden_state
     loss = out.pow(2).sum()
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    seq_len = out.shape[1]
     # At P = 1 the split is no split; the model's sensitivity to rounding is read from a split in two.
     tolerance = max(GRAD_RTOL, 2 * _split_floor(max(P, 2), seq_len, GLM5_LAYERS))
-    _compare(f"hf-Glm5NextTextModel-kda-indexed-aot_eager (grad tol {tolerance:.1e})",
-             [r[0] for r in per_rank], loss.detach(), out.detach(), grads, seq_len, parity_report,
-             grad_rtol=tolerance)
-    rules = [rec[0] for rec in per_rank[0][0]["records"]]
+    _compare(f"{name} (grad tol {tolerance:.1e})", results_by_rank, loss.detach(), out.detach(), grads, seq_len,
+             parity_report, grad_rtol=tolerance)
+    rules = [rec[0] for rec in results_by_rank[0]["records"]]
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
     assert rules.count("sdpa_data_mask") == 1, rules
-    # The indexed layer receives the other ranks' rows of what its indexer reads besides its own nodes (the layer
-    # input, 64 wide, and q's low-rank input, 16) and of K and V (2 heads x 16 each): batch 2, fp32.
     local = seq_len // P
-    for results in per_rank:
-        (indexed,) = [rec for rec in results[0]["records"] if rec[0] == "sdpa_data_mask"]
+    for results in results_by_rank:
+        (indexed,) = [rec for rec in results["records"] if rec[0] == "sdpa_data_mask"]
         assert indexed[2] == (P - 1) * local * 2 * (64 + 16 + 64) * 4, indexed
+
+
+@pytest.mark.parametrize("P", [2, pytest.param(1, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
+def test_glm5_next_matches_one_device(pool, parity_report, P):
+    """Glm5NextTextModel (GLM-5.3-Flash's public relative) with model_specs/glm5_next.py and its default layer
+    types: three KDA layers and an indexed-attention layer, whose top-k indexer (no gradient; pools of 4
+    keys, the open pool's tail) is evaluated over the whole sequence from its gathered inputs: at length 16
+    the last queries attend to 8 of their 16 causal keys. Hyper-connections throughout."""
+    per_rank = pool.run("glm5_next_parity", P, seq_lens=[16], layer_types=GLM5_LAYERS)
+    _glm5_next_check("hf-Glm5NextTextModel-kda-indexed-aot_eager", P, [r[0] for r in per_rank],
+                     glm5_next_batch(16), parity_report)
+
+
+@pytest.mark.parametrize("P", [4, pytest.param(2, marks=pytest.mark.full)])
+def test_glm5_next_packed_rows_match_one_device(pool, parity_report, P):
+    """Packed rows through shard_batch with the family spec: documents of 3, 9, 4 (the second across ranks 0,
+    1 and 2 at P = 4, the third starting at rank 3's first position) and 8, 5, 3. The model takes the doc ids
+    and per-document positions and, as its authors wrote it for CPU, reads neither: its KDA state and its
+    indexer run across documents on one device too (transformers refuses cu_seqlens there, as it refuses it
+    under cp_passes), so one device on the same packed rows is the reference."""
+    documents = [[3, 9, 4], [8, 5, 3]]
+    per_rank = pool.run("glm5_next_packed_parity", P, documents=documents, layer_types=GLM5_LAYERS)
+    whole, _ = shard_for_rank(glm5_next_packed_batch(documents), 0, 1, "glm5_next")
+    assert whole["doc_ids"][0].tolist() == [0] * 3 + [1] * 9 + [2] * 4, whole["doc_ids"]
+    _glm5_next_check("hf-Glm5NextTextModel-packed-aot_eager", P, per_rank, whole, parity_report)
 
 
 def _packed_reference(lengths: list[int]):
