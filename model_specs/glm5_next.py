@@ -14,8 +14,8 @@ not covered yet (the grouped-mm dispatch sorts tokens over the flattened sequenc
 Packed rows: ``shard_batch`` with this spec adds doc ids and per-document positions, which the model takes
 and does not read (it uses no positions, and its indexer masks padding only), so its state and its indexer
 run across documents, as on one device. To keep documents apart the model must be called with
-``cu_seqlens``, which transformers' CPU fallbacks refuse ("can't keep packed sequences apart"), and so does
-this spec, naming ``Recurrence.documents``.
+``cu_seqlens``, which transformers' CPU fallbacks refuse ("can't keep packed sequences apart"), under
+cp_passes as on one device.
 """
 
 from cp_passes.spec import CPSpec, Recurrence

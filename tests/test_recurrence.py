@@ -250,6 +250,15 @@ def test_a_declaration_is_checked_against_the_kernel_and_packed_calls_are_refuse
         glm.chunk_kimi_delta_attention(x, x, x, g=-x.sigmoid(), beta=x[..., 0].sigmoid(), chunk_size=float("inf"))
 
 
+def test_glm5_next_called_with_cu_seqlens_is_refused_as_on_one_device(group):
+    """transformers' CPU fallbacks cannot keep packed documents apart and raise; under cp_compile that is a
+    refusal that carries their message, not a crash."""
+    compiled = cp_passes.cp_compile(hf_glm5_next(), "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(glm5_next_batch(16), group, "glm5_next")
+    with pytest.raises(CPCompileError, match="can't keep packed sequences apart"):
+        compiled(**local, cu_seqlens=torch.tensor([0, 5, 16]))
+
+
 def test_a_call_with_one_state_per_document_runs_the_kernel_itself():
     """cu_seqlens with initial states or final states per document (generation with a cache) is not what
     the op carries: the installed wrapper calls the kernel as it is, so a call outside CP is unchanged."""
