@@ -133,6 +133,17 @@ class CPSpec:
     """For packed rows: the key of unshifted labels :func:`cp_passes.shard_batch` reads, and the key it writes
     them to shifted inside each document. Packing writes positions to ``position_keys[0]``."""
 
+    pad_multiple: int = 1
+    """Every shard holds a multiple of this many positions: the least common multiple of the windows the
+    model groups the sequence into (``[B, S, D] -> [B, S / m, m, D]``, as compressed attention does), so that
+    no window straddles two ranks. :func:`cp_passes.shard_batch` pads to a multiple of ``P * pad_multiple``,
+    ``cp_compile`` refuses a local length that is not a multiple, and the planner proves window reshapes
+    local with it."""
+
+    packed_alignment: int = 1
+    """For packed rows: :func:`cp_passes.shard_batch` starts every document at a multiple of this many
+    positions (a model's compression groups), padding the one before it."""
+
     gather_kv_together: bool = True
     """Gather K and V of one attention call in a single collective (same bytes, one launch)."""
 
@@ -172,6 +183,10 @@ class CPSpec:
             raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")
         if len(self.packed_labels) != 2:
             raise ValueError(f"CPSpec.packed_labels must be (unshifted key, shifted key), got {self.packed_labels!r}")
+        for field in ("pad_multiple", "packed_alignment"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CPSpec.{field} must be a positive int, got {value!r}")
         for field in ("pad_token_id", "ignore_index"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool):

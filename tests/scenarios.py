@@ -746,3 +746,42 @@ def glm5_next_packed_parity(group, documents: list[list[int]], layer_types: tupl
     loss = out.pow(2).sum()
     loss.backward()
     return _step(model, compiled, loss, out, layout)
+
+
+class Compressor(torch.nn.Module):
+    """DeepSeek V4's compressor of heavily compressed attention (transformers' DeepseekV4HCACompressor) on
+    token embeddings: windows of 4 positions pooled by a learned softmax gate into one entry each, rotated
+    at the window's global position. Returns the sum of squares of the entries and the entries."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
+
+        config = DeepseekV4Config(vocab_size=32, hidden_size=16, head_dim=8, num_hidden_layers=1, q_lora_rank=8,
+                                  compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
+        self.embed = torch.nn.Embedding(32, 16)
+        self.compressor = ds.DeepseekV4HCACompressor(config)
+        torch.nn.init.normal_(self.compressor.position_bias)
+
+    def forward(self, input_ids, position_ids):
+        entries, _ = self.compressor(self.embed(input_ids), None, position_ids, None, 0)
+        return entries.pow(2).sum(), entries
+
+
+COMPRESSOR_SPEC = cp_passes.CPSpec(name="compressor", pad_multiple=4)
+
+
+def compressor_batch(seq_len: int) -> dict:
+    ids = torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
+
+
+def compressor_parity(group, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    model = Compressor()
+    compiled = cp_passes.cp_compile(model, COMPRESSOR_SPEC, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, COMPRESSOR_SPEC)
+    loss, out = compiled(**local)
+    loss.backward()
+    return _step(model, compiled, loss, out, layout)

@@ -52,7 +52,8 @@ class CPBackend:
         stage = "capture"
         try:  # everything that can fail happens before the agreement: after it, the other ranks run the graph
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
-            aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len)
+            aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len,
+                                      owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
@@ -202,6 +203,11 @@ class CPModule(torch.nn.Module):
             raise ValueError(f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}{listed} "
                              f"(the call passes {names}){hint}")
         seq_len = found[1].shape[spec.seq_dim]
+        if seq_len % spec.pad_multiple:
+            raise ValueError(f"the local sequence length {seq_len} is not a multiple of spec {spec.name!r}'s "
+                             f"pad_multiple={spec.pad_multiple} (the model groups the sequence into windows that "
+                             f"must not straddle ranks); shard the batch with cp_passes.shard_batch(batch, mesh, "
+                             f"spec), which pads to a multiple of P * pad_multiple")
         self._sharded = {}
         for name, t in leaves:
             if spec.seq_inputs is not None and name in spec.seq_inputs and t.shape[spec.seq_dim] != seq_len:

@@ -78,9 +78,10 @@ def _specialized_error(name: str, length: int, where: str) -> CPCompileError:
     )
 
 
-def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, local_len: int):
+def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, local_len: int, multiple: int = 1):
     """Re-trace dynamo's graph to pre-dispatch ATen (stack traces and module paths kept) after proving that
-    every sharded input carries one symbolic sequence length. Returns ``(aten_gm, fakes)``."""
+    every sharded input carries one symbolic sequence length, a multiple of ``multiple`` (the spec's
+    ``pad_multiple``). Returns ``(aten_gm, fakes)``."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fake_mode = torch._guards.detect_fake_mode([meta_val(n) for n in placeholders])
     shape_env = fake_mode.shape_env
@@ -99,6 +100,9 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, loc
         sizes.append(size)
     for size in sizes[1:]:
         torch._check(size == sizes[0])  # the wrapper checked the lengths are equal: one symbol for all of them
+    for divisor in range(2, multiple + 1):  # the wrapper checked it: sizes such as s // (s // m) then simplify
+        if multiple % divisor == 0:
+            torch._check(sizes[0] % divisor == 0)
     sym = shape_env.replace(sizes[0].node.expr)
     retracer = _Retracer(gm, shape_env, sym if sym.is_Symbol else None)
     with fx_traceback.preserve_node_meta():

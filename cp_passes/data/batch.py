@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -50,6 +51,9 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
                 mask_keys: tuple[str, ...] = ()) -> tuple[dict, ShardLayout]:
     """Pad every sequence tensor of ``batch`` to a multiple of ``P * pad_multiple`` and keep this rank's slice.
 
+    ``pad_multiple`` and ``packed_alignment`` combine with the spec's own (their least common multiple), so
+    a family whose model groups the sequence into windows needs no argument here.
+
     ``spec`` is a CPSpec, a spec name or ``.py`` path (as :func:`cp_passes.cp_compile` takes), or None.
     Token inputs (``spec.token_keys``) are padded with ``spec.pad_token_id``, labels with
     ``spec.ignore_index`` (so the loss ignores padding), position ids by continuing the count, masks
@@ -84,6 +88,8 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     spec = resolve_spec(spec)
+    pad_multiple, packed_alignment = math.lcm(pad_multiple, spec.pad_multiple), math.lcm(packed_alignment,
+                                                                                         spec.packed_alignment)
     checked = check_batch(dict(batch), spec, mask_keys)
     dim, rows, seq_len = spec.seq_dim, checked.rows, checked.seq_len
     batch, packed_valid = checked.batch, None

@@ -11,6 +11,8 @@ positions are created.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import sympy
 import torch
 import torch.fx
@@ -25,7 +27,12 @@ def meta_val(value):
 
 
 def expr_of(size):
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+    """A size's expression, simplified with what the shape environment knows (a size such as
+    ``s // (s // 4)`` is 4 once the length is known to be a multiple of 4)."""
+    if isinstance(size, torch.SymInt):
+        env = size.node.shape_env
+        return env.simplify(size.node.expr) if env is not None else size.node.expr
+    return sympy.Integer(int(size))
 
 
 def has_symbol(value, sym) -> bool:
@@ -50,6 +57,33 @@ def seq_multiple(size, sym) -> int | None:
     if ratio.is_Integer and int(ratio) > 0:
         return int(ratio)
     return None
+
+
+def _whole_windows(expr, sym, multiple: int):
+    """``expr`` with the local length written ``multiple * t``: sizes such as ``(s // m) * m`` then simplify,
+    because every shard holds a multiple of ``multiple`` positions."""
+    if multiple == 1:
+        return expr
+    return sympy.expand(expr.subs(sym, multiple * _UNITS))
+
+
+_UNITS = sympy.Symbol("cp_units", integer=True, positive=True)
+
+
+def seq_ratio(size, sym, multiple: int = 1) -> Fraction | None:
+    """``r`` when a dim's size is exactly ``r * s`` with ``r`` a positive rational: 1 for the sequence axis,
+    ``k`` when merged with ``k`` batch rows, ``1 / m`` for windows of ``m`` positions (``s // m``), which is
+    exact when every shard holds a multiple of ``m`` positions (``multiple``, the spec's ``pad_multiple``)."""
+    expr = _whole_windows(expr_of(size), sym, multiple)
+    ratio = sympy.simplify(expr / _whole_windows(sym, sym, multiple))
+    if ratio.is_Rational and ratio > 0:
+        return Fraction(int(ratio.p), int(ratio.q))
+    return None
+
+
+def same_size(a, b, sym, multiple: int = 1) -> bool:
+    """Whether two sizes are equal for every local length that is a multiple of ``multiple``."""
+    return sympy.simplify(_whole_windows(expr_of(a), sym, multiple) - _whole_windows(expr_of(b), sym, multiple)) == 0
 
 
 def hint(value) -> int:

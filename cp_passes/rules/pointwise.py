@@ -52,6 +52,7 @@ positionwise(
     aten.tanh,
     aten.softplus,
     aten.stack,
+    aten.floor_divide,
 )
 
 

@@ -1,13 +1,18 @@
-"""Views, reshapes, copies, slices and pads: they must keep the sequence axis whole."""
+"""Views, reshapes, copies, slices and pads: they must keep the sequence axis whole, or split it into
+windows of consecutive positions that every shard holds whole (``CPSpec.pad_multiple``)."""
 
 from __future__ import annotations
+
+import math
+from fractions import Fraction
 
 import sympy
 import torch
 import torch.fx
+from torch.utils._sympy.functions import FloorDiv
 
 from ..errors import op_name, source_line
-from ..graph.analysis import expr_of, meta_val, seq_multiple
+from ..graph.analysis import expr_of, hint, meta_val, same_size, seq_ratio
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -49,18 +54,56 @@ def _layout(ctx: RuleContext):
     out = meta_val(ctx.node)
     if not isinstance(out, torch.Tensor):
         return None
+    multiple = ctx.spec.pad_multiple
     for d in ctx.seq_dims(ctx.node):
-        if seq_multiple(out.shape[d], ctx.sym) is None:
+        if seq_ratio(out.shape[d], ctx.sym, multiple) is None:
+            needed = _windows_multiple(out.shape[d], ctx.sym, multiple)
             ctx.refuse(
                 f"it reshapes the sequence axis into size {out.shape[d]} (local length {ctx.sym}), splitting it "
                 f"into chunks; positions inside a chunk would straddle rank boundaries",
+                f"declare CPSpec(pad_multiple={needed}) so that every shard holds whole windows (shard_batch then "
+                f"pads to a multiple of P * {needed})" if needed else
                 "keep the sequence axis whole in reshapes (merging it with batch dims is fine), or shard "
                 "a length that is a multiple of the chunk and register a rule for the chunked op",
             )
     n_in = max((len(ctx.seq_dims(a)) for a in ctx.tensor_inputs()), default=0)
     if len(ctx.seq_dims(ctx.node)) > max(n_in, 1):
         ctx.refuse("it creates a second sequence axis", NO_RULE_FIX)
+    if ctx.node.target in _VIEWS and ctx.is_seq(ctx.node):
+        _check_windows_outer(ctx)
     return None
+
+
+def _windows_multiple(size, sym, multiple: int) -> int | None:
+    """The ``pad_multiple`` that makes a size of windows exact (``s // m`` needs shards of whole windows)."""
+    divisors = [int(a.args[1]) for a in expr_of(size).atoms(FloorDiv) if a.args[1].is_Integer]
+    needed = math.lcm(multiple, *divisors)
+    return needed if divisors and seq_ratio(size, sym, needed) is not None else None
+
+
+def _check_windows_outer(ctx: RuleContext) -> None:
+    """A view that regroups the sequence axis must keep it outermost in its group: ``[.., S, ..] ->
+    [.., S / m, m, ..]`` (windows of consecutive positions; batch rows may merge in front), or the reverse.
+    ``[m, S / m]`` would put positions ``i * S / m + j`` of the local shard, not of the sequence, together."""
+    src = next(iter(ctx.tensor_inputs()), None)
+    if src is None or len(ctx.seq_dims(src)) != 1 or len(ctx.seq_dims(ctx.node)) != 1:
+        return
+    (d,), (e,) = ctx.seq_dims(src), ctx.seq_dims(ctx.node)
+    shape_in, shape_out = meta_val(src).shape, meta_val(ctx.node).shape
+    multiple = ctx.spec.pad_multiple
+    inner_in, inner_out = math.prod(hint(x) for x in shape_in[d + 1:]), math.prod(hint(x) for x in shape_out[e + 1:])
+    ratio_in, ratio_out = (seq_ratio(shape_in[d], ctx.sym, multiple), seq_ratio(shape_out[e], ctx.sym, multiple))
+    if ratio_in is None or ratio_out is None or (ratio_in.denominator == 1 and ratio_out.denominator == 1):
+        return  # no windows: batch rows merged in front of the sequence or split off it
+    unit = Fraction(inner_out, inner_in)  # windows grow by this factor (or shrink by its inverse)
+    batch = ratio_out * unit / ratio_in  # rows merged in front (> 1) or split off (< 1) of the batch rows in front
+    split_off = batch.numerator == 1 and ratio_in.numerator % batch.denominator == 0
+    if not (unit.denominator == 1 or unit.numerator == 1) or not (batch.denominator == 1 or split_off):
+        ctx.refuse(f"it regroups the sequence axis into {tuple(shape_out)} with the positions of a group spread "
+                   f"across the shard (from {tuple(shape_in)}); under sharding a group would mix this rank's "
+                   f"positions with no counterpart on one device",
+                   "split the sequence as [..., S / m, m, ...] (windows of consecutive positions, the window "
+                   "axis outer)")
 
 
 @register_rule(aten.slice)
@@ -76,7 +119,8 @@ def _slice(ctx: RuleContext):
     if not in_seq and not out_seq:
         return None
     full = out.shape[dim] is meta_val(src).shape[dim] or (
-        str(out.shape[dim]) == str(meta_val(src).shape[dim]) and (ctx.arg("step") in (None, 1))
+        same_size(out.shape[dim], meta_val(src).shape[dim], ctx.sym, ctx.spec.pad_multiple)
+        and (ctx.arg("step") in (None, 1))
     )
     if in_seq and full:
         return None
@@ -97,9 +141,11 @@ def _slice(ctx: RuleContext):
 
 @register_rule(aten.slice_scatter, aten.select_scatter)
 def _write_slice(ctx: RuleContext):
-    """``x[..., a:b] = y`` out of place: position-wise unless it writes along the sequence axis."""
+    """``x[..., a:b] = y`` out of place: position-wise unless it writes part of the sequence axis."""
     dim = ctx.arg("dim") % ctx.ndim(ctx.node)
-    if dim in ctx.seq_dims(ctx.node):
+    whole = ctx.node.target is aten.slice_scatter.default and same_size(
+        meta_val(ctx.arg("src")).shape[dim], meta_val(ctx.node).shape[dim], ctx.sym, ctx.spec.pad_multiple)
+    if dim in ctx.seq_dims(ctx.node) and not whole:
         ctx.refuse(f"it writes a slice of the sequence axis (dim {dim}); on a shard that would be this rank's "
                    f"positions, not the sequence's", NO_RULE_FIX)
     return None

@@ -1,0 +1,99 @@
+"""Grouped sequence axes: a model that splits the sequence into windows of m positions (``[B, S, D] ->
+[B, S / m, m, D]``, as DeepSeek V4's compressors do) runs locally when every shard holds whole windows
+(``CPSpec.pad_multiple``), and the windows' positions become global. Parity on real gloo processes;
+refusals and the batch side on the fake process group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_passes
+from cp_passes import CPCompileError
+from cp_passes.data.batch import shard_for_rank
+from scenarios import COMPRESSOR_SPEC, Compressor, compressor_batch
+from test_parity import GRAD_RTOL, OUT_TOL
+
+
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+def test_compressed_entries_match_one_device(pool, P):
+    """transformers' heavily-compressed-attention compressor, windows of 4, two per rank (a rank holding a
+    single window would let the tracer specialize the window count to 1). Entries (rotated at their global
+    window positions) and gradients match one device; nothing moves between ranks."""
+    seq_len = 8 * P
+    per_rank = pool.run("compressor_parity", P, seq_len=seq_len)
+    torch.manual_seed(0)
+    model = Compressor()
+    loss, out = model(**compressor_batch(seq_len))
+    loss.backward()
+    entries = torch.cat([r["logits"] for r in per_rank], dim=2)  # [batch, 1, windows, head_dim]
+    assert entries.shape == out.shape == (2, 1, seq_len // 4, 8)
+    assert (entries - out.detach()).abs().max().item() <= OUT_TOL
+    assert abs(sum(r["loss"] for r in per_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())
+    for name, p in model.named_parameters():
+        total = sum(r["grads"][name] for r in per_rank)
+        assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, name
+    for results in per_rank:
+        rules = {(rule, transport, moved) for rule, transport, moved, _ in results["records"]}
+        assert ("arange_positions", "positions", 0) in rules, rules
+        assert all(moved == 0 for _, _, moved in rules), rules
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
+    return dist.group.WORLD
+
+
+def _compile(model, spec, group, seq_len):
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
+    return compiled, local
+
+
+def test_windows_without_a_pad_multiple_are_refused_naming_it(group):
+    compiled, local = _compile(Compressor(), cp_passes.CPSpec(), group, 64)
+    with pytest.raises(CPCompileError, match=r"modeling_deepseek_v4.py:\d+ .*\n.*splitting it into chunks.*\n.*"
+                                             r"CPSpec\(pad_multiple=4\)"):
+        compiled(**local)
+
+
+def test_a_shard_of_partial_windows_is_refused_before_compiling(group):
+    compiled = cp_passes.cp_compile(Compressor(), COMPRESSOR_SPEC, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(compressor_batch(64), group)  # no spec: shards of 8 + 2 positions
+    local = {k: v[:, :6] for k, v in local.items()}
+    with pytest.raises(ValueError, match="local sequence length 6 is not a multiple of spec 'compressor'"):
+        compiled(**local)
+
+
+class InnerWindows(torch.nn.Module):
+    """Groups positions i * S / 4 + j together: the window axis is the inner one."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids, position_ids):
+        h = self.embed(input_ids)
+        groups = h.view(h.shape[0], 4, h.shape[1] // 4, 8).sum(1)
+        return groups.pow(2).sum(), groups
+
+
+def test_windows_of_strided_positions_are_refused(group):
+    compiled, local = _compile(InnerWindows(), COMPRESSOR_SPEC, group, 64)
+    with pytest.raises(CPCompileError, match="the window axis outer"):
+        compiled(**local)
+
+
+def test_shard_batch_pads_to_the_spec_multiple():
+    """22 positions over 2 ranks with pad_multiple 4: padded to 24 (shards of 12 = 3 windows); packed
+    documents of 5 and 6 aligned to the spec's packed_alignment 4 start at 0 and 8."""
+    batch = compressor_batch(22)
+    local, layout = shard_for_rank(batch, 1, 2, COMPRESSOR_SPEC)
+    assert layout.padded_len == 24 and local["input_ids"].shape == (2, 12)
+    spec = COMPRESSOR_SPEC.replace(packed_alignment=4)
+    packed = {"input_ids": batch["input_ids"][:, :11], "seq_lens": torch.tensor([[5, 6], [5, 6]])}
+    whole, _ = shard_for_rank(packed, 0, 1, spec)
+    assert whole["doc_ids"][0].tolist() == [0] * 5 + [-1] * 3 + [1] * 6 + [-1] * 2, whole["doc_ids"]
