@@ -785,3 +785,43 @@ def compressor_parity(group, seq_len: int) -> dict:
     loss, out = compiled(**local)
     loss.backward()
     return _step(model, compiled, loss, out, layout)
+
+
+class OverlappingWindows(torch.nn.Module):
+    """The window pairing of DeepSeek V4's CSA compressor, as transformers writes it: each position projects
+    to two halves; entry ``w`` pools window ``w``'s second halves with window ``w - 1``'s first halves (written
+    into rows ``1:`` of a fresh tensor; window 0's slots stay zero with a -inf gate). Windows of 2."""
+
+    def __init__(self, ratio: int = 2, dim: int = 8):
+        super().__init__()
+        self.ratio, self.dim = ratio, dim
+        self.embed = torch.nn.Embedding(32, 16)
+        self.kv_proj = torch.nn.Linear(16, 2 * dim, bias=False)
+        self.gate_proj = torch.nn.Linear(16, 2 * dim, bias=False)
+        self.position_bias = torch.nn.Parameter(torch.randn(ratio, 2 * dim))
+
+    def forward(self, input_ids, position_ids):
+        h = self.embed(input_ids)
+        batch, ratio, dim = h.shape[0], self.ratio, self.dim
+        n_windows = h.shape[1] // ratio
+        kv = self.kv_proj(h).view(batch, n_windows, ratio, -1)
+        gate = self.gate_proj(h).view(batch, n_windows, ratio, -1) + self.position_bias
+        new_kv = kv.new_zeros((batch, n_windows, 2 * ratio, dim))
+        new_gate = gate.new_full((batch, n_windows, 2 * ratio, dim), float("-inf"))
+        new_kv[:, :, ratio:] = kv[..., dim:]
+        new_gate[:, :, ratio:] = gate[..., dim:]
+        new_kv[:, 1:, :ratio] = kv[:, :-1, :, :dim]
+        new_gate[:, 1:, :ratio] = gate[:, :-1, :, :dim]
+        entries = (new_kv * new_gate.softmax(dim=2)).sum(dim=2)
+        return entries.pow(2).sum(), entries
+
+
+def overlapping_windows_parity(group, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    model = OverlappingWindows()
+    spec = cp_passes.CPSpec(name="overlap", pad_multiple=2)
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
+    loss, out = compiled(**local)
+    loss.backward()
+    return _step(model, compiled, loss, out, layout)

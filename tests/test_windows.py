@@ -10,7 +10,7 @@ import torch.distributed as dist
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
-from scenarios import COMPRESSOR_SPEC, Compressor, compressor_batch
+from scenarios import COMPRESSOR_SPEC, Compressor, OverlappingWindows, compressor_batch
 from test_parity import GRAD_RTOL, OUT_TOL
 
 
@@ -97,3 +97,27 @@ def test_shard_batch_pads_to_the_spec_multiple():
     packed = {"input_ids": batch["input_ids"][:, :11], "seq_lens": torch.tensor([[5, 6], [5, 6]])}
     whole, _ = shard_for_rank(packed, 0, 1, spec)
     assert whole["doc_ids"][0].tolist() == [0] * 5 + [-1] * 3 + [1] * 6 + [-1] * 2, whole["doc_ids"]
+
+
+@pytest.mark.parametrize("P", [4, pytest.param(2, marks=pytest.mark.full)])
+def test_windows_paired_with_the_previous_one_take_a_halo_of_one_window(pool, P):
+    """DeepSeek V4's CSA pairing (window w pools window w - 1's first halves, written into rows 1: of a
+    fresh tensor) becomes a shift of one window: each rank but the first receives, for the values and for
+    the gates, exactly the first halves of the previous rank's last window (batch 2 x 2 positions x 8 x 4 B),
+    and rank 0's first entry keeps the zero / -inf slots."""
+    seq_len = 4 * P
+    per_rank = pool.run("overlapping_windows_parity", P, seq_len=seq_len)
+    torch.manual_seed(0)
+    model = OverlappingWindows()
+    loss, out = model(**compressor_batch(seq_len))
+    loss.backward()
+    entries = torch.cat([r["logits"] for r in per_rank], dim=1)
+    assert entries.shape == out.shape == (2, seq_len // 2, 8)
+    assert (entries - out.detach()).abs().max().item() <= OUT_TOL
+    assert abs(sum(r["loss"] for r in per_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())
+    for name, p in model.named_parameters():
+        total = sum(r["grads"][name] for r in per_rank)
+        assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, name
+    for rank, results in enumerate(per_rank):
+        shifts = [moved for rule, _, moved, _ in results["records"] if rule == "shift_stencil"]
+        assert shifts == [2 * 2 * 8 * 4 if rank else 0] * 2, shifts

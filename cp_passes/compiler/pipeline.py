@@ -17,6 +17,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, sequence_symbol
 from ..graph.fills import fills_out_of_place
+from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
 from ..transports import in_order
 from .planner import Plan, RewriteRecord, plan_graph
@@ -68,6 +69,8 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     if fills_out_of_place(aten_gm):
         record.history.append(("fills out of place", format_graph(aten_gm)))
+    if shifted_writes_as_shifts(aten_gm, sym):
+        record.history.append(("shifted writes as shifts", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
     record.records = plan.records

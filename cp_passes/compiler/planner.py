@@ -151,7 +151,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     refused: set[torch.fx.Node] = set()
     values: dict[torch.fx.Node, Value] = {}
     origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
-    matches = match_graph(gm, sym)
+    matches = match_graph(gm, sym, spec.pad_multiple)
     keys = KeyPlan()
     plan.claimed = frozenset(matches.claimed)
     plan.keys = matches.blocks.keys

@@ -68,7 +68,7 @@ def _claim(matches: Matches, graph: torch.fx.Graph, nodes: set, anchors: set) ->
             matches.claimed.add(n)
 
 
-def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
+def match_graph(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> Matches:
     matches = Matches()
     mask_nodes, mask_anchors = set(), set()
     carry = may_carry_gradient(gm.graph)
@@ -103,7 +103,7 @@ def match_graph(gm: torch.fx.GraphModule, sym) -> Matches:
         for pad in gm.graph.find_nodes(op="call_function", target=target):
             if pad in matches.claimed:
                 continue
-            shifts = match_shifts(pad, sym)
+            shifts = match_shifts(pad, sym, multiple)
             if shifts:
                 matches.claimed.add(pad)
                 matches.shifts.update((s.node, s) for s in shifts)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, seq_multiple
+from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, seq_ratio
 from ..transports.halo import ConvHalo
 from ..transports.shift import Shift
 
@@ -21,9 +21,10 @@ aten = torch.ops.aten
 PADS = (aten.constant_pad_nd.default, aten.pad.default)
 
 
-def match_shifts(pad: torch.fx.Node, sym) -> list[Shift]:
-    """The shifts ``pad``'s users read, or ``[]`` unless every user is one."""
-    found = _padded_dim(pad, sym)
+def match_shifts(pad: torch.fx.Node, sym, multiple: int = 1) -> list[Shift]:
+    """The shifts ``pad``'s users read, or ``[]`` unless every user is one. Along windows of positions (a dim
+    of size ``s // m``, ``m`` dividing ``multiple``) a shift reads whole windows."""
+    found = _padded_dim(pad, sym, multiple)
     if found is None:
         return []
     source, dim, before, after, value = found
@@ -43,8 +44,9 @@ def match_shifts(pad: torch.fx.Node, sym) -> list[Shift]:
     return shifts
 
 
-def _padded_dim(pad: torch.fx.Node, sym):
-    """``(source, dim, before, after, value)`` when ``pad`` pads one dim, the unsplit sequence axis, else None."""
+def _padded_dim(pad: torch.fx.Node, sym, multiple: int = 1):
+    """``(source, dim, before, after, value)`` when ``pad`` pads one dim, the unsplit sequence axis (or its
+    windows, ``s // m`` with ``m`` dividing ``multiple``), else None."""
     args = bind_args(pad)
     if args.get("mode", "constant") != "constant":
         return None
@@ -56,7 +58,8 @@ def _padded_dim(pad: torch.fx.Node, sym):
     if len(padded) != 1 or len(dims) != 1:
         return None
     ((dim, (before, after)),) = padded.items()
-    if dim != dims[0] or seq_multiple(meta_val(source).shape[dim], sym) != 1 or before < 0 or after < 0:
+    ratio = seq_ratio(meta_val(source).shape[dim], sym, multiple)
+    if dim != dims[0] or ratio is None or ratio.numerator != 1 or before < 0 or after < 0:
         return None
     return source, dim, before, after, args.get("value") or 0
 

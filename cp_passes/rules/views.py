@@ -110,8 +110,10 @@ def _check_windows_outer(ctx: RuleContext) -> None:
 def _slice(ctx: RuleContext):
     shift = ctx.matches.shifts.get(ctx.node)
     if shift is not None:
+        ratio = seq_ratio(meta_val(shift.source).shape[shift.dim], ctx.sym, ctx.spec.pad_multiple)
+        row = "position t" if ratio == 1 else f"the window (of {ratio.denominator} positions) w"
         return Rewrite("shift_stencil", "shift", shift,
-                       note=f"reads position t{shift.offset:+d} (pad value {shift.fill} outside the sequence)")
+                       note=f"reads {row}{shift.offset:+d} (pad value {shift.fill} outside the sequence)")
     src = ctx.arg("self")
     dim = ctx.arg("dim") % ctx.ndim(src)
     out = meta_val(ctx.node)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, numel_hint
+from ..graph.analysis import hint, meta_val, numel_hint
 from ..layout import Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
@@ -122,6 +122,7 @@ class ShiftTransport(Transport):
         edit.replace_uses(request.node, shifted)
 
     def cost(self, request: Shift, layout, rank, local_len) -> Cost:
+        local_len = hint(meta_val(request.source).shape[request.dim])  # rows: positions, or windows of them
         row = numel_hint(request.source) // local_len * meta_val(request.source).dtype.itemsize
         recv = sum(n for owner, _, n in layout.shifted_sources(request.offset, rank, local_len)
                    if owner not in (None, rank))
