@@ -816,12 +816,40 @@ class OverlappingWindows(torch.nn.Module):
         return entries.pow(2).sum(), entries
 
 
-def overlapping_windows_parity(group, seq_len: int) -> dict:
+def overlapping_windows_parity(group, seq_lens: list[int]) -> list[dict]:
+    """OverlappingWindows under CP at each length in turn (one compiled model): this rank's results, each
+    with the number of graphs compiled so far."""
     torch.manual_seed(0)
     model = OverlappingWindows()
     spec = cp_passes.CPSpec(name="overlap", pad_multiple=2)
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
-    loss, out = compiled(**local)
-    loss.backward()
-    return _step(model, compiled, loss, out, layout)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
+        model.zero_grad()
+        loss, out = compiled(**local)
+        loss.backward()
+        results.append({**_step(model, compiled, loss, out, layout), "compiles": len(compiled.compile_records)})
+    return results
+
+
+class ShiftedWrite(torch.nn.Module):
+    """A token shift written into a fresh tensor: ``prev[:, 1:] = h[:, :-1]`` (zeros at the first position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.mix = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        prev = h.new_zeros(h.shape)
+        prev[:, 1:] = h[:, :-1]
+        out = self.mix(torch.cat([h, prev], -1))
+        return out.pow(2).sum(), out
+
+
+def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, ShiftedWrite(), None, seq_lens)
+

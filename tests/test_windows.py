@@ -10,7 +10,7 @@ import torch.distributed as dist
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
-from scenarios import COMPRESSOR_SPEC, Compressor, OverlappingWindows, compressor_batch
+from scenarios import COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch, mixer_batch
 from test_parity import GRAD_RTOL, OUT_TOL
 
 
@@ -83,7 +83,7 @@ class InnerWindows(torch.nn.Module):
 
 def test_windows_of_strided_positions_are_refused(group):
     compiled, local = _compile(InnerWindows(), COMPRESSOR_SPEC, group, 64)
-    with pytest.raises(CPCompileError, match="the window axis outer"):
+    with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
         compiled(**local)
 
 
@@ -99,25 +99,67 @@ def test_shard_batch_pads_to_the_spec_multiple():
     assert whole["doc_ids"][0].tolist() == [0] * 5 + [-1] * 3 + [1] * 6 + [-1] * 2, whole["doc_ids"]
 
 
+def _matches_one_device(model, batch, results_by_rank, dim) -> None:
+    loss, out = model(**batch)
+    loss.backward()
+    got = torch.cat([r["logits"] for r in results_by_rank], dim=dim)
+    assert got.shape == out.shape
+    assert (got - out.detach()).abs().max().item() <= OUT_TOL
+    assert abs(sum(r["loss"] for r in results_by_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())
+    for name, p in model.named_parameters():
+        total = sum(r["grads"][name] for r in results_by_rank)
+        assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, name
+
+
 @pytest.mark.parametrize("P", [4, pytest.param(2, marks=pytest.mark.full)])
 def test_windows_paired_with_the_previous_one_take_a_halo_of_one_window(pool, P):
     """DeepSeek V4's CSA pairing (window w pools window w - 1's first halves, written into rows 1: of a
     fresh tensor) becomes a shift of one window: each rank but the first receives, for the values and for
     the gates, exactly the first halves of the previous rank's last window (batch 2 x 2 positions x 8 x 4 B),
-    and rank 0's first entry keeps the zero / -inf slots."""
-    seq_len = 4 * P
-    per_rank = pool.run("overlapping_windows_parity", P, seq_len=seq_len)
-    torch.manual_seed(0)
-    model = OverlappingWindows()
-    loss, out = model(**compressor_batch(seq_len))
-    loss.backward()
-    entries = torch.cat([r["logits"] for r in per_rank], dim=1)
-    assert entries.shape == out.shape == (2, seq_len // 2, 8)
-    assert (entries - out.detach()).abs().max().item() <= OUT_TOL
-    assert abs(sum(r["loss"] for r in per_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())
-    for name, p in model.named_parameters():
-        total = sum(r["grads"][name] for r in per_rank)
-        assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, name
+    and rank 0's first entry keeps the zero / -inf slots. Three lengths: the first (two windows a rank, so
+    one row to copy) gets a graph dynamo guards to that length, and one more graph serves the others."""
+    seq_lens = [4 * P, 8 * P, 12 * P]
+    per_rank = pool.run("overlapping_windows_parity", P, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        _matches_one_device(OverlappingWindows(), compressor_batch(seq_len), [r[i] for r in per_rank], 1)
     for rank, results in enumerate(per_rank):
-        shifts = [moved for rule, _, moved, _ in results["records"] if rule == "shift_stencil"]
-        assert shifts == [2 * 2 * 8 * 4 if rank else 0] * 2, shifts
+        for result in results:
+            shifts = [moved for rule, _, moved, _ in result["records"] if rule == "shift_stencil"]
+            assert shifts == [2 * 2 * 8 * 4 if rank else 0] * 2, shifts
+        assert [r["compiles"] for r in results] == [1, 2, 2], results
+
+
+def test_a_token_shift_written_into_a_fresh_tensor_matches_one_device(pool):
+    """``prev[:, 1:] = h[:, :-1]`` along positions: each rank but the first receives one row, at every
+    length, from one graph."""
+    seq_lens = [8, 12]
+    per_rank = pool.run("shifted_write_parity", 2, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        _matches_one_device(ShiftedWrite(), {"input_ids": mixer_batch(seq_len)["input_ids"]},
+                            [r[i] for r in per_rank], 1)
+    for rank, results in enumerate(per_rank):
+        for result in results:
+            shifts = [moved for rule, _, moved, _ in result["records"] if rule == "shift_stencil"]
+            assert shifts == [2 * 8 * 4 if rank else 0], shifts
+
+
+class TransposedWindows(torch.nn.Module):
+    """Windows of 4 with the in-window axis moved in front, then merged back: positions reordered."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids, position_ids):
+        h = self.embed(input_ids)
+        b, s = h.shape[:2]
+        reordered = h.view(b, s // 4, 4, 8).transpose(1, 2).reshape(b, s, 8)
+        return (reordered * torch.arange(s, device=h.device)[None, :, None]).sum(), reordered
+
+
+def test_windows_reordered_by_a_transpose_are_refused(group):
+    compiled, local = _compile(TransposedWindows(), COMPRESSOR_SPEC, group, 64)
+    with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
+        compiled(**local)

@@ -100,7 +100,9 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, loc
         sizes.append(size)
     for size in sizes[1:]:
         torch._check(size == sizes[0])  # the wrapper checked the lengths are equal: one symbol for all of them
-    for divisor in range(2, multiple + 1):  # the wrapper checked it: sizes such as s // (s // m) then simplify
+    # The wrapper checked that the length is a multiple: told so, the shape env simplifies sizes such as
+    # s // (s // m). It does not derive s % 2 == 0 from s % 4 == 0, so every divisor is stated.
+    for divisor in range(2, multiple + 1):
         if multiple % divisor == 0:
             torch._check(sizes[0] % divisor == 0)
     sym = shape_env.replace(sizes[0].node.expr)

@@ -69,7 +69,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     if fills_out_of_place(aten_gm):
         record.history.append(("fills out of place", format_graph(aten_gm)))
-    if shifted_writes_as_shifts(aten_gm, sym):
+    if shifted_writes_as_shifts(aten_gm, sym, spec.pad_multiple):
         record.history.append(("shifted writes as shifts", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)

@@ -81,7 +81,7 @@ def seq_ratio(size, sym, multiple: int = 1) -> Fraction | None:
     return None
 
 
-def same_size(a, b, sym, multiple: int = 1) -> bool:
+def sizes_equal(a, b, sym, multiple: int = 1) -> bool:
     """Whether two sizes are equal for every local length that is a multiple of ``multiple``."""
     return sympy.simplify(_whole_windows(expr_of(a), sym, multiple) - _whole_windows(expr_of(b), sym, multiple)) == 0
 

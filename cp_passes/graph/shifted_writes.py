@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._dispatch.python import enable_python_dispatcher
 
-from .analysis import bind_args, expr_of, meta_val
+from .analysis import bind_args, expr_of, meta_val, seq_ratio
 
 aten = torch.ops.aten
 
@@ -74,7 +75,8 @@ def _chain(write: torch.fx.Node, dim: int, k: int, sym):
             return None
         chain.add(node)
         for arg in node.all_input_nodes:
-            if sym in set().union(*(_size(arg, d).free_symbols for d in range(meta_val(arg).dim()))):
+            val = meta_val(arg)
+            if isinstance(val, torch.Tensor) and any(sym in _size(arg, d).free_symbols for d in range(val.dim())):
                 stack.append(arg)
     if not sources:
         return None
@@ -89,7 +91,9 @@ def _emit(graph: torch.fx.Graph, like: torch.fx.Node, target, args, kwargs=None)
     node = graph.call_function(target, args, kwargs or {})
     node.meta.update({key: value for key, value in like.meta.items() if key != "val"})
     fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    with meta_val(like).fake_mode:  # arange makes a tensor from sizes alone
+    # In the fake mode (arange makes a tensor from sizes alone) and through the Python dispatcher, as the
+    # tracer ran: the C++ pad kernel would read the length as an int, pinning it with a guard.
+    with meta_val(like).fake_mode, enable_python_dispatcher():
         node.meta["val"] = target(*fake_args, **fake_kwargs)
     return node
 
@@ -108,7 +112,7 @@ def _rewrite(write: torch.fx.Node, dim: int, k: int, found) -> None:
                 (user,) = last.users
                 if user.target is not aten.slice.Tensor or bind_args(user)["dim"] % meta_val(user).dim() == dim:
                     break
-                x = _emit(graph, user, aten.slice.Tensor, (x, *user.args[1:]))
+                x = _emit(graph, user, aten.slice.Tensor, (x, *user.args[1:]), dict(user.kwargs))
                 chain.remove(user)
                 last = user
             widths = [0, 0] * (meta_val(x).dim() - dim - 1) + [k, 0]
@@ -116,7 +120,8 @@ def _rewrite(write: torch.fx.Node, dim: int, k: int, found) -> None:
             rows = _emit(graph, write, aten.sym_size.int, (x, dim))
             new[last] = _emit(graph, write, aten.slice.Tensor, (padded, dim, 0, rows))
         for node in chain:
-            new[node] = _emit(graph, node, node.target, torch.fx.map_arg(node.args, lambda n: new.get(n, n)))
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: new.get(n, n))
+            new[node] = _emit(graph, node, node.target, args, kwargs)
         y = new[write.args[1]]
         rows = _emit(graph, write, aten.sym_size.int, (base, dim))
         index = _emit(graph, write, aten.arange.default, (rows,), {"device": meta_val(base).device})
@@ -131,15 +136,17 @@ def _rewrite(write: torch.fx.Node, dim: int, k: int, found) -> None:
             graph.erase_node(node)
 
 
-def shifted_writes_as_shifts(gm: torch.fx.GraphModule, sym) -> int:
-    """Rewrite the writes described in the module doc; returns how many were rewritten."""
+def shifted_writes_as_shifts(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> int:
+    """Rewrite the writes described in the module doc along positions or windows of them (``multiple``: the
+    spec's ``pad_multiple``); returns how many were rewritten."""
     rewritten = 0
     for write in list(gm.graph.find_nodes(op="call_function", target=aten.slice_scatter.default)):
         args = bind_args(write)
         dim, k, end = args["dim"] % meta_val(write).dim(), args["start"], args["end"]
         if not (isinstance(k, int) and k > 0 and args["step"] == 1 and isinstance(end, int) and end >= _LARGE):
             continue
-        if sym not in _size(write, dim).free_symbols:
+        ratio = seq_ratio(meta_val(write).shape[dim], sym, multiple)
+        if ratio is None or ratio.numerator != 1:  # not the sequence, or merged with batch rows
             continue
         found = _chain(write, dim, k, sym)
         if found is not None:

@@ -12,7 +12,7 @@ import torch.fx
 from torch.utils._sympy.functions import FloorDiv
 
 from ..errors import op_name, source_line
-from ..graph.analysis import expr_of, hint, meta_val, same_size, seq_ratio
+from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -82,28 +82,28 @@ def _windows_multiple(size, sym, multiple: int) -> int | None:
 
 
 def _check_windows_outer(ctx: RuleContext) -> None:
-    """A view that regroups the sequence axis must keep it outermost in its group: ``[.., S, ..] ->
-    [.., S / m, m, ..]`` (windows of consecutive positions; batch rows may merge in front), or the reverse.
-    ``[m, S / m]`` would put positions ``i * S / m + j`` of the local shard, not of the sequence, together."""
+    """A view that regroups the sequence into windows must keep the window axis outermost in its group:
+    ``[.., S, ..] -> [.., S / m, m, ..]`` (windows of consecutive positions), coarser windows, or back to
+    positions. ``[m, S / m]`` would put positions ``i * S / m + j`` of the local shard together, and a factor
+    merged in front of a window axis may be a window's own positions moved there (by a transpose), so both
+    are refused. Views without windows (batch rows merged with the sequence or split off it) pass."""
     src = next(iter(ctx.tensor_inputs()), None)
     if src is None or len(ctx.seq_dims(src)) != 1 or len(ctx.seq_dims(ctx.node)) != 1:
         return
     (d,), (e,) = ctx.seq_dims(src), ctx.seq_dims(ctx.node)
     shape_in, shape_out = meta_val(src).shape, meta_val(ctx.node).shape
     multiple = ctx.spec.pad_multiple
-    inner_in, inner_out = math.prod(hint(x) for x in shape_in[d + 1:]), math.prod(hint(x) for x in shape_out[e + 1:])
-    ratio_in, ratio_out = (seq_ratio(shape_in[d], ctx.sym, multiple), seq_ratio(shape_out[e], ctx.sym, multiple))
+    ratio_in, ratio_out = seq_ratio(shape_in[d], ctx.sym, multiple), seq_ratio(shape_out[e], ctx.sym, multiple)
     if ratio_in is None or ratio_out is None or (ratio_in.denominator == 1 and ratio_out.denominator == 1):
-        return  # no windows: batch rows merged in front of the sequence or split off it
-    unit = Fraction(inner_out, inner_in)  # windows grow by this factor (or shrink by its inverse)
-    batch = ratio_out * unit / ratio_in  # rows merged in front (> 1) or split off (< 1) of the batch rows in front
-    split_off = batch.numerator == 1 and ratio_in.numerator % batch.denominator == 0
-    if not (unit.denominator == 1 or unit.numerator == 1) or not (batch.denominator == 1 or split_off):
-        ctx.refuse(f"it regroups the sequence axis into {tuple(shape_out)} with the positions of a group spread "
-                   f"across the shard (from {tuple(shape_in)}); under sharding a group would mix this rank's "
-                   f"positions with no counterpart on one device",
+        return
+    # Positions per row of the sequence dim grow by exactly what its inner dims grow by: nothing merged in.
+    unit = Fraction(math.prod(hint(x) for x in shape_out[e + 1:]), math.prod(hint(x) for x in shape_in[d + 1:]))
+    if ratio_in.numerator != 1 or ratio_out.numerator != 1 or ratio_in / ratio_out != unit:
+        ctx.refuse(f"it regroups the sequence axis into {tuple(shape_out)} (from {tuple(shape_in)}) other than as "
+                   f"windows of consecutive positions; under sharding a group would mix this rank's positions "
+                   f"with no counterpart on one device",
                    "split the sequence as [..., S / m, m, ...] (windows of consecutive positions, the window "
-                   "axis outer)")
+                   "axis outer), with no other dim merged into the window axis")
 
 
 @register_rule(aten.slice)
@@ -121,7 +121,7 @@ def _slice(ctx: RuleContext):
     if not in_seq and not out_seq:
         return None
     full = out.shape[dim] is meta_val(src).shape[dim] or (
-        same_size(out.shape[dim], meta_val(src).shape[dim], ctx.sym, ctx.spec.pad_multiple)
+        sizes_equal(out.shape[dim], meta_val(src).shape[dim], ctx.sym, ctx.spec.pad_multiple)
         and (ctx.arg("step") in (None, 1))
     )
     if in_seq and full:
@@ -145,7 +145,7 @@ def _slice(ctx: RuleContext):
 def _write_slice(ctx: RuleContext):
     """``x[..., a:b] = y`` out of place: position-wise unless it writes part of the sequence axis."""
     dim = ctx.arg("dim") % ctx.ndim(ctx.node)
-    whole = ctx.node.target is aten.slice_scatter.default and same_size(
+    whole = ctx.node.target is aten.slice_scatter.default and sizes_equal(
         meta_val(ctx.arg("src")).shape[dim], meta_val(ctx.node).shape[dim], ctx.sym, ctx.spec.pad_multiple)
     if dim in ctx.seq_dims(ctx.node) and not whole:
         ctx.refuse(f"it writes a slice of the sequence axis (dim {dim}); on a shard that would be this rank's "
@@ -207,7 +207,8 @@ def _split_with_copies_outer(node: torch.fx.Node, dim: int, n: int) -> torch.fx.
     return None
 
 
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unflatten.int,
+          aten.flatten.using_ints, aten.view_as.default)
 
 
 @register_rule(aten.constant_pad_nd, aten.pad, aten.reflection_pad1d, aten.replication_pad1d)

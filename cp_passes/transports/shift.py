@@ -122,12 +122,12 @@ class ShiftTransport(Transport):
         edit.replace_uses(request.node, shifted)
 
     def cost(self, request: Shift, layout, rank, local_len) -> Cost:
-        local_len = hint(meta_val(request.source).shape[request.dim])  # rows: positions, or windows of them
-        row = numel_hint(request.source) // local_len * meta_val(request.source).dtype.itemsize
-        recv = sum(n for owner, _, n in layout.shifted_sources(request.offset, rank, local_len)
+        rows = hint(meta_val(request.source).shape[request.dim])  # positions, or windows of them
+        row = numel_hint(request.source) // rows * meta_val(request.source).dtype.itemsize
+        recv = sum(n for owner, _, n in layout.shifted_sources(request.offset, rank, rows)
                    if owner not in (None, rank))
         sent = sum(n for r in range(layout.world) if r != rank
-                   for owner, _, n in layout.shifted_sources(request.offset, r, local_len) if owner == rank)
+                   for owner, _, n in layout.shifted_sources(request.offset, r, rows) if owner == rank)
         return Cost(f"all_to_all {abs(request.offset)} rows {'after' if request.offset > 0 else 'before'} | "
                     f"bw all_to_all", recv * row // meta_val(request.source).dtype.itemsize, recv * row, recv * row,
                     sent * row)
