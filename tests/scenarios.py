@@ -853,3 +853,64 @@ def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
     torch.manual_seed(0)
     return small_parity(group, ShiftedWrite(), None, seq_lens)
 
+
+
+def hf_deepseek_v4(seed: int = 0):
+    """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 4), a compressed-sparse-attention layer
+    (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a heavily-compressed one (HCA:
+    windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer and two routed ones (experts
+    as batched matmuls)."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, head_dim=32, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, sliding_window=4, o_groups=2, o_lora_rank=16,
+        index_n_heads=2, index_head_dim=16, index_topk=2,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], use_cache=False, pad_token_id=0, num_nextn_predict_layers=0)
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).float()
+    with torch.no_grad():  # a hash table that routes tokens to different experts
+        for layer in model.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.randint(0, 4, layer.mlp.gate.tid2eid.shape,
+                                                           generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+def deepseek_v4_spec() -> cp_passes.CPSpec:
+    """model_specs/deepseek_v4.py for the tiny config's rates (windows of 2 and 4)."""
+    return cp_passes.load_spec("deepseek_v4").replace(pad_multiple=4, packed_alignment=4)
+
+
+def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions and labels shifted before sharding, or packed rows (one list of document
+    lengths per row) with unshifted labels, which shard_batch shifts inside each document."""
+    rows = 2
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (rows, length), generator=torch.Generator().manual_seed(2))
+    if documents:
+        return {"input_ids": ids, "labels": ids.clone(), "seq_lens": torch.tensor(documents)}
+    shifted = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], 1)
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(rows, length), "shift_labels": shifted}
+
+
+def deepseek_v4_loss(model, batch: dict):
+    """The summed cross entropy of the model's logits against labels shifted inside each document."""
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+    return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
+
+
+def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
+    doc-id map, per-document positions and labels): this rank's results."""
+    model = hf_deepseek_v4()
+    spec = deepseek_v4_spec()
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, spec)
+    loss, logits = deepseek_v4_loss(compiled, local)
+    loss.backward()
+    return _step(model, compiled, loss, logits, layout)

@@ -25,7 +25,7 @@ from ..match.blocks import SCORES
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask
-from ..rules import Rewrite, RuleContext
+from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden
 from ..transports.masks import band
@@ -231,7 +231,12 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
         request = state.operands.get((operand, dim, keys))
         if request is None:
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
-            request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys)
+            concat = source in blocks.concats
+            if concat and keys is not None:
+                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), which cp_passes "
+                           f"brings whole, but its masks were read as {keys.describe()}", NO_RULE_FIX)
+            request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
+                                                                        concat=concat)
             brings = keys.describe() if keys is not None else "every key"
             note = f"{request.describe()} brought to the key axis of '{node.name}': {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))

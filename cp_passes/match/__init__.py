@@ -81,12 +81,12 @@ def match_graph(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> Matches:
         mask = args["attn_mask"]
         sharded = seq_dims(args["query"], sym) and (seq_dims(args["key"], sym) or seq_dims(args["value"], sym))
         if isinstance(mask, torch.fx.Node) and sharded:  # the attention rule replaces this mask
-            found = model_mask(mask, sym, carry)
+            found = model_mask(mask, sym, carry, multiple)
             matches.masks[node] = found
             if isinstance(found, (MetadataMask, PositionMask)):
                 mask_nodes.update(found.nodes)
                 mask_anchors.add((node, mask))
-    matches.blocks = match_blocks(gm, sym, carry)
+    matches.blocks = match_blocks(gm, sym, carry, multiple)
     for mask in matches.blocks.masks.values():
         mask_nodes.update(mask.nodes)
     mask_anchors |= matches.blocks.anchors

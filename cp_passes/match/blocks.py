@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple
+from ..graph.analysis import meta_val, seq_dims, seq_multiple, seq_ratio
+from .head_repeat import match_head_repeat
 from ..transports.masks import MetadataMask
 from .masks import PositionMask, model_mask
 
@@ -36,20 +37,53 @@ class Blocks:
     """``(block op, mask)``: a block op that reads a matched mask (for claiming the mask's nodes)."""
     conflicts: dict = field(default_factory=dict)
     """Block node -> why its key axis is ambiguous."""
+    concats: set = field(default_factory=set)
+    """Key operands concatenated from positions and windows (:func:`key_concat`): brought part by part."""
 
 
 def _ndim(node) -> int:
     return meta_val(node).dim()
 
 
-def is_scores(node: torch.fx.Node, sym) -> bool:
-    """``a @ b`` with the sequence on ``a``'s rows and ``b``'s columns only."""
+def is_scores(node: torch.fx.Node, sym, multiple: int = 1) -> bool:
+    """``a @ b`` with the sequence on ``a``'s rows and ``b``'s columns only (the columns whole positions, or
+    a :func:`key_concat` of positions and windows of them)."""
     if node.op != "call_function" or node.target not in SCORES:
         return False
     a, b = node.args[:2]
+    nd = _ndim(node)
     return (seq_dims(a, sym) == (_ndim(a) - 2,) and seq_dims(b, sym) == (_ndim(b) - 1,)
-            and seq_dims(node, sym) == (_ndim(node) - 2, _ndim(node) - 1)
-            and _unmerged(node, (_ndim(node) - 2, _ndim(node) - 1), sym))
+            and seq_dims(node, sym) == (nd - 2, nd - 1) and _unmerged(node, (nd - 2,), sym)
+            and (_unmerged(node, (nd - 1,), sym) or key_concat(b, _ndim(b) - 1, sym, multiple) is not None))
+
+
+_TO_SOURCE = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.contiguous.default,
+              aten.clone.default, aten.alias.default, aten.detach.default, aten.to.dtype, aten._to_copy.default}
+"""Size-free ops a key operand may pass through after its concatenation."""
+
+
+def key_concat(node: torch.fx.Node, dim: int, sym, multiple: int) -> torch.fx.Node | None:
+    """The ``cat`` along the key axis that ``node``'s ``dim`` comes from, when its parts are positions and
+    windows of positions (compressed attention's ``[raw K | compressed K]``): each part is brought along its
+    own axis, then concatenated as on one device. None otherwise."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is aten.cat.default:
+            parts = node.args[0]
+            cat_dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(node)
+            ratios = [seq_ratio(meta_val(p).shape[dim], sym, multiple) for p in parts
+                      if seq_dims(p, sym) == (dim,)]
+            whole = len(ratios) == len(parts) >= 2 and all(r is not None and r.numerator == 1 for r in ratios)
+            return node if cat_dim == dim and whole else None
+        repeat = match_head_repeat(node)
+        if repeat is not None:
+            node = repeat.small
+            continue
+        if node.target not in _TO_SOURCE or len(seq_dims(node, sym)) != 1:
+            return None
+        source = node.args[0]
+        dim = map_dim(node, source, dim, sym, forward=False) if node.target in _REORDERING else seq_dims(source, sym)[0]
+        node = source
+    return None
 
 
 _REORDERING = {aten.transpose.int, aten.permute.default, aten.t.default, aten.movedim.int, aten.swapaxes.default,
@@ -97,7 +131,7 @@ def _unmerged(node, dims, sym) -> bool:
     return all(seq_multiple(meta_val(node).shape[d], sym) == 1 for d in dims)
 
 
-def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None) -> Blocks:
+def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None, multiple: int = 1) -> Blocks:
     found = Blocks()
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
 
@@ -108,8 +142,11 @@ def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None) -> Blo
             found.conflicts[node] = "it is used as attention scores with two different key axes"
 
     for node in nodes:
-        if is_scores(node, sym):
+        if is_scores(node, sym, multiple):
             found.keys[node] = _ndim(node) - 1
+            concat = key_concat(node.args[1], _ndim(node.args[1]) - 1, sym, multiple)
+            if concat is not None:
+                found.concats.add(concat)
             continue
         if len(seq_dims(node, sym)) != 2:
             continue
@@ -132,9 +169,9 @@ def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None) -> Blo
                     found.conflicts[node] = f"it combines '{x.name}' with a block whose key axis is another dim"
                 continue
             give(x, key, f"cp_passes cannot tell which dim of '{x.name}' {node.target} reads as the key axis")
-            if key is None or not _unmerged(x, seq_dims(x, sym), sym):
+            if key is None or not _unmerged(x, [d for d in seq_dims(x, sym) if d != key], sym):
                 continue
-            mask = model_mask(x, sym, carry)
+            mask = model_mask(x, sym, carry, multiple)
             if isinstance(mask, PositionMask):
                 mask = MetadataMask(x, mask.nodes, [], mask.size_leaves, [])
             if isinstance(mask, MetadataMask):

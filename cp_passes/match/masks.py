@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple
+from ..graph.analysis import meta_val, seq_dims, seq_multiple, seq_ratio
 from ..transports.masks import MetadataMask
 
 aten = torch.ops.aten
@@ -46,10 +46,15 @@ def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             attr = torch.fx.graph_module._get_attr(module, n.target) if module is not None else None
             if _float(attr) and attr.requires_grad:
                 found.add(n)
-        elif n.op == "call_function" and any(a in found for a in n.all_input_nodes):
+        elif n.op == "call_function" and n.target not in _SHAPE_ONLY and any(a in found for a in n.all_input_nodes):
             if _float(val) or isinstance(val, (tuple, list)):
                 found.add(n)
     return found
+
+
+_SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+               aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
+"""Ops that read only their input's shape, dtype and device: no gradient flows back through them."""
 
 
 def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
@@ -72,7 +77,14 @@ def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
     return own
 
 
-def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMask | PositionMask | str:
+def _whole_rows(size, sym, multiple: int) -> bool:
+    """Rows a gather brings in global order: positions, or windows of them."""
+    ratio = seq_ratio(size, sym, multiple)
+    return ratio is not None and ratio.numerator == 1
+
+
+def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
+               multiple: int = 1) -> MetadataMask | PositionMask | str:
     """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
 
     Its leaves are sharded integer inputs (doc ids, positions) and the lengths it reads. A mask no gradient
@@ -80,7 +92,8 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
     activations too: those the model also uses elsewhere (so the plan computes them right on each rank) are
     leaves like metadata, gathered without an autograd edge; what is computed only for the mask is replayed
     over the whole sequence, and the parameters it reads are passed in. ``carry`` is
-    :func:`may_carry_gradient` of the graph (computed here when not given)."""
+    :func:`may_carry_gradient` of the graph (computed here when not given); ``multiple`` is the spec's
+    ``pad_multiple`` (activations in windows of positions are leaves too)."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
     if mask in carry:
         return (f"its mask '{mask.name}' carries a gradient back to what it is computed from (a learned or "
@@ -108,7 +121,7 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None) -> MetadataMa
         if n.op == "placeholder" and tensor and not dims:
             inputs.append(n)  # a parameter, or an input every rank holds whole
         elif (n in carry and n not in own and tensor and len(dims) == 1
-              and seq_multiple(val.shape[dims[0]], sym) == 1):
+              and _whole_rows(val.shape[dims[0]], sym, multiple)):
             tensor_leaves.append(n)  # an activation the model uses elsewhere, read here without its gradient
         elif n.op == "placeholder":
             if not tensor:

@@ -61,6 +61,8 @@ def _dim_rule(ctx: RuleContext):
     if "other" in ctx.args:  # binary max/min are elementwise
         return None
     if packet == "cat":
+        if ctx.node in ctx.matches.blocks.concats:
+            return None  # keys of positions and windows: every read brings the parts, concatenated (see blocks)
         # Concatenating onto empty tensors (a KV cache's first update) is the identity.
         tensors = [t for t in tensors if not any(isinstance(n, int) and n == 0 for n in meta_val(t).shape)]
         if len(tensors) == 1:

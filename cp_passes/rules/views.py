@@ -98,6 +98,8 @@ def _check_windows_outer(ctx: RuleContext) -> None:
         return
     # Positions per row of the sequence dim grow by exactly what its inner dims grow by: nothing merged in.
     unit = Fraction(math.prod(hint(x) for x in shape_out[e + 1:]), math.prod(hint(x) for x in shape_in[d + 1:]))
+    if ratio_in == ratio_out and unit == 1:
+        return  # the sequence dim and everything inside it unchanged: dims in front merged or split
     if ratio_in.numerator != 1 or ratio_out.numerator != 1 or ratio_in / ratio_out != unit:
         ctx.refuse(f"it regroups the sequence axis into {tuple(shape_out)} (from {tuple(shape_in)}) other than as "
                    f"windows of consecutive positions; under sharding a group would mix this rank's positions "

@@ -57,6 +57,8 @@ class KeyOperand:
     consumers: list[torch.fx.Node] = field(default_factory=list)
     keys: KeyRange | None = None
     """The keys to bring; None: every key."""
+    concat: bool = False
+    """``source`` concatenates positions and windows of them along ``dim``: each part is brought whole."""
 
     @property
     def metadata(self) -> bool:
@@ -160,6 +162,11 @@ class KeyGather(Transport):
             brought = edit.insert(torch.ops.cp_passes.halo.default,
                                   (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name),
                                   name=name)
+        elif request.concat:  # positions and windows of them: each part along its own axis, then joined
+            op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
+            parts = [edit.insert(op.default, (edit.current(part), request.dim, edit.world, edit.group_name),
+                                 name=f"{name}_part") for part in request.source.args[0]]
+            brought = edit.insert(aten.cat.default, (parts, request.dim), name=name)
         else:
             op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
             brought = edit.insert(op.default, (source, request.dim, edit.world, edit.group_name), name=name)

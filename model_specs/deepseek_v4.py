@@ -1,0 +1,23 @@
+"""DeepSeek V4.1's public relative in transformers: DeepseekV4ForCausalLM.
+
+Its compressed attention groups the sequence into windows: heavily compressed attention (HCA) pools
+windows of ``compress_rates["heavily_compressed_attention"]`` (128) positions, compressed sparse attention
+(CSA) windows of ``compress_rates["compressed_sparse_attention"]`` (4), each paired with the previous window.
+Every shard must hold whole windows of both, so ``pad_multiple`` is their least common multiple, which
+``shard_batch`` pads to, and packed documents start at multiples of it. Everything else is read from the
+graph: the windows' positions become global, the CSA pairing a one-window halo, and each attention's keys
+(the raw positions and the compressed entries, concatenated) are brought part by part with its masks
+(sliding window, the HCA causal block rule, the CSA indexer's top-k) evaluated over the whole sequence.
+The MoE layers need ``config._experts_implementation = "batched_mm"`` (the default loops over experts).
+For a config with other compression rates, ``SPEC.replace(pad_multiple=..., packed_alignment=...)``.
+"""
+
+from cp_passes.spec import CPSpec
+
+SPEC = CPSpec(
+    name="deepseek_v4",
+    seq_inputs=("input_ids", "position_ids", "labels", "shift_labels", "doc_ids"),
+    position_keys=("position_ids",),
+    pad_multiple=128,
+    packed_alignment=128,
+)

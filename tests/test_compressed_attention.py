@@ -1,0 +1,75 @@
+"""Compressed attention as transformers writes DeepSeek V4 (DeepseekV4ForCausalLM with
+model_specs/deepseek_v4.py): windows of positions pooled into compressed entries, concatenated after the
+raw keys, with a sliding-window mask, the causal block rule and a top-k indexer. Parity on real gloo
+processes against one device, unpacked and packed; what each rank receives per layer on the fake group."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_passes
+from cp_passes.data.batch import shard_for_rank
+from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
+from test_parity import GRAD_RTOL, _compare
+
+PACKED = [[3, 17, 4], [8, 8, 8]]
+"""Aligned to windows of 4: row 0's documents start at 0, 4 and 24 (32 positions after padding), so at
+P = 4 (8 a rank) the second spans ranks 0, 1 and 2 and the third starts at rank 3's first position; row 1's
+start at every shard boundary."""
+
+
+def _reference(P: int, documents):
+    """One device on the global batch as shard_batch lays it out for ``P`` ranks (the same padding)."""
+    model = hf_deepseek_v4()
+    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P), 0, 1, deepseek_v4_spec(), pad_multiple=4 * P)
+    loss, logits = deepseek_v4_loss(model, batch)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return batch, loss.detach(), logits.detach(), grads
+
+
+CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),
+         pytest.param(4, None, marks=pytest.mark.full), pytest.param(2, PACKED, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,documents", CASES)
+def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents):
+    """A sliding-window layer, a CSA layer (windows of 2, each paired with the previous one by a halo of one
+    window, a top-2 indexer over the compressed entries) and an HCA layer (windows of 4), two windows a rank
+    at least. Each compressed layer's keys are the raw positions and the compressed entries, brought part by
+    part; its masks (sliding window, causal block rule, the indexer's top-k) are evaluated over the whole
+    sequence. Packed rows: documents aligned to the spec's groups, one across three ranks."""
+    seq_len = 8 * P
+    per_rank = pool.run("deepseek_v4_parity", P, documents=documents, seq_len=seq_len)
+    batch, loss, logits, grads = _reference(P, documents)
+    name = f"hf-DeepseekV4ForCausalLM-{'packed' if documents else 'unpacked'}-aot_eager"
+    if documents:
+        assert batch["doc_ids"][0].tolist()[:25] == [0] * 3 + [-1] + [1] * 17 + [-1] * 3 + [2], batch["doc_ids"]
+        for r in per_rank:  # every position is compared, the padding between documents too
+            r["valid"] = torch.ones_like(r["valid"])
+    _compare(name, per_rank, loss, logits, grads, logits.shape[1], parity_report)
+    rules = [rec[0] for rec in per_rank[0]["records"]]
+    assert rules.count("shift_stencil") == 2 and rules.count("key_operand") == 6, rules
+
+
+def test_what_each_rank_receives_per_layer_at_p8():
+    """Rank 3 of 8, 8 positions a rank. Per layer K = V (one head of 32, batch 2, fp32): the sliding layer's
+    7 other shards of 8 rows; a compressed layer's 7 other shards of raw rows plus their entries (4 windows of
+    2 for CSA, 2 of 4 for HCA), brought whole (the sliding part's halo is not cut yet). CSA's pairing moves
+    one window of the first halves of its values and of its gates (2 positions x 32)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
+    spec = deepseek_v4_spec()
+    compiled = cp_passes.cp_compile(hf_deepseek_v4(), spec, mesh=dist.group.WORLD, backend="aot_eager",
+                                    verbose=False)
+    local, _ = cp_passes.shard_batch(deepseek_v4_batch(seq_len=64), dist.group.WORLD, spec)
+    compiled(input_ids=local["input_ids"], position_ids=local["position_ids"])
+    records = compiled.compile_records[-1].records
+    row = 2 * 32 * 4
+    keys = [r.bytes for r in records if r.rule == "key_operand"]
+    assert keys == [7 * 8 * row] * 2 + [7 * (8 + 4) * row] * 2 + [7 * (8 + 2) * row] * 2, keys
+    shifts = [r.bytes for r in records if r.rule == "shift_stencil"]
+    assert shifts == [2 * 2 * 32 * 4] * 2, shifts
+    assert all(r.bytes == r.lower_bound_bytes for r in records if r.rule in ("key_operand", "shift_stencil"))
