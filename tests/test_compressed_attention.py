@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
+from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
 from test_parity import GRAD_RTOL, _compare
@@ -73,3 +74,48 @@ def test_what_each_rank_receives_per_layer_at_p8():
     shifts = [r.bytes for r in records if r.rule == "shift_stencil"]
     assert shifts == [2 * 2 * 32 * 4] * 2, shifts
     assert all(r.bytes == r.lower_bound_bytes for r in records if r.rule in ("key_operand", "shift_stencil"))
+
+
+class ConcatenatedKeys(torch.nn.Module):
+    """Attention over ``cat([k, windows of k pooled], 1)``, with the concatenation read some other way too."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.read = read
+        self.embed = torch.nn.Embedding(32, 8)
+        self.q, self.k = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        b, s, d = h.shape
+        q, k = self.q(h), self.k(h)
+        if self.read == "transposed_head_repeat":  # K^T repeated over heads: brought from the repeat, not the cat
+            kv = torch.cat([k[:, None], k[:, None].view(b, 1, s // 2, 2, d).mean(3)], 2)
+            probs = (torch.stack([q, q / 2], 1) @ kv.transpose(2, 3).repeat_interleave(2, dim=1)).softmax(-1)
+            out = (probs @ kv.repeat_interleave(2, dim=1)).sum(1)
+            return out.pow(2).sum(), out
+        kv = torch.cat([k, k.view(b, s // 2, 2, d).mean(2)], 1)
+        scores = q @ kv.transpose(1, 2)
+        if self.read == "key_bias":
+            scores = scores + kv.sum(-1)[:, None, :]
+        out = scores.softmax(-1) @ (kv * 2.0 if self.read == "scaled_values" else kv)
+        return out.pow(2).sum(), (kv if self.read == "returned" else out)
+
+
+@pytest.mark.parametrize("read,why", [("scaled_values", "aten.mul.Tensor reads it as it is"),
+                                      ("key_bias", "aten.sum.dim_IntList reads it as it is"),
+                                      ("returned", "reads it as it is"),
+                                      ("transposed_head_repeat", "whose rows interleave the ranks' parts")])
+def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why):
+    """Each rank's concatenation holds [its positions | its windows], no shard of the one-device value:
+    any read other than K and V brought part by part would be silently wrong."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
+    spec = cp_passes.CPSpec(name="concat", pad_multiple=2)
+    compiled = cp_passes.cp_compile(ConcatenatedKeys(read), spec, mesh=dist.group.WORLD, backend="aot_eager",
+                                    verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, dist.group.WORLD, spec)
+    with pytest.raises(CPCompileError, match=why):
+        compiled(**local)

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import has_symbol, hint, meta_val, seq_dims
-from ..match.blocks import SCORES
+from ..match.blocks import SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask
@@ -33,9 +33,6 @@ from .capture import INPUT_NAME
 
 aten = torch.ops.aten
 
-_REPLAYABLE = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.contiguous.default,
-               aten.clone.default, aten.alias.default, aten.detach.default, aten.to.dtype, aten._to_copy.default}
-"""Ops with no size arguments that may sit between where an operand is gathered and where it is read."""
 
 _ALIGNED = {aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar, aten.masked_fill.Scalar,
             aten.masked_fill.Tensor, aten.gather.default, aten.cat.default}
@@ -101,7 +98,7 @@ def _gather_point(operand: torch.fx.Node, dim: int, sym):
             steps.append(repeat.n_rep)
             source = repeat.small
             continue
-        if not (isinstance(source, torch.fx.Node) and (source.target in _REPLAYABLE or is_whole_slice(source))):
+        if not (isinstance(source, torch.fx.Node) and (source.target in TO_SOURCE or is_whole_slice(source))):
             break
         prev = source.args[0]
         prev_dims = seq_dims(prev, sym)
@@ -232,6 +229,11 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
         if request is None:
             source, gather_dim, steps = _gather_point(operand, dim, ctx.sym)
             concat = source in blocks.concats
+            behind = key_concat(operand, dim, ctx.sym, ctx.spec.pad_multiple)
+            if behind is not None and behind is not source:
+                ctx.refuse(f"its keys concatenate positions and windows of them ('{behind.name}'), and cp_passes would "
+                           f"bring '{source.name}' instead, whose rows interleave the ranks' parts",
+                           "read the concatenated keys through transposes and a head repeat on dim 1 only")
             if concat and keys is not None:
                 ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), which cp_passes "
                            f"brings whole, but its masks were read as {keys.describe()}", NO_RULE_FIX)

@@ -19,8 +19,8 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val, seq_dims, seq_multiple, seq_ratio
-from .head_repeat import match_head_repeat
 from ..transports.masks import MetadataMask
+from .head_repeat import is_whole_slice, match_head_repeat
 from .masks import PositionMask, model_mask
 
 aten = torch.ops.aten
@@ -57,9 +57,33 @@ def is_scores(node: torch.fx.Node, sym, multiple: int = 1) -> bool:
             and (_unmerged(node, (nd - 1,), sym) or key_concat(b, _ndim(b) - 1, sym, multiple) is not None))
 
 
-_TO_SOURCE = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.contiguous.default,
-              aten.clone.default, aten.alias.default, aten.detach.default, aten.to.dtype, aten._to_copy.default}
-"""Size-free ops a key operand may pass through after its concatenation."""
+TO_SOURCE = {aten.transpose.int, aten.permute.default, aten.unsqueeze.default, aten.contiguous.default,
+             aten.clone.default, aten.alias.default, aten.detach.default, aten.to.dtype, aten._to_copy.default}
+"""Size-free ops between where a key operand is brought and where a block reads it (replayed on what
+arrives)."""
+
+_HEAD_REPEAT_OPS = {aten.expand.default, aten.reshape.default, aten.view.default, aten._unsafe_view.default,
+                    aten.repeat_interleave.self_int}
+
+
+def concat_reads(cat: torch.fx.Node, keys: dict) -> str | None:
+    """Why the local value of a key concatenation would be read as it is (None: it never is). Each rank's
+    ``cat`` holds ``[its positions | its windows]``, no slice of the one-device value: only a key operand
+    brought from the cat's parts (K in ``q @ k^T``, V in ``probs @ v``, through size-free ops and a head
+    repeat) may read it, and the planner checks that those are brought from this very cat."""
+    stack, seen = [cat], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if user.target in TO_SOURCE or user.target in _HEAD_REPEAT_OPS or is_whole_slice(user):
+                stack.append(user)
+            elif not (user.target in SCORES and user.args[1] is node
+                      and (user in keys or user.args[0] in keys)):
+                return f"{user.target} reads it as it is (only K in q @ k^T and V in probs @ v may)"
+    return None
 
 
 def key_concat(node: torch.fx.Node, dim: int, sym, multiple: int) -> torch.fx.Node | None:
@@ -78,7 +102,7 @@ def key_concat(node: torch.fx.Node, dim: int, sym, multiple: int) -> torch.fx.No
         if repeat is not None:
             node = repeat.small
             continue
-        if node.target not in _TO_SOURCE or len(seq_dims(node, sym)) != 1:
+        if node.target not in TO_SOURCE or len(seq_dims(node, sym)) != 1:
             return None
         source = node.args[0]
         dim = map_dim(node, source, dim, sym, forward=False) if node.target in _REORDERING else seq_dims(source, sym)[0]

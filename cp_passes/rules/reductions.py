@@ -6,6 +6,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val, seq_multiple
+from ..match.blocks import concat_reads
 from ..transports.reductions import GlobalMean
 from ..transports.scan import SCANS, Scan
 from ..transports.shift import Diff
@@ -61,8 +62,14 @@ def _dim_rule(ctx: RuleContext):
     if "other" in ctx.args:  # binary max/min are elementwise
         return None
     if packet == "cat":
-        if ctx.node in ctx.matches.blocks.concats:
-            return None  # keys of positions and windows: every read brings the parts, concatenated (see blocks)
+        if ctx.node in ctx.matches.blocks.concats:  # keys of positions and windows, brought part by part
+            why = concat_reads(ctx.node, ctx.matches.blocks.keys)
+            if why is not None:
+                ctx.refuse(f"it concatenates positions and windows of them along the key axis, whose local value "
+                           f"is no shard of the whole, and {why}",
+                           "read the concatenated keys only as attention's K and V (no scaling, slicing or "
+                           "other use of the concatenation itself)")
+            return None
         # Concatenating onto empty tensors (a KV cache's first update) is the identity.
         tensors = [t for t in tensors if not any(isinstance(n, int) and n == 0 for n in meta_val(t).shape)]
         if len(tensors) == 1:
