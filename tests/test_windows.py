@@ -68,25 +68,6 @@ def test_a_shard_of_partial_windows_is_refused_before_compiling(group):
         compiled(**local)
 
 
-class InnerWindows(torch.nn.Module):
-    """Groups positions i * S / 4 + j together: the window axis is the inner one."""
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(32, 8)
-
-    def forward(self, input_ids, position_ids):
-        h = self.embed(input_ids)
-        groups = h.view(h.shape[0], 4, h.shape[1] // 4, 8).sum(1)
-        return groups.pow(2).sum(), groups
-
-
-def test_windows_of_strided_positions_are_refused(group):
-    compiled, local = _compile(InnerWindows(), COMPRESSOR_SPEC, group, 64)
-    with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
-        compiled(**local)
-
-
 def test_shard_batch_pads_to_the_spec_multiple():
     """22 positions over 2 ranks with pad_multiple 4: padded to 24 (shards of 12 = 3 windows); packed
     documents of 5 and 6 aligned to the spec's packed_alignment 4 start at 0 and 8."""
@@ -145,21 +126,26 @@ def test_a_token_shift_written_into_a_fresh_tensor_matches_one_device(pool):
             assert shifts == [2 * 8 * 4 if rank else 0], shifts
 
 
-class TransposedWindows(torch.nn.Module):
-    """Windows of 4 with the in-window axis moved in front, then merged back: positions reordered."""
+class Regrouped(torch.nn.Module):
+    """Positions grouped by 4 other than as windows of consecutive positions."""
 
-    def __init__(self):
+    def __init__(self, how: str):
         super().__init__()
+        self.how = how
         self.embed = torch.nn.Embedding(32, 8)
 
     def forward(self, input_ids, position_ids):
         h = self.embed(input_ids)
         b, s = h.shape[:2]
-        reordered = h.view(b, s // 4, 4, 8).transpose(1, 2).reshape(b, s, 8)
-        return (reordered * torch.arange(s, device=h.device)[None, :, None]).sum(), reordered
+        if self.how == "strided":  # positions i * S / 4 + j together: the window axis inner
+            out = h.view(b, 4, s // 4, 8).sum(1)
+        else:  # windows with the in-window axis moved in front, merged back: positions reordered
+            out = h.view(b, s // 4, 4, 8).transpose(1, 2).reshape(b, s, 8)
+        return out.pow(2).sum(), out
 
 
-def test_windows_reordered_by_a_transpose_are_refused(group):
-    compiled, local = _compile(TransposedWindows(), COMPRESSOR_SPEC, group, 64)
+@pytest.mark.parametrize("how", ["strided", "transposed"])
+def test_positions_grouped_other_than_in_windows_are_refused(group, how):
+    compiled, local = _compile(Regrouped(how), COMPRESSOR_SPEC, group, 64)
     with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
         compiled(**local)
