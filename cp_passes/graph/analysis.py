@@ -81,6 +81,14 @@ def seq_ratio(size, sym, multiple: int = 1) -> Fraction | None:
     return None
 
 
+def window(size, sym, multiple: int = 1) -> int | None:
+    """How many positions a row of a dim of ``size`` covers: 1 for the sequence axis, ``m`` for its windows
+    (``s // m``); None for anything else (a merge with batch rows, no sequence). A gather or a shift along
+    such a dim moves whole rows in global order."""
+    ratio = seq_ratio(size, sym, multiple)
+    return ratio.denominator if ratio is not None and ratio.numerator == 1 else None
+
+
 def sizes_equal(a, b, sym, multiple: int = 1) -> bool:
     """Whether two sizes are equal for every local length that is a multiple of ``multiple``."""
     return sympy.simplify(_whole_windows(expr_of(a), sym, multiple) - _whole_windows(expr_of(b), sym, multiple)) == 0

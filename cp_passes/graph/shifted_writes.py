@@ -16,7 +16,7 @@ import torch
 import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 
-from .analysis import bind_args, expr_of, meta_val, seq_ratio
+from .analysis import bind_args, expr_of, meta_val, window
 
 aten = torch.ops.aten
 
@@ -145,8 +145,7 @@ def shifted_writes_as_shifts(gm: torch.fx.GraphModule, sym, multiple: int = 1) -
         dim, k, end = args["dim"] % meta_val(write).dim(), args["start"], args["end"]
         if not (isinstance(k, int) and k > 0 and args["step"] == 1 and isinstance(end, int) and end >= _LARGE):
             continue
-        ratio = seq_ratio(meta_val(write).shape[dim], sym, multiple)
-        if ratio is None or ratio.numerator != 1:  # not the sequence, or merged with batch rows
+        if window(meta_val(write).shape[dim], sym, multiple) is None:  # not the sequence, or merged with batch rows
             continue
         found = _chain(write, dim, k, sym)
         if found is not None:

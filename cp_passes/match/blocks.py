@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple, seq_ratio
+from ..graph.analysis import meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 from .head_repeat import is_whole_slice, match_head_repeat
 from .masks import PositionMask, model_mask
@@ -94,9 +94,8 @@ def key_concat(node: torch.fx.Node, dim: int, sym, multiple: int) -> torch.fx.No
         if node.target is aten.cat.default:
             parts = node.args[0]
             cat_dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % _ndim(node)
-            ratios = [seq_ratio(meta_val(p).shape[dim], sym, multiple) for p in parts
-                      if seq_dims(p, sym) == (dim,)]
-            whole = len(ratios) == len(parts) >= 2 and all(r is not None and r.numerator == 1 for r in ratios)
+            rows = [window(meta_val(p).shape[dim], sym, multiple) for p in parts if seq_dims(p, sym) == (dim,)]
+            whole = len(rows) == len(parts) >= 2 and None not in rows
             return node if cat_dim == dim and whole else None
         repeat = match_head_repeat(node)
         if repeat is not None:

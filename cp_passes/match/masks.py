@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple, seq_ratio
+from ..graph.analysis import meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 
 aten = torch.ops.aten
@@ -77,12 +77,6 @@ def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
     return own
 
 
-def _whole_rows(size, sym, multiple: int) -> bool:
-    """Rows a gather brings in global order: positions, or windows of them."""
-    ratio = seq_ratio(size, sym, multiple)
-    return ratio is not None and ratio.numerator == 1
-
-
 def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
                multiple: int = 1) -> MetadataMask | PositionMask | str:
     """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
@@ -121,7 +115,7 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
         if n.op == "placeholder" and tensor and not dims:
             inputs.append(n)  # a parameter, or an input every rank holds whole
         elif (n in carry and n not in own and tensor and len(dims) == 1
-              and _whole_rows(val.shape[dims[0]], sym, multiple)):
+              and window(val.shape[dims[0]], sym, multiple) is not None):
             tensor_leaves.append(n)  # an activation the model uses elsewhere, read here without its gradient
         elif n.op == "placeholder":
             if not tensor:

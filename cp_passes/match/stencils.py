@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, seq_ratio
+from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, window
 from ..transports.halo import ConvHalo
 from ..transports.shift import Shift
 
@@ -58,8 +58,7 @@ def _padded_dim(pad: torch.fx.Node, sym, multiple: int = 1):
     if len(padded) != 1 or len(dims) != 1:
         return None
     ((dim, (before, after)),) = padded.items()
-    ratio = seq_ratio(meta_val(source).shape[dim], sym, multiple)
-    if dim != dims[0] or ratio is None or ratio.numerator != 1 or before < 0 or after < 0:
+    if dim != dims[0] or window(meta_val(source).shape[dim], sym, multiple) is None or before < 0 or after < 0:
         return None
     return source, dim, before, after, args.get("value") or 0
 

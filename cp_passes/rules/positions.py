@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..graph.analysis import meta_val, seq_ratio
+from ..graph.analysis import meta_val, window
 from ..transports.positions import Arange
 from .registry import Rewrite, RuleContext, register_rule
 
@@ -26,14 +26,14 @@ def arange_rule(ctx: RuleContext):
                 ctx.refuse("it uses the local sequence length as a value", LENGTH_FIX)
         return None
     start, step = ctx.args.get("start", 0), ctx.args.get("step", 1)
-    ratio = seq_ratio(meta_val(node).shape[0], ctx.sym, ctx.spec.pad_multiple)
-    if start != 0 or step != 1 or ratio is None or ratio.numerator != 1:
+    rows = window(meta_val(node).shape[0], ctx.sym, ctx.spec.pad_multiple)
+    if start != 0 or step != 1 or rows is None:
         ctx.refuse(
             f"it is an arange over the sequence with start={start}, step={step}, length {meta_val(node).shape[0]}; "
             f"only arange(seq_len) (positions 0..seq_len-1) and arange(seq_len // m) (windows of m positions) "
             f"have a rule",
             "build positions as torch.arange(seq_len) (cp_passes offsets it) or pass position_ids",
         )
-    what = "positions" if ratio == 1 else f"windows of {ratio.denominator} positions"
+    what = "positions" if rows == 1 else f"windows of {rows} positions"
     return Rewrite("arange_positions", "positions", Arange(node, ctx.args["end"]),
                    note=f"this rank's global {what} ({ctx.layout.kind} layout, local length {ctx.local_len()})")

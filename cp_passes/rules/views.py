@@ -12,7 +12,7 @@ import torch.fx
 from torch.utils._sympy.functions import FloorDiv
 
 from ..errors import op_name, source_line
-from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal
+from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, window
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -112,8 +112,8 @@ def _check_windows_outer(ctx: RuleContext) -> None:
 def _slice(ctx: RuleContext):
     shift = ctx.matches.shifts.get(ctx.node)
     if shift is not None:
-        ratio = seq_ratio(meta_val(shift.source).shape[shift.dim], ctx.sym, ctx.spec.pad_multiple)
-        row = "position t" if ratio == 1 else f"the window (of {ratio.denominator} positions) w"
+        rows = window(meta_val(shift.source).shape[shift.dim], ctx.sym, ctx.spec.pad_multiple)
+        row = "position t" if rows == 1 else f"the window (of {rows} positions) w"
         return Rewrite("shift_stencil", "shift", shift,
                        note=f"reads {row}{shift.offset:+d} (pad value {shift.fill} outside the sequence)")
     src = ctx.arg("self")

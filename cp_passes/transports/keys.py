@@ -163,13 +163,11 @@ class KeyGather(Transport):
                                   (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name),
                                   name=name)
         elif request.concat:  # positions and windows of them: each part along its own axis, then joined
-            op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
-            parts = [edit.insert(op.default, (edit.current(part), request.dim, edit.world, edit.group_name),
+            parts = [edit.insert(self._gather(request), (edit.current(part), request.dim, edit.world, edit.group_name),
                                  name=f"{name}_part") for part in request.source.args[0]]
             brought = edit.insert(aten.cat.default, (parts, request.dim), name=name)
         else:
-            op = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
-            brought = edit.insert(op.default, (source, request.dim, edit.world, edit.group_name), name=name)
+            brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
             if keys is not None:
                 brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world), name=name + "_prefix")
         for step in request.steps:
@@ -182,6 +180,12 @@ class KeyGather(Transport):
         for consumer in request.consumers:
             consumer.replace_input_with(operand, brought)
             edit.changed(consumer)
+
+    @staticmethod
+    def _gather(request: KeyOperand):
+        """Metadata moves without an autograd edge; activations with a reduce-scatter backward."""
+        packet = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
+        return packet.default
 
     def _mask(self, edit, request: KeyMask) -> None:
         whole = global_mask(edit, request.mask)
