@@ -856,16 +856,16 @@ def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
 
 
 def hf_deepseek_v4(seed: int = 0):
-    """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 4), a compressed-sparse-attention layer
-    (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a heavily-compressed one (HCA:
-    windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer and two routed ones (experts
-    as batched matmuls)."""
+    """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 12, longer than the tests' shards of 8), a
+    compressed-sparse-attention layer (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a
+    heavily-compressed one (HCA: windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer
+    and two routed ones (experts as batched matmuls). Every layer's raw keys go by a halo of 11 rows."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(
         vocab_size=128, hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=2, head_dim=32, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, sliding_window=4, o_groups=2, o_lora_rank=16,
+        n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, sliding_window=12, o_groups=2, o_lora_rank=16,
         index_n_heads=2, index_head_dim=16, index_topk=2,
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],

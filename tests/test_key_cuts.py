@@ -35,6 +35,31 @@ def sinks(x):
     return torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ x
 
 
+def max_subtracted(x):  # DeepSeek V4's overflow guard, after the sinks
+    logits = torch.cat([x @ x.transpose(1, 2) + _causal(x), x[..., :1]], -1)
+    return (logits - logits.max(dim=-1, keepdim=True).values).softmax(-1)[..., :-1] @ x
+
+
+def amax_subtracted(x):
+    logits = x @ x.transpose(1, 2) + _causal(x)
+    return (logits - logits.amax(-1, keepdim=True).detach()).softmax(-1) @ x
+
+
+def max_over_queries_subtracted(x):
+    logits = x @ x.transpose(1, 2) + _causal(x)
+    return (logits - logits.amax(-2, keepdim=True)).softmax(-1) @ x
+
+
+def mean_subtracted(x):  # also a constant per row, but the hidden keys' finfo.min drags the mean down
+    logits = x @ x.transpose(1, 2) + _causal(x)
+    return (logits - logits.mean(-1, keepdim=True)).softmax(-1) @ x
+
+
+def unmasked_max_subtracted(x):
+    scores = x @ x.transpose(1, 2)
+    return (scores + _causal(x) - scores.amax(-1, keepdim=True)).softmax(-1) @ x
+
+
 def no_mask(x):
     return (x @ x.transpose(1, 2)).softmax(-1) @ x
 
@@ -80,7 +105,8 @@ def _cuts(fn):
     return {id(c): c for c in cuts.values()}.values()
 
 
-@pytest.mark.parametrize("fn,hides", [(masked, "additive"), (masked_fill, "true"), (sinks, "additive")])
+@pytest.mark.parametrize("fn,hides", [(masked, "additive"), (masked_fill, "true"), (sinks, "additive"),
+                                      (max_subtracted, "additive"), (amax_subtracted, "additive")])
 def test_a_masked_softmax_may_leave_hidden_keys_out(fn, hides):
     (cut,) = _cuts(fn)
     assert cut.why is None
@@ -95,6 +121,9 @@ def test_a_masked_softmax_may_leave_hidden_keys_out(fn, hides):
     (subtracted_mask, "no mask the model applies right before its softmax"),
     (probabilities_read_whole, "reads the probabilities with something else"),
     (scores_read_whole, "is also read by"),
+    (max_over_queries_subtracted, "no mask the model applies right before its softmax"),
+    (mean_subtracted, "no mask the model applies right before its softmax"),
+    (unmasked_max_subtracted, "no mask the model applies right before its softmax"),
     (slices_keys, "by more than its sink columns"),
 ])
 def test_every_key_stays_where_a_hidden_key_could_still_count(fn, why):

@@ -11,6 +11,10 @@ Which keys: every key, unless the model's masks provably give the others zero pr
 compile-time length (capped at ``PROBE_MAX_LEN``) for one unpadded document (positions ``0..S-1``, one doc
 id), to read what they let a query see: a window of ``w`` keys takes a halo of ``w - 1`` rows, causal
 attention the causal prefix of a gather. The run-time check in the transport holds the model to it.
+
+Keys concatenated from positions and windows of them (compressed attention's ``[raw K | compressed K]``)
+are cut in their first part, the positions, by the masks' first part along the key axis; the windows come
+whole.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import has_symbol, hint, meta_val, seq_dims
+from ..graph.analysis import window as positions_per_row
 from ..match.blocks import SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, key_cuts
@@ -148,30 +153,60 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     if again != (window if window is not None and window < shorter else None):
         return None, f"the window its masks show changes with the sequence length ({window} at {longer}, {again} at " \
                      f"{shorter})"
-    masking = tuple(cut.masking)
+    masking, first = tuple(cut.masking), _concat(ctx, cut) is not None
     if window is not None and ctx.spec.window_transport == "halo":
         side = _side_operand(cut, ctx.matches.blocks, ctx.sym)
         if side is None:
-            return KeyRange(window - 1, masking), f"window {window} read from the model's mask"
-        return KeyRange(None, masking), (f"window {window}; '{side.name}' is read on the key axis besides K and V, so "
-                                         f"the prefix of a gather rather than a halo with zero rows")
-    return KeyRange(None, masking), ("causal, read from the model's mask" if window is None
-                                     else f"window {window}, by gather as the spec asks")
+            return KeyRange(window - 1, masking, first), f"window {window} read from the model's mask"
+        return KeyRange(None, masking, first), (f"window {window}; '{side.name}' is read on the key axis besides K "
+                                                f"and V, so the prefix of a gather rather than a halo with zero rows")
+    return KeyRange(None, masking, first), ("causal, read from the model's mask" if window is None
+                                            else f"window {window}, by gather as the spec asks")
+
+
+def _concat(ctx: RuleContext, cut: KeyCut) -> torch.fx.Node | None:
+    """The :func:`key_concat` the scores of ``cut`` take their keys from, or None."""
+    blocks = ctx.matches.blocks
+    for n in cut.nodes:
+        if n.target in SCORES and n in blocks.keys:
+            b = n.args[1]
+            return key_concat(b, meta_val(b).dim() - 1, ctx.sym, ctx.spec.pad_multiple)
+    return None
+
+
+def _positions_first(cat: torch.fx.Node, sym, multiple: int) -> bool:
+    """Whether a key concatenation's first part holds positions (not windows of them)."""
+    first = cat.args[0][0]
+    return positions_per_row(meta_val(first).shape[seq_dims(first, sym)[0]], sym, multiple) == 1
+
+
+def _first_part(mask: torch.fx.Node, key_dim: int) -> torch.fx.Node | None:
+    """The first part of a mask concatenated along the key axis (the one over the raw positions), or None."""
+    if mask.target is not aten.cat.default:
+        return None
+    dim = (mask.args[1] if len(mask.args) > 1 else mask.kwargs.get("dim", 0)) % meta_val(mask).dim()
+    return mask.args[0][0] if dim == key_dim else None
 
 
 def _probe_window(ctx: RuleContext, cut: KeyCut, length: int) -> int | None | str:
     """The window of keys the masks let a query see for one document of ``length`` (None: causal, no
-    narrower), or why cp_passes cannot say."""
+    narrower), or why cp_passes cannot say. On concatenated keys, the window over their first part."""
     blocks, spec = ctx.matches.blocks, ctx.spec
+    concat = _concat(ctx, cut)
+    if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
+        return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
     together = None
     for masking in cut.masking:
         found = blocks.masks[masking.mask]
+        target = _first_part(found.mask, blocks.keys[found.mask]) if concat is not None else found.mask
+        if target is None:
+            continue
         leaves = {leaf: _probe_leaf(leaf, d, spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
-        if any(v is None for v in leaves.values()):
+        if concat is None and any(v is None for v in leaves.values()):
             continue  # reads an input that is neither positions nor doc ids: the other masks must do
-        try:
-            value = evaluate_position_mask(PositionMask(found.mask, found.nodes, found.size_leaves), ctx.sym, length,
-                                           leaves)
+        try:  # a first part that reads an activation walks up to the model's inputs: NotPositional
+            value = evaluate_position_mask(PositionMask(target, found.nodes, found.size_leaves), ctx.sym, length,
+                                           {leaf: v for leaf, v in leaves.items() if v is not None})
         except NotPositional:
             continue
         query = next(d for d in seq_dims(found.mask, ctx.sym) if d != blocks.keys[found.mask])
@@ -234,9 +269,10 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                 ctx.refuse(f"its keys concatenate positions and windows of them ('{behind.name}'), and cp_passes would "
                            f"bring '{source.name}' instead, whose rows interleave the ranks' parts",
                            "read the concatenated keys through transposes and a head repeat on dim 1 only")
-            if concat and keys is not None:
-                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), which cp_passes "
-                           f"brings whole, but its masks were read as {keys.describe()}", NO_RULE_FIX)
+            if keys is not None and concat != keys.first_part:
+                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), but cp_passes "
+                           f"read its masks as {keys.describe()} over {'every' if concat else 'the first'} part",
+                           NO_RULE_FIX)
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
                                                                         concat=concat)
             brings = keys.describe() if keys is not None else "every key"

@@ -6,7 +6,10 @@ every hidden key a probability of exactly zero: dropping the key changes no othe
 of ``probs @ v`` and no gradient. That holds when
 
 - every op between the scores and the softmax acts on each key column alone (pointwise ops, masks, a
-  ``gather`` that does not read across keys, sink logits concatenated after or before the keys);
+  ``gather`` that does not read across keys, sink logits concatenated after or before the keys), except
+  the overflow guard ``x - x.max(-1, keepdim=True)`` right before the softmax: a softmax is unchanged by a
+  constant per row, and the maximum is the same over fewer keys as long as a visible key (or a sink) holds
+  it, which a hidden key at ``finfo.min`` never does while its row sees one;
 - nothing between the masking and the softmax can lift a hidden score (casts, copies, concatenation);
 - after the softmax only ops that keep a zero probability zero (casts, dropout, products, the slice that
   drops the sinks) lead to the contraction with V, and no block is read anywhere else.
@@ -19,6 +22,7 @@ Which keys the masks hide (causal, or a window) is read where the planner knows 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +44,7 @@ _COLUMNWISE = _COPIES | {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.
 """Before the softmax, besides pointwise ops: ops whose output column for a key reads that key's column only
 (``gather`` and ``cat`` with the conditions :func:`_columnwise` checks)."""
 _SOFTMAX = {aten.softmax.int, aten._softmax.default}
+_ROW_MAX = {aten.max.dim, aten.amax.default}
 _IGNORED = {aten._assert_tensor_metadata.default}
 
 
@@ -127,6 +132,28 @@ def _slice_drops(node: torch.fx.Node) -> tuple[int, int] | None:
     return (start, -end) if isinstance(end, int) and end < 0 else None
 
 
+def _row_max_shift(node: torch.fx.Node, keys: dict) -> torch.fx.Node | None:
+    """The reduction when ``node`` is ``x - max(x over the key axis, keepdim)`` (``.values`` of ``max.dim``,
+    or ``amax``, possibly detached), else None."""
+    if node.target is not aten.sub.Tensor or node.kwargs.get("alpha", 1) != 1 or len(node.args) != 2:
+        return None
+    x, shift = node.args
+    while isinstance(shift, torch.fx.Node) and shift.target is aten.detach.default:
+        shift = shift.args[0]
+    if not isinstance(shift, torch.fx.Node) or x not in keys:
+        return None
+    if shift.target is operator.getitem and shift.args[1] == 0:
+        shift = shift.args[0]
+    elif shift.target is not aten.amax.default:
+        return None
+    if shift.target not in _ROW_MAX or shift.args[0] is not x:
+        return None
+    dims = shift.args[1] if shift.target is aten.amax.default else [shift.args[1]]
+    keepdim = shift.args[2] if len(shift.args) > 2 else shift.kwargs.get("keepdim", False)
+    nd = meta_val(x).dim()
+    return shift if keepdim and [d % nd for d in dims] == [keys[x]] else None
+
+
 def _cut(softmax: torch.fx.Node, blocks: Blocks) -> KeyCut:
     cut = KeyCut(softmax)
     cut.why = _prove(cut, blocks)
@@ -140,13 +167,16 @@ def _prove(cut: KeyCut, blocks: Blocks) -> str | None:
         return "its softmax is not over the key axis"
     # The masking: back from the softmax through copies and one concatenation of sinks, then the ops that
     # apply masks.
-    masking, sinks, x = [], None, softmax.args[0]
+    masking, sinks, x, reductions = [], None, softmax.args[0], set()
     while x in keys:
         found = _masking(x, blocks)
         if found is not None:
             masking.append(found[0])
             x = found[1]
         elif not masking and x.target in _COPIES:
+            x = x.args[0]
+        elif not masking and not reductions and _row_max_shift(x, keys) is not None:
+            reductions.add(_row_max_shift(x, keys))
             x = x.args[0]
         elif not masking and sinks is None and x.target is aten.cat.default and _columnwise(x, blocks):
             sinks = x
@@ -171,7 +201,8 @@ def _prove(cut: KeyCut, blocks: Blocks) -> str | None:
             stack.extend(a for a in n.all_input_nodes if a in keys)
     for n in list(cut.nodes):
         for user in n.users:
-            if user not in cut.nodes and user is not softmax and user.target not in _IGNORED:
+            if user not in cut.nodes and user is not softmax and user.target not in _IGNORED \
+                    and user not in reductions:
                 return f"'{n.name}' is also read by '{user.name}' ({user.target})"
 
     stack = [(softmax, *(_extra_columns(sinks, blocks) if sinks is not None else (0, 0)))]

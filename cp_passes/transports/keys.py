@@ -9,7 +9,9 @@ a mask is evaluated over the whole sequence from gathered metadata and this rank
 Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
 says which keys come: the ``window - 1`` rows before this rank's (a halo) or the causal prefix of a gather.
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
-at run time over the whole sequence, on every rank alike, so no rank goes on while another fails.
+at run time over the whole sequence, on every rank alike, so no rank goes on while another fails. Keys
+concatenated from positions and windows of them are cut in their first part (the positions); the windows
+come whole.
 """
 
 from __future__ import annotations
@@ -38,11 +40,15 @@ class KeyRange:
 
     halo: int | None
     masking: tuple
+    first_part: bool = False
+    """The key axis concatenates positions and windows of them: the cut applies to the first part, the
+    positions (as many keys as the sequence has queries); the other parts come whole."""
 
     def describe(self) -> str:
+        part = " in its positions and every window entry" if self.first_part else ""
         if self.halo is None:
-            return "the causal prefix of a gather"
-        return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})"
+            return "the causal prefix of a gather" + part
+        return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})" + part
 
 
 @dataclass
@@ -98,12 +104,16 @@ def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
     return mask if hides == "true" else ~mask
 
 
-def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int | None) -> None:
+def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int | None,
+                 first_part: bool = False) -> None:
     """Fail unless the masks together hide every key a cut attention leaves out: a later key, or (with
-    ``halo``) one ``halo + 1`` or more positions back. Every rank checks the whole sequence, so all reach
-    the same verdict and none is left waiting in a collective."""
+    ``halo``) one ``halo + 1`` or more positions back (with ``first_part``, among the first keys, one per
+    query). Every rank checks the whole sequence, so all reach the same verdict and none is left waiting in
+    a collective."""
     together = None
     for mask, kind, (q, k) in zip(masks, hides, dims):
+        if first_part:
+            mask = mask.narrow(k, 0, mask.shape[q])
         h = hidden(mask, kind).movedim((q, k), (-2, -1))
         together = h if together is None else together | h
     kept = band(together.shape[-1], None if halo is None else halo + 1, together.device)
@@ -120,14 +130,20 @@ def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int
 
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, halo: int | None,
-             checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None) -> torch.Tensor:
+             checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None, first_part: bool) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
-    brings. A key before the sequence start (a halo's zeros) takes the hiding value (``fill``: how this mask
-    hides keys) or, for a mask that hides none, the value of query 0 and the last key."""
+    brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
+    before the sequence start (a halo's zeros) takes the hiding value (``fill``: how this mask hides keys)
+    or, for a mask that hides none, the value of query 0 and the last key."""
     if checked:
-        check_hidden(checked, hides, dims, halo)
+        check_hidden(checked, hides, dims, halo, first_part)
     rows = query_rows(global_mask, query_dim, rank, world)
     positions = key_positions(rows.shape[query_dim], rank, world, halo, global_mask.device)
+    before = positions < 0
+    if first_part:
+        length, total = global_mask.shape[query_dim], global_mask.shape[key_dim]
+        positions = torch.cat([positions, torch.arange(length, total, device=positions.device)])
+        before = torch.cat([before, torch.zeros(total - length, dtype=torch.bool, device=before.device)])
     cut = rows.index_select(key_dim, positions.clamp(min=0))
     if halo is None:
         return cut
@@ -139,7 +155,7 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
         hiding = torch.tensor(fill == "true", device=cut.device)
     else:
         hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
-    return torch.where((positions < 0).reshape(shape), hiding, cut)
+    return torch.where(before.reshape(shape), hiding, cut)
 
 
 def prefix_rows(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -156,20 +172,13 @@ class KeyGather(Transport):
     def apply(self, edit, request) -> None:
         if isinstance(request, KeyMask):
             return self._mask(edit, request)
-        source, keys = edit.current(request.source), request.keys  # a scan or positions may have made it global
         name = f"cp_{request.source.name}_keys"
-        if keys is not None and keys.halo is not None:
-            brought = edit.insert(torch.ops.cp_passes.halo.default,
-                                  (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name),
-                                  name=name)
-        elif request.concat:  # positions and windows of them: each part along its own axis, then joined
-            parts = [edit.insert(self._gather(request), (edit.current(part), request.dim, edit.world, edit.group_name),
-                                 name=f"{name}_part") for part in request.source.args[0]]
+        if request.concat:  # positions and windows of them: each part along its own axis, then joined
+            parts = [self._bring(edit, request, part, request.keys if i == 0 else None, f"{name}_part")
+                     for i, part in enumerate(request.source.args[0])]
             brought = edit.insert(aten.cat.default, (parts, request.dim), name=name)
         else:
-            brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
-            if keys is not None:
-                brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world), name=name + "_prefix")
+            brought = self._bring(edit, request, request.source, request.keys, name)
         for step in request.steps:
             if isinstance(step, int):
                 brought = edit.insert(aten.repeat_interleave.self_int, (brought, step, 1),
@@ -180,6 +189,18 @@ class KeyGather(Transport):
         for consumer in request.consumers:
             consumer.replace_input_with(operand, brought)
             edit.changed(consumer)
+
+    def _bring(self, edit, request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, name: str):
+        """The rows of ``source`` (the current node: a scan or positions may have made it global) that
+        ``keys`` asks for along ``request.dim``: a halo, the causal prefix of a gather, or a whole gather."""
+        source = edit.current(source)
+        if keys is not None and keys.halo is not None:
+            return edit.insert(torch.ops.cp_passes.halo.default,
+                               (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name), name=name)
+        brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
+        if keys is not None:
+            brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world), name=name + "_prefix")
+        return brought
 
     @staticmethod
     def _gather(request: KeyOperand):
@@ -196,7 +217,8 @@ class KeyGather(Transport):
             fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
                                           request.keys.halo, checked, tuple(c[1] for c in request.checks),
-                                          tuple(c[2:] for c in request.checks), fill), name="cp_mask_keys")
+                                          tuple(c[2:] for c in request.checks), fill, request.keys.first_part),
+                                   name="cp_mask_keys")
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
             edit.changed(consumer)
@@ -207,8 +229,17 @@ class KeyGather(Transport):
             moved = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in leaves) * (layout.world - 1)
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
                         0, moved, moved, moved)
-        row = row_bytes(request.source, local_len)
-        keys, itemsize = request.keys, meta_val(request.source).dtype.itemsize
+        if request.concat:
+            return sum((self._rows_cost(request, part, request.keys if i == 0 else None, layout, rank, local_len)
+                        for i, part in enumerate(request.source.args[0])), Cost())
+        return self._rows_cost(request, request.source, request.keys, layout, rank, local_len)
+
+    @staticmethod
+    def _rows_cost(request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, layout, rank: int,
+                   local_len: int) -> Cost:
+        """What bringing ``keys`` of ``source`` (a part of a concatenation, or the whole operand) moves."""
+        row = row_bytes(source, local_len)
+        itemsize = meta_val(source).dtype.itemsize
         if keys is not None and keys.halo is not None:
             send, recv, zeros = layout.halo_counts(keys.halo, rank, local_len)
             return Cost(f"all_to_all {keys.halo} rows" + ("" if request.metadata else " | bw all_to_all"),
