@@ -18,6 +18,13 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+aten = torch.ops.aten
+
+SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
+              aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
+"""Ops that read only their input's shape, dtype and device: no gradient flows back through them, and no
+rows of it need to move."""
+
 
 def meta_val(value):
     """The fake value of an FX argument (Node -> meta['val']), or the argument itself."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple, window
+from ..graph.analysis import SHAPE_ONLY, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 
 aten = torch.ops.aten
@@ -46,15 +46,10 @@ def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
             attr = torch.fx.graph_module._get_attr(module, n.target) if module is not None else None
             if _float(attr) and attr.requires_grad:
                 found.add(n)
-        elif n.op == "call_function" and n.target not in _SHAPE_ONLY and any(a in found for a in n.all_input_nodes):
+        elif n.op == "call_function" and n.target not in SHAPE_ONLY and any(a in found for a in n.all_input_nodes):
             if _float(val) or isinstance(val, (tuple, list)):
                 found.add(n)
     return found
-
-
-_SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
-               aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
-"""Ops that read only their input's shape, dtype and device: no gradient flows back through them."""
 
 
 def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:

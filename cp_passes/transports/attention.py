@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..graph.analysis import meta_val, numel_hint
 from .base import Cost
-from .masks import MetadataMask, causal_mask, mask_block, visible_keys
+from .masks import MetadataMask, causal_mask, global_shaped, mask_block, visible_keys
 
 aten = torch.ops.aten
 
@@ -60,10 +60,10 @@ class AttentionKV:
 
     def metadata_cost(self, world: int) -> Cost:
         """The metadata a model-built mask reads, gathered from every other rank (no autograd)."""
-        if self.mask is None:
+        if self.mask is None or not self.mask.gathered:
             return Cost()
-        moved = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in self.mask.tensor_leaves) * (world - 1)
-        names = ", ".join(leaf.name for leaf in self.mask.tensor_leaves)
+        moved = self.mask.gathered_bytes(world)
+        names = ", ".join(leaf.name for leaf in self.mask.gathered)
         return Cost(f"all_gather {names} (no grad)", 0, moved, moved, moved)
 
 
@@ -112,7 +112,9 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
             return now
         return edit.insert(aten.detach.default, (now,), name=f"cp_{leaf.name}_detached")
 
-    leaves = [edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(leaf), d, edit.world, edit.group_name),
+    leaves = [edit.insert(global_shaped, (edit.current(leaf), d, edit.world), name=f"cp_{leaf.name}_shape")
+              if found.shape_only(leaf) else
+              edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(leaf), d, edit.world, edit.group_name),
                           name=f"cp_{leaf.name}_gathered")
               for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, numel_hint
+from ..graph.analysis import meta_val
 from ..layout import Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
@@ -225,8 +225,7 @@ class KeyGather(Transport):
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         if isinstance(request, KeyMask):
-            leaves = request.mask.tensor_leaves
-            moved = sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in leaves) * (layout.world - 1)
+            leaves, moved = request.mask.gathered, request.mask.gathered_bytes(layout.world)
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
                         0, moved, moved, moved)
         if request.concat:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..graph.analysis import SHAPE_ONLY, meta_val, numel_hint
 from ..layout import Layout
 from .collectives import all_gather
 
@@ -45,6 +46,29 @@ class MetadataMask:
     size_leaves: list[torch.fx.Node]
     leaf_dims: list[int]
     inputs: list[torch.fx.Node] = field(default_factory=list)
+
+    def shape_only(self, leaf: torch.fx.Node) -> bool:
+        """Whether the mask reads only ``leaf``'s shape, dtype and device (``x.new_full(...)``): no rows of it
+        need to move, a tensor of its global shape stands in."""
+        users = [n for n in self.nodes if leaf in n.all_input_nodes]
+        return bool(users) and all(n.target in SHAPE_ONLY for n in users)
+
+    @property
+    def gathered(self) -> list[torch.fx.Node]:
+        """The tensor leaves whose rows move (every rank's)."""
+        return [leaf for leaf in self.tensor_leaves if not self.shape_only(leaf)]
+
+    def gathered_bytes(self, world: int) -> int:
+        """What one rank receives to evaluate the mask over the whole sequence."""
+        return sum(numel_hint(leaf) * meta_val(leaf).dtype.itemsize for leaf in self.gathered) * (world - 1)
+
+
+def global_shaped(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
+    """A stand-in for a tensor the mask reads only the shape of: uninitialised, ``dim`` ``world`` times as
+    long (the whole sequence)."""
+    shape = list(x.shape)
+    shape[dim % x.dim()] *= world
+    return x.new_empty(shape)
 
 
 def key_positions(local, rank: int, world: int, halo: int | None, device=None) -> torch.Tensor:
