@@ -15,17 +15,13 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CPCompileError, source_line
-from ..graph.analysis import meta_val
+from ..graph.analysis import INPUT_NAME, meta_val
 
 _KEEP_SYMBOLIC = (
     "keep the sequence length symbolic there (no Python loop over chunks of the sequence, no int() of a size, "
     "no reshape to a fixed length); for a recurrent kernel, run it outside the compiled module. "
     "TORCH_LOGS=\"+dynamic\" shows every guard on the length"
 )
-
-
-INPUT_NAME = "cp_passes_input"
-"""Placeholder meta: the name of the sharded input (the model's argument or batch key) it holds."""
 
 
 def sharded_placeholders(gm: torch.fx.GraphModule, sharded: dict[int, str]) -> list[tuple[torch.fx.Node, str]]:

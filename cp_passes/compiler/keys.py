@@ -24,17 +24,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import has_symbol, hint, meta_val, seq_dims
+from ..graph.analysis import has_symbol, meta_val, seq_dims
 from ..graph.analysis import window as positions_per_row
 from ..match.blocks import SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, key_cuts
-from ..match.masks import NotPositional, PositionMask, evaluate_position_mask
+from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden
 from ..transports.masks import band
-from .capture import INPUT_NAME
 
 aten = torch.ops.aten
 
@@ -114,18 +113,6 @@ def _gather_point(operand: torch.fx.Node, dim: int, sym):
     return source, dim, steps[::-1]
 
 
-def _probe_leaf(leaf: torch.fx.Node, dim: int, spec, length: int) -> torch.Tensor | None:
-    """A sharded input's value for one unpadded document of ``length``, or None for an input of another role."""
-    val, name = meta_val(leaf), leaf.meta.get(INPUT_NAME)
-    shape = [length if d == dim else hint(s) for d, s in enumerate(val.shape)]
-    if name in spec.position_keys:
-        view = [-1 if d == dim else 1 for d in range(len(shape))]
-        return torch.arange(length).reshape(view).expand(shape).to(val.dtype)
-    if name == spec.doc_key:
-        return torch.zeros(shape, dtype=val.dtype)
-    return None
-
-
 def _side_operand(cut: KeyCut, blocks, sym) -> torch.fx.Node | None:
     """A sequence-sharded input that lands on the key axis of an op of ``cut`` other than K in the scores and
     V in ``probs @ v`` (a key-side bias): a halo's zero rows would reach it (``x / 0``), a prefix's would not."""
@@ -201,7 +188,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int) -> int | None | st
         target = _first_part(found.mask, blocks.keys[found.mask]) if concat is not None else found.mask
         if target is None:
             continue
-        leaves = {leaf: _probe_leaf(leaf, d, spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
+        leaves = {leaf: one_document(leaf, d, spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
         if concat is None and any(v is None for v in leaves.values()):
             continue  # reads an input that is neither positions nor doc ids: the other masks must do
         try:  # a first part that reads an activation walks up to the model's inputs: NotPositional

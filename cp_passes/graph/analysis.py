@@ -20,6 +20,9 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 aten = torch.ops.aten
 
+INPUT_NAME = "cp_passes_input"
+"""Placeholder meta: the name of the sharded input (the model's argument or batch key) it holds."""
+
 SHAPE_ONLY = {aten.new_zeros.default, aten.new_ones.default, aten.new_full.default, aten.new_empty.default,
               aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
 """Ops that read only their input's shape, dtype and device: no gradient flows back through them, and no

@@ -20,14 +20,14 @@ from ..transports.masks import MetadataMask
 from .blocks import Blocks, match_blocks
 from .causal_conv import CONVS, match_causal_conv
 from .head_repeat import HeadRepeat, match_head_repeat, same_size
-from .masks import NotPositional, PositionMask, evaluate_position_mask, may_carry_gradient, model_mask
+from .masks import NotPositional, PositionMask, evaluate_position_mask, may_carry_gradient, model_mask, one_document
 from .stencils import PADS, match_shifts, match_unfold_window
 
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
 __all__ = ["Blocks", "HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask", "evaluate_position_mask",
-           "match_graph", "same_size"]
+           "match_graph", "one_document", "same_size"]
 
 
 @dataclass

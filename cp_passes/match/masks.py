@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import SHAPE_ONLY, meta_val, seq_dims, seq_multiple, window
+from ..graph.analysis import INPUT_NAME, SHAPE_ONLY, hint, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 
 aten = torch.ops.aten
@@ -136,6 +136,20 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
 
 class NotPositional(Exception):
     """The mask reads something other than positions: the node that does."""
+
+
+def one_document(leaf: torch.fx.Node, dim: int, spec, length: int) -> torch.Tensor | None:
+    """A sharded input's value for one unpadded document of ``length`` (the spec's positions ``0..S-1``, its
+    doc ids one document), or None for an input of another role: what a mask is probed with to read which
+    keys it lets a query see."""
+    val, name = meta_val(leaf), leaf.meta.get(INPUT_NAME)
+    shape = [length if d == dim else hint(s) for d, s in enumerate(val.shape)]
+    if name in spec.position_keys:
+        view = [-1 if d == dim else 1 for d in range(len(shape))]
+        return torch.arange(length).reshape(view).expand(shape).to(val.dtype)
+    if name == spec.doc_key:
+        return torch.zeros(shape, dtype=val.dtype)
+    return None
 
 
 def evaluate_position_mask(found: PositionMask, sym, length: int, leaves: dict | None = None) -> torch.Tensor:

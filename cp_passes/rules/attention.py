@@ -12,7 +12,7 @@ import torch
 
 from ..errors import module_path
 from ..graph.analysis import meta_val, seq_multiple
-from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, same_size
+from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..transports.attention import AttentionKV
 from .registry import Rewrite, RuleContext, register_rule
 
@@ -82,6 +82,33 @@ def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared
     return window
 
 
+def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
+    """The window of a mask built from positions and doc ids, as it shows for one unpadded document at the
+    compile-time length and about half of it (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``), or
+    None where it shows none (causal, something else, or it reads other data): the envelope the transport
+    is planned for, which the run-time check holds every real mask to."""
+    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+    widths = []
+    for length in (longer, max(2, longer // 2 + 1)):
+        leaves = {leaf: one_document(leaf, d, ctx.spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
+        if any(v is None for v in leaves.values()):
+            return None
+        try:
+            value = evaluate_position_mask(PositionMask(found.mask, found.nodes, found.size_leaves), ctx.sym, length,
+                                           leaves)
+        except NotPositional:
+            return None
+        flat = value.reshape(-1, *value.shape[-2:])
+        if tuple(flat.shape[-2:]) != (length, length) or not bool((flat == flat[:1]).all()):
+            return None
+        width = int(flat[0, -1].sum())
+        band = torch.ones(length, length, dtype=torch.bool).tril()
+        if width >= length or not torch.equal(flat[0], band & ~band.tril(-width)):
+            return None
+        widths.append(width)
+    return widths[0] if widths[0] == widths[1] else None
+
+
 @register_rule(aten.scaled_dot_product_attention)
 def sdpa_rule(ctx: RuleContext):
     q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
@@ -115,7 +142,7 @@ def sdpa_rule(ctx: RuleContext):
         # from gathered metadata, is checked against it at run time.
         if meta_val(mask).dtype != torch.bool:
             ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
-        window, causal = (declared.window if declared else None), True
+        window, causal = (declared.window if declared else document_window(ctx, metadata)), True
     elif isinstance(found_mask, PositionMask):
         global_len = ctx.layout.global_len(ctx.local_len())
         window = read_window(ctx, found_mask, global_len, declared.window if declared else None)
@@ -151,8 +178,10 @@ def sdpa_rule(ctx: RuleContext):
         notes.append("the spec asks for a gather")
     if metadata is not None:
         names = ", ".join(leaf.name for leaf in metadata.tensor_leaves)
-        notes.append(f"the model's mask from {names}, evaluated over the whole sequence; "
-                     + (f"window {window} (spec)" if window else "causal envelope, checked at run time"))
+        envelope = (f"window {window} (spec)" if declared and declared.window else
+                    f"window {window} read from the model's mask for one document" if window else "causal envelope")
+        notes.append(f"the model's mask from {names}, evaluated over the whole sequence; {envelope}, checked at run "
+                     f"time")
     elif window:
         notes.append(f"window {window} read from the model's mask")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,

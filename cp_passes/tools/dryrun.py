@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ..compiler.capture import INPUT_NAME
+from ..graph.analysis import INPUT_NAME
 from ..compiler.pipeline import CompileRecord, rewrite_graph
 from ..compiler.planner import plan_graph
 from ..graph.analysis import meta_val, numel_hint, sequence_symbol
