@@ -101,16 +101,34 @@ def _trimmed(error: BaseException, lines: int = 30) -> str:
     return "\n".join(text[:lines] + (["    ..."] if len(text) > lines else []))
 
 
-def compile_error(error: BaseException) -> CPCompileError:
+def compile_error(error: BaseException, model: torch.nn.Module | None = None) -> CPCompileError:
     """Whatever stopped dynamo's capture (or the backend: its CPCompileError is inside dynamo's wrapper), as a
-    CPCompileError that says what construct it was and what to do."""
-    known = _recognised(error)
+    CPCompileError that says what construct it was and what to do (for ``model``'s own modules, where it can
+    tell)."""
+    known = _recognised(error, model)
     if known is not None:
         return known
     return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")
 
 
-def _recognised(error: BaseException) -> CPCompileError | None:
+def experts_fix(model: torch.nn.Module | None) -> str | None:
+    """How to run ``model``'s transformers MoE experts without their loop over the experts ``nonzero()``
+    selects (which dynamo cannot trace): the batched_mm implementation, per token, no data-dependent shapes."""
+    for name, module in (model.named_modules() if model is not None else ()):
+        cls = type(module)
+        if not (cls.__name__.endswith("Experts") and cls.__module__.startswith("transformers.")):
+            continue
+        if not hasattr(module, "_is_expert_parallel"):  # what transformers' use_experts_implementation sets
+            return (f"'{name}' ({cls.__name__}) has no experts-implementation switch in this transformers version: "
+                    f"call transformers.integrations.moe.use_experts_implementation({cls.__module__}.{cls.__name__}) "
+                    f"before building the model, and set config._experts_implementation = \"batched_mm\"")
+        if getattr(getattr(module, "config", None), "_experts_implementation", None) in (None, "eager"):
+            return (f"'{name}' ({cls.__name__}) runs its eager loop: model.set_experts_implementation(\"batched_mm\") "
+                    f"(or config._experts_implementation = \"batched_mm\")")
+    return None
+
+
+def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> CPCompileError | None:
     """The CPCompileError for an error whose cause cp_passes can name, else None."""
     from torch._dynamo import exc
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
@@ -120,12 +138,14 @@ def _recognised(error: BaseException) -> CPCompileError | None:
     if own is not None:
         return own
     data_dependent = next((e for e in chain if isinstance(e, GuardOnDataDependentSymNode)), None)
+    experts = experts_fix(model) if data_dependent is not None or isinstance(error, exc.UserError) else None
     if data_dependent is not None:
+        fix = experts or ("compute such sizes outside the compiled module and pass them in, or use a form with "
+                          "static shapes (masks instead of boolean indexing)")
         return CPCompileError(
             "the model computes a shape or a branch from tensor data (.tolist(), .item(), the size of nonzero() or "
-            "of a boolean-mask index), which cannot be traced into one graph. Fix: compute such sizes outside the "
-            "compiled module and pass them in, or use a form with static shapes (masks instead of boolean "
-            f"indexing). Dynamo said:\n{_trimmed(data_dependent)}"
+            f"of a boolean-mask index), which cannot be traced into one graph. Fix: {fix}. Dynamo said:\n"
+            f"{_trimmed(data_dependent)}"
         )
     if isinstance(error, exc.FailOnRecompileLimitHit):
         return CPCompileError(
@@ -135,11 +155,11 @@ def _recognised(error: BaseException) -> CPCompileError | None:
             "halo (shard_batch's pad_multiple=), or raise the limit"
         )
     if isinstance(error, exc.UserError):
+        fix = (f"Fix: {experts}" if experts else "Fix: use a form without it (transformers MoE models: "
+               "experts_implementation=\"batched_mm\"), or run that part outside the compiled module")
         return CPCompileError(
             "dynamo refused a construct in the model (typically Python control flow on tensor values, such as a "
-            "loop over the experts that nonzero() selects). Fix: use a form without it (transformers MoE models: "
-            "experts_implementation=\"batched_mm\"), or run that part outside the compiled module. Dynamo "
-            f"said:\n{_trimmed(error)}"
+            f"loop over the experts that nonzero() selects). {fix}. Dynamo said:\n{_trimmed(error)}"
         )
     if isinstance(error, exc.Unsupported):
         return CPCompileError(

@@ -914,3 +914,49 @@ def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len:
     loss, logits = deepseek_v4_loss(compiled, local)
     loss.backward()
     return _step(model, compiled, loss, logits, layout)
+
+
+STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+
+
+def hf_step3p7(seed: int = 0, moe: bool = True, traceable_experts: bool = True):
+    """A tiny Step3p7TextModel (Step-5's public relative): sliding-window layers (window 4) and full-attention
+    layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP first, then MoE layers (4
+    experts, top 2, a shared expert). transformers 5.24 generates Step3p7Experts without its experts
+    implementation switch (a loop over nonzero()); ``traceable_experts`` restores it and picks batched_mm."""
+    from transformers import Step3p7TextConfig, Step3p7TextModel
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.step3p7 import modeling_step3p7 as step
+
+    if traceable_experts and not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
+        use_experts_implementation(step.Step3p7Experts)
+    config = Step3p7TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=list(STEP3P7_LAYERS),
+        mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
+        pad_token_id=0, use_cache=False)
+    config._experts_implementation = "batched_mm" if traceable_experts else "eager"
+    torch.manual_seed(seed)
+    return Step3p7TextModel(config).float()
+
+
+def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions, or packed rows (one list of document lengths per row)."""
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(4))
+    if documents:
+        return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(2, length)}
+
+
+def step3p7_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Step3p7TextModel with model_specs/step5.py on a batch sharded by shard_batch; the loss is the sum of
+    squares of the last hidden states."""
+    model = hf_step3p7()
+    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(step3p7_batch(documents, seq_len), group, "step5")
+    out = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return _step(model, compiled, loss, out, layout)

@@ -27,7 +27,7 @@ def test_help_lists_every_option():
 def test_specs_lists_shipped_specs():
     out = run("-m", "cp_passes", "specs")
     assert out.returncode == 0
-    assert [line.split(":")[0] for line in out.stdout.splitlines()] == ["deepseek_v4", "glm5_next", "llama"]
+    assert [line.split(":")[0] for line in out.stdout.splitlines()] == ["deepseek_v4", "glm5_next", "llama", "step5"]
     assert "llama: CPSpec(name='llama'" in out.stdout and "Recurrence(kernel='transformers.models" in out.stdout
     assert "pad_multiple=128" in out.stdout
 

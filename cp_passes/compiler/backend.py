@@ -252,7 +252,7 @@ class CPModule(torch.nn.Module):
         except Exception as error:
             if self._entered:
                 raise  # a run-time error inside a compiled graph, not a compile failure
-            failure = compile_error(error)
+            failure = compile_error(error, self.module)
             if not self._agreed:  # failed before reaching the backend: the other ranks wait for its report
                 self._agreed = True
                 agree_before_running(self.cp, failure, False, [], self._guard_failures)

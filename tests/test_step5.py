@@ -1,0 +1,100 @@
+"""Step-5's public relative, transformers' Step3p7TextModel with model_specs/step5.py: sliding-window layers
+by halo, full-attention layers by gather, MoE layers with the traceable (batched_mm) experts. Parity on real
+gloo processes against one device, unpacked and packed; the untraceable experts loop refused with its fix."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cp_passes
+from cp_passes import CPCompileError
+from cp_passes.data.batch import shard_for_rank
+from scenarios import hf_step3p7, step3p7_batch
+from test_parity import GRAD_RTOL, _compare
+
+PACKED = [[3, 9, 4], [8, 4, 4]]
+"""Row 0 at P = 4 (4 a rank): the second document spans ranks 0, 1 and 2 (positions 3..11), the third is
+rank 3's; row 1's documents start at shard boundaries."""
+
+
+def _reference(P: int, documents):
+    """One device on the global batch as shard_batch lays it out for ``P`` ranks."""
+    model = hf_step3p7()
+    batch, _ = shard_for_rank(step3p7_batch(documents, 4 * P), 0, 1, "step5", pad_multiple=P)
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return batch, loss.detach(), out.detach(), grads
+
+
+def _cut_floor(P: int, batch: dict, grads: dict) -> float:
+    """How far one device's own gradients move (relative, the largest over parameters) when each of P query
+    blocks attends to the keys up to its own last one only: the same math, the softmax sums rounded
+    differently, as under CP. The MoE's expert gradients, summed over the few tokens routed to an expert,
+    move by up to 2.4e-5 of their size (packed, P = 4). No CP run can be expected closer."""
+    import torch.nn.functional as F
+
+    sdpa = F.scaled_dot_product_attention
+
+    def cut(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        local, outs = q.shape[-2] // P, []
+        for start in range(0, q.shape[-2], local):
+            end = start + local
+            mask = (attn_mask[..., start:end, :end] if attn_mask is not None else
+                    torch.ones(local, end, dtype=torch.bool).tril(start) if is_causal else None)
+            outs.append(sdpa(q[..., start:end, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
+                             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(outs, -2)
+
+    F.scaled_dot_product_attention = cut
+    try:
+        model = hf_step3p7()
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state.pow(2).sum().backward()
+    finally:
+        F.scaled_dot_product_attention = sdpa
+    largest = max(g.abs().max().item() for g in grads.values())
+    floor = 0.0
+    for name, p in model.named_parameters():
+        if name in grads:
+            moved = (p.grad - grads[name]).abs().max().item()
+            assert moved < 1e-5 * largest, f"attending per query block moves {name}'s gradient by {moved}: a bug there"
+            floor = max(floor, moved / grads[name].abs().max().item())
+    return floor
+
+
+CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),
+         pytest.param(4, None, marks=pytest.mark.full), pytest.param(2, PACKED, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,documents", CASES)
+def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
+    """Two sliding-window layers (window 4: a halo of 3 rows, from up to two ranks at 4 a rank) and two
+    full-attention layers (the causal prefix of an all-gather of K and V), a dense MLP and three MoE layers.
+    Packed rows: the masks transformers builds from per-document positions keep the documents apart, here as
+    on one device."""
+    per_rank = pool.run("step3p7_parity", P, documents=documents, seq_len=4 * P)
+    batch, loss, out, grads = _reference(P, documents)
+    name = f"hf-Step3p7TextModel-moe-{'packed' if documents else 'unpacked'}-aot_eager"
+    if documents:
+        assert batch["doc_ids"][0].tolist() == [0] * 3 + [1] * 9 + [2] * 4, batch["doc_ids"]
+    # At P = 1 the cut is no cut; the model's sensitivity to rounding is read from a cut in two.
+    tolerance = max(GRAD_RTOL, 2 * _cut_floor(max(P, 2), batch, grads))
+    _compare(f"{name} (grad tol {tolerance:.1e})", per_rank, loss, out, grads, out.shape[1], parity_report,
+             grad_rtol=tolerance)
+    rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
+    assert rules == [("sdpa_data_mask", "halo"), ("sdpa_data_mask", "sequence_gather")] * 2, rules
+
+
+def test_untraceable_experts_are_refused_with_the_fix():
+    """transformers 5.24 generates Step3p7Experts without its experts-implementation switch: its forward loops
+    over nonzero(), which dynamo cannot trace. The refusal names the module and the call that restores it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
+    model = hf_step3p7(traceable_experts=False)
+    compiled = cp_passes.cp_compile(model, "step5", mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), dist.group.WORLD, "step5")
+    with pytest.raises(CPCompileError, match=r"layers\.1\.mlp\.experts.*(use_experts_implementation|batched_mm)"):
+        compiled(input_ids=local["input_ids"], position_ids=local["position_ids"])
