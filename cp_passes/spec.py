@@ -102,8 +102,9 @@ class CPSpec:
     """Dimension of every sharded input that indexes sequence positions (``[batch, seq, ...]`` -> 1)."""
 
     seq_inputs: tuple[str, ...] | None = None
-    """Forward arguments (or batch keys) sharded along ``seq_dim``. ``None``: every tensor whose
-    ``seq_dim`` equals the sequence length, which is read from the first tensor argument."""
+    """Forward arguments (or batch keys) sharded along ``seq_dim``. ``None``: every tensor with the sequence
+    length on ``seq_dim`` that is a known sequence input or has the batch dims of the input the length is read
+    from (tokens first); another tensor with that length is refused as ambiguous (:meth:`is_sharded`)."""
 
     replicated_inputs: tuple[str, ...] = ()
     """Arguments never sharded even if their ``seq_dim`` happens to equal the sequence length."""
@@ -249,13 +250,35 @@ class CPSpec:
                      if n in (*self.token_keys, "inputs_embeds") and (any_rank_tokens or t.dim() > self.seq_dim)]
         return next(iter(preferred + [(n, t) for n, t in usable if t.dim() > self.seq_dim]), None)
 
-    def is_sharded(self, name: str | None, tensor, seq_len: int | None) -> bool:
-        """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``."""
+    def is_sharded(self, name: str | None, tensor, seq_len: int | None, leading: tuple | None = None,
+                   known: tuple[str, ...] = ()) -> bool:
+        """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``.
+
+        With ``seq_inputs`` None, a tensor with the sequence length on ``seq_dim`` is sharded when it is a known
+        sequence input (tokens, labels, positions, doc ids, ``SEQUENCE_INPUTS``, ``known``) or has the leading
+        (batch) dims ``leading`` of the input the length was read from; anything else with that length is
+        ambiguous (image features ``[n_tokens, hidden]`` whose hidden size equals the local length, say):
+        ValueError naming the fields that settle it, rather than sharding on a coincidence."""
         if not self.may_shard(name):
             return False
         if self.seq_inputs is not None:
             return True
-        return tensor.dim() > self.seq_dim and seq_len is not None and tensor.shape[self.seq_dim] == seq_len
+        if not (tensor.dim() > self.seq_dim and seq_len is not None and tensor.shape[self.seq_dim] == seq_len):
+            return False
+        names = (*self.token_keys, *self.label_keys, *self.position_keys, self.doc_key, *SEQUENCE_INPUTS, *known)
+        if name in names or (leading is not None and tuple(tensor.shape[:self.seq_dim]) == tuple(leading)):
+            return True
+        what = f"input {name!r}" if name else "a positional input"
+        raise ValueError(
+            f"{what} {tuple(tensor.shape)} has the sequence length {seq_len} on dim {self.seq_dim}, but it is not a "
+            f"known sequence input ({', '.join(dict.fromkeys(names))}) and its leading dims are not the batch dims "
+            f"{tuple(leading or ())} of the input the length comes from, so that length may be a coincidence. Say "
+            f"which it is: CPSpec(seq_inputs=(..., {name!r})) if each rank passes its slice, or "
+            f"CPSpec(replicated_inputs=({name!r},)) if every rank passes the whole tensor")
+
+
+SEQUENCE_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "loss_mask")
+"""Inputs that carry the sequence by name (besides a spec's token, label, position and doc-id keys)."""
 
 
 def available_specs() -> list[str]:

@@ -87,6 +87,31 @@ def test_no_listed_sequence_input_suggests_the_name(group):
         compiled(input_ids=torch.randint(0, 32, (2, 8)))
 
 
+class ImageFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.proj = nn.Embedding(32, 8), nn.Linear(8, 8)
+
+    def forward(self, input_ids, image_features):
+        return self.proj(self.embed(input_ids)) + image_features.mean()
+
+
+def test_an_input_whose_size_equals_the_local_length_by_coincidence_is_not_sharded(group):
+    """Image features [n_tokens, hidden] whose hidden size equals the local length: no known sequence input,
+    not the tokens' batch dims. Without a spec they were sharded (each rank averaged 1/P of them); now the
+    call and shard_batch say which fields settle it, and declared whole they are read whole."""
+    ids, features = torch.randint(0, 32, (2, 8)), torch.randn(5, 8)
+    compiled = cp_passes.cp_compile(ImageFeatures(), mesh=group, backend="aot_eager", verbose=False)
+    why = r"input 'image_features' \(5, 8\) has the sequence length 8 on dim 1.*may be a coincidence.*replicated_inputs"
+    with pytest.raises(ValueError, match=why):
+        compiled(input_ids=ids, image_features=features)
+    with pytest.raises(ValueError, match=why):
+        cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 8)), "image_features": features}, group)
+    spec = CPSpec(replicated_inputs=("image_features",))
+    compiled = cp_passes.cp_compile(ImageFeatures(), spec, mesh=group, backend="aot_eager", verbose=False)
+    compiled(input_ids=ids, image_features=features)  # the declaration settles it: no error
+
+
 def test_the_llama_spec_shards_doc_ids_and_other_specs_must_list_them(group):
     ids, doc_ids = torch.randint(0, 32, (1, 8)), torch.zeros(1, 8, dtype=torch.long)
     compiled = cp_passes.cp_compile(toy(), "llama", mesh=group, backend="aot_eager", verbose=False)

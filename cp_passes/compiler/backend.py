@@ -215,7 +215,7 @@ class CPModule(torch.nn.Module):
                     f"sequence input {name!r} has length {t.shape[spec.seq_dim]} on dim {spec.seq_dim}, "
                     f"expected the local length {seq_len}"
                 )
-            if spec.is_sharded(name, t, seq_len):
+            if spec.is_sharded(name, t, seq_len, tuple(found[1].shape[:spec.seq_dim])):
                 if seq_len < 2:
                     raise ValueError(
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "

@@ -108,7 +108,7 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
                             else " (shift labels inside the sequence, ending in ignore_index)")
                 raise ValueError(f"batch[{key!r}] has length {value.shape[dim]} on dim {dim} but {shape_key} has "
                                  f"{seq_len}: every sequence tensor needs the same length{hint}")
-        if not spec.is_sharded(key, value, seq_len):
+        if not spec.is_sharded(key, value, seq_len, tuple(shape[:dim]), tuple(names)):
             continue
         if dim and value.shape[0] != rows:
             if value.shape[0] == 1 and padding.is_position(key):

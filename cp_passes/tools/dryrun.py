@@ -36,7 +36,9 @@ def _export(build_model, inputs, spec: CPSpec):
         raise ValueError(f"no input has a sequence dim {spec.seq_dim} that spec {spec.name!r} may shard: {list(kwargs)}")
     seq_len = found[1].shape[spec.seq_dim]
     seq = torch.export.Dim("seq", min=2)
-    dynamic = {name: ({spec.seq_dim: seq} if spec.is_sharded(name, t, seq_len) else None) for name, t in kwargs.items()}
+    leading = tuple(found[1].shape[:spec.seq_dim])
+    dynamic = {name: ({spec.seq_dim: seq} if spec.is_sharded(name, t, seq_len, leading) else None)
+               for name, t in kwargs.items()}
     exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return exported.graph_module, seq_len, parameter_bytes
