@@ -6,12 +6,13 @@ processes against one device, unpacked and packed; what each rank receives per l
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
-from test_parity import GRAD_RTOL, _compare
+from test_parity import GRAD_RTOL, _compare, split_floor
 
 PACKED = [[3, 17, 4], [8, 8, 8]]
 """Aligned to windows of 4: row 0's documents start at 0, 4 and 24 (32 positions after padding), so at
@@ -30,9 +31,9 @@ def _reference(P: int, documents):
 
 
 def _cut_floor(P: int, batch: dict, grads: dict) -> float:
-    """How far one device's own gradients move (relative, the largest over parameters) when each of P query
-    blocks attends only to the keys cp_passes brings it (the ``window - 1`` raw keys before it, its own, every
-    compressed entry): the same math, the softmax sums rounded differently. No CP run can be expected closer."""
+    """The model's one-device floor (:func:`split_floor`) with each of P query blocks attending only to the
+    keys cp_passes brings it (the ``window - 1`` raw keys before it, its own, every compressed entry) and the
+    gradient summed from each block's loss."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
 
     eager = ds.eager_attention_forward
@@ -50,20 +51,13 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     ds.eager_attention_forward = cut
     try:
         model = hf_deepseek_v4()
-        deepseek_v4_loss(model, batch)[0].backward()
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     finally:
         ds.eager_attention_forward = eager
-    largest = max(g.abs().max().item() for g in grads.values())
-    floor = 0.0
-    for name, p in model.named_parameters():
-        if name in grads:
-            moved = (p.grad - grads[name]).abs().max().item()
-            # Rounding moves every gradient by a rounding error of the model's gradient scale (a bug would move
-            # it by more); one that cancels to a small total (a hyper-connection's) moves by that much relative
-            # to itself.
-            assert moved < 1e-5 * largest, f"attending to the cut keys moves {name}'s gradient by {moved}: a bug there"
-            floor = max(floor, moved / grads[name].abs().max().item())
-    return floor
+    local = logits.shape[1] // P
+    losses = [F.cross_entropy(logits[:, s:s + local].flatten(0, 1), batch["shift_labels"][:, s:s + local].flatten(),
+                              reduction="sum") for s in range(0, logits.shape[1], local)]
+    return split_floor(model, losses, grads)
 
 
 CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),

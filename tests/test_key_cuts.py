@@ -50,6 +50,17 @@ def max_over_queries_subtracted(x):
     return (logits - logits.amax(-2, keepdim=True)).softmax(-1) @ x
 
 
+def max_indices_read(x):  # the indices count the keys a cut brings, not the sequence's positions
+    logits = x @ x.transpose(1, 2) + _causal(x)
+    values, indices = logits.max(dim=-1, keepdim=True)
+    return (logits - values).softmax(-1) @ x + indices
+
+
+def global_max_subtracted(x):  # amax over every dim: no key axis to keep
+    logits = x @ x.transpose(1, 2) + _causal(x)
+    return (logits - logits.amax()).softmax(-1) @ x
+
+
 def mean_subtracted(x):  # also a constant per row, but the hidden keys' finfo.min drags the mean down
     logits = x @ x.transpose(1, 2) + _causal(x)
     return (logits - logits.mean(-1, keepdim=True)).softmax(-1) @ x
@@ -123,6 +134,8 @@ def test_a_masked_softmax_may_leave_hidden_keys_out(fn, hides):
     (scores_read_whole, "is also read by"),
     (max_over_queries_subtracted, "no mask the model applies right before its softmax"),
     (mean_subtracted, "no mask the model applies right before its softmax"),
+    (max_indices_read, "no mask the model applies right before its softmax"),
+    (global_max_subtracted, "no mask the model applies right before its softmax"),
     (unmasked_max_subtracted, "no mask the model applies right before its softmax"),
     (slices_keys, "by more than its sink columns"),
 ])

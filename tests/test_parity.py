@@ -40,6 +40,25 @@ def _compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, re
     assert grad_err <= grad_rtol, f"{name}: gradients differ by {grad_err} (relative, {worst})"
 
 
+def split_floor(model, losses, grads) -> float:
+    """How far one device's own gradients move (relative to each parameter's largest entry, the largest over
+    parameters) when they are summed from the per-block ``losses`` of ``model``'s forward, as CP sums each
+    rank's gradients (the forward attending per block as CP does): the same math, rounded differently. No CP
+    run can be expected closer. Rounding moves every gradient by a rounding error of the model's gradient
+    scale (a bug would move one by more); one that cancels to a small total (a hyper-connection's scale)
+    moves by that much relative to itself."""
+    named = [(n, p) for n, p in model.named_parameters() if n in grads]
+    parts = [torch.autograd.grad(loss, [p for _, p in named], retain_graph=True, allow_unused=True) for loss in losses]
+    largest = max(g.abs().max().item() for g in grads.values())
+    floor = 0.0
+    for i, (name, p) in enumerate(named):
+        total = sum(part[i] if part[i] is not None else torch.zeros_like(p) for part in parts)
+        moved = (total - grads[name]).abs().max().item()
+        assert moved < 1e-5 * largest, f"the split one-device run moves {name}'s gradient by {moved}: a bug there"
+        floor = max(floor, moved / grads[name].abs().max().item())
+    return floor
+
+
 def _toy_reference(config, seq_len, pass_positions):
     model = toy_model(**config)
     batch = toy_batch(seq_len)

@@ -256,10 +256,14 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                 ctx.refuse(f"its keys concatenate positions and windows of them ('{behind.name}'), and cp_passes would "
                            f"bring '{source.name}' instead, whose rows interleave the ranks' parts",
                            "read the concatenated keys through transposes and a head repeat on dim 1 only")
-            if keys is not None and concat != keys.first_part:
-                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), but cp_passes "
-                           f"read its masks as {keys.describe()} over {'every' if concat else 'the first'} part",
-                           NO_RULE_FIX)
+            if keys is not None and concat and not keys.first_part:
+                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), but cp_passes read "
+                           f"its masks as {keys.describe()} over the whole key axis", NO_RULE_FIX)
+            if keys is not None and keys.first_part and not concat:
+                ctx.refuse(f"its key axis concatenates positions and windows of them, but '{source.name}' is not that "
+                           f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
+                           f"part by part as well", "concatenate once and read the result as both K and V (as "
+                           "DeepSeek V4 does)")
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
                                                                         concat=concat)
             brings = keys.describe() if keys is not None else "every key"

@@ -144,9 +144,12 @@ def _row_max_shift(node: torch.fx.Node, keys: dict) -> torch.fx.Node | None:
         return None
     if shift.target is operator.getitem and shift.args[1] == 0:
         shift = shift.args[0]
+        # max.dim's indices count the keys brought, not the sequence's: nothing may read them.
+        if not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in shift.users):
+            return None
     elif shift.target is not aten.amax.default:
         return None
-    if shift.target not in _ROW_MAX or shift.args[0] is not x:
+    if shift.target not in _ROW_MAX or shift.args[0] is not x or len(shift.args) < 2:
         return None
     dims = shift.args[1] if shift.target is aten.amax.default else [shift.args[1]]
     keepdim = shift.args[2] if len(shift.args) > 2 else shift.kwargs.get("keepdim", False)

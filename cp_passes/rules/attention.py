@@ -103,7 +103,7 @@ def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
             return None
         width = int(flat[0, -1].sum())
         band = torch.ones(length, length, dtype=torch.bool).tril()
-        if width >= length or not torch.equal(flat[0], band & ~band.tril(-width)):
+        if not 1 <= width < length or not torch.equal(flat[0], band & ~band.tril(-width)):
             return None
         widths.append(width)
     return widths[0] if widths[0] == widths[1] else None

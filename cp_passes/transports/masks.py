@@ -115,7 +115,8 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
     torch._assert_async((global_mask & ~envelope).logical_not().all(),
                         "cp_passes: the model's attention mask allows a key outside the causal window that the "
                         "spec declares or its mask showed for one document when compiling (or outside causal "
-                        "attention); declare the right AttentionRule")
+                        "attention); declare the window these modules really use in an AttentionRule "
+                        "(window=None: every preceding key)")
     rows = global_mask.index_select(-2, Layout(world).positions(rank, query.shape[-2], query.device))
     k_pos = _key_positions(query, rank, world, window, halo)
     return rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
