@@ -3,6 +3,8 @@ model_specs/deepseek_v4.py): windows of positions pooled into compressed entries
 raw keys, with a sliding-window mask, the causal block rule and a top-k indexer. Parity on real gloo
 processes against one device, unpacked and packed; what each rank receives per layer on the fake group."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,12 +50,9 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
                               scaling, dropout, **kwargs)[0])
         return torch.cat(outs, 1), None
 
-    ds.eager_attention_forward = cut
-    try:
-        model = hf_deepseek_v4()
+    model = hf_deepseek_v4()
+    with mock.patch.object(ds, "eager_attention_forward", cut):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    finally:
-        ds.eager_attention_forward = eager
     local = logits.shape[1] // P
     losses = [F.cross_entropy(logits[:, s:s + local].flatten(0, 1), batch["shift_labels"][:, s:s + local].flatten(),
                               reduction="sum") for s in range(0, logits.shape[1], local)]

@@ -2,6 +2,8 @@
 by halo, full-attention layers by gather, MoE layers with the traceable (batched_mm) experts. Parity on real
 gloo processes against one device, unpacked and packed; the untraceable experts loop refused with its fix."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,12 +47,9 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
                              dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
         return torch.cat(outs, -2)
 
-    F.scaled_dot_product_attention = cut
-    try:
-        model = hf_step3p7()
+    model = hf_step3p7()
+    with mock.patch.object(F, "scaled_dot_product_attention", cut):
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
-    finally:
-        F.scaled_dot_product_attention = sdpa
     local = out.shape[1] // P
     return split_floor(model, [out[:, s:s + local].pow(2).sum() for s in range(0, out.shape[1], local)], grads)
 
