@@ -64,7 +64,10 @@ def test_the_length_comes_from_token_inputs_first_and_never_from_a_replicated_in
     assert spec.length_input([("table", table), ("mask", mask)])[0] == "table"
     replicated = CPSpec(replicated_inputs=("table",))
     assert replicated.length_input([("table", table), ("mask", mask)])[0] == "mask"
-    assert not replicated.is_sharded("table", table, 6) and replicated.is_sharded("mask", mask, 6)
+    # mask has the batch dims of the length input; without a spec, table (4 rows, not 2) is ambiguous
+    assert not replicated.is_sharded("table", table, 6) and replicated.is_sharded("mask", mask, 6, (2,))
+    with pytest.raises(ValueError, match="input 'table' .* may be a coincidence"):
+        spec.is_sharded("table", table, 6, (2,))
     listed = CPSpec(seq_inputs=("mask",))
     assert listed.length_input([("input_ids", ids), ("mask", mask)])[0] == "mask"
     assert listed.length_input([("table", table)]) is None
