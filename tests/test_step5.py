@@ -23,7 +23,7 @@ rank 3's; row 1's documents start at shard boundaries."""
 def _reference(P: int, documents):
     """One device on the global batch as shard_batch lays it out for ``P`` ranks."""
     model = hf_step3p7()
-    batch, _ = shard_for_rank(step3p7_batch(documents, 4 * P), 0, 1, "step5", pad_multiple=P)
+    batch, _ = shard_for_rank(step3p7_batch(documents, 4 * max(P, 2)), 0, 1, "step5", pad_multiple=P)
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     loss = out.pow(2).sum()
     loss.backward()
@@ -64,7 +64,7 @@ def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
     full-attention layers (the causal prefix of an all-gather of K and V), a dense MLP and three MoE layers.
     Packed rows: the masks transformers builds from per-document positions keep the documents apart, here as
     on one device."""
-    per_rank = pool.run("step3p7_parity", P, documents=documents, seq_len=4 * P)
+    per_rank = pool.run("step3p7_parity", P, documents=documents, seq_len=4 * max(P, 2))
     batch, loss, out, grads = _reference(P, documents)
     name = f"hf-Step3p7TextModel-moe-{'packed' if documents else 'unpacked'}-aot_eager"
     if documents:
