@@ -56,7 +56,8 @@ class KeyPlan:
     ranges: dict = field(default_factory=dict)
     """Softmax -> ``(KeyRange or None, why)``."""
     probes: dict = field(default_factory=dict)
-    """``(masks that hide keys, length)`` -> what they show (layers sharing a mask evaluate it once)."""
+    """``((masks that hide keys, over a concatenation's first part), length)`` -> what they show (layers
+    sharing a mask evaluate it once)."""
 
 
 def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
@@ -130,17 +131,19 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     and why every key."""
     longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
     shorter = max(2, longer // 2 + 1)
+    concat = _concat(ctx, cut)
+    seen = (cut.masking, concat is not None)  # the same masks over positions alone, or over a first part
     for length in (longer, shorter):
-        if (cut.masking, length) not in probes:
-            probes[(cut.masking, length)] = _probe_window(ctx, cut, length)
-    window, again = probes[(cut.masking, longer)], probes[(cut.masking, shorter)]
+        if (seen, length) not in probes:
+            probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
+    window, again = probes[(seen, longer)], probes[(seen, shorter)]
     for found in (window, again):
         if isinstance(found, str):
             return None, found
     if again != (window if window is not None and window < shorter else None):
         return None, f"the window its masks show changes with the sequence length ({window} at {longer}, {again} at " \
                      f"{shorter})"
-    masking, first = tuple(cut.masking), _concat(ctx, cut) is not None
+    masking, first = tuple(cut.masking), concat is not None
     if window is not None and ctx.spec.window_transport == "halo":
         side = _side_operand(cut, ctx.matches.blocks, ctx.sym)
         if side is None:
@@ -175,11 +178,11 @@ def _first_part(mask: torch.fx.Node, key_dim: int) -> torch.fx.Node | None:
     return mask.args[0][0] if dim == key_dim else None
 
 
-def _probe_window(ctx: RuleContext, cut: KeyCut, length: int) -> int | None | str:
+def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.Node | None) -> int | None | str:
     """The window of keys the masks let a query see for one document of ``length`` (None: causal, no
-    narrower), or why cp_passes cannot say. On concatenated keys, the window over their first part."""
+    narrower), or why cp_passes cannot say. On keys concatenated by ``concat``, the window over its first
+    part."""
     blocks, spec = ctx.matches.blocks, ctx.spec
-    concat = _concat(ctx, cut)
     if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
         return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
     together = None

@@ -178,8 +178,8 @@ def _prove(cut: KeyCut, blocks: Blocks) -> str | None:
             x = found[1]
         elif not masking and x.target in _COPIES:
             x = x.args[0]
-        elif not masking and not reductions and _row_max_shift(x, keys) is not None:
-            reductions.add(_row_max_shift(x, keys))
+        elif not masking and not reductions and (row_max := _row_max_shift(x, keys)) is not None:
+            reductions.add(row_max)
             x = x.args[0]
         elif not masking and sinks is None and x.target is aten.cat.default and _columnwise(x, blocks):
             sinks = x

@@ -14,6 +14,7 @@ from ..errors import module_path
 from ..graph.analysis import meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..transports.attention import AttentionKV
+from ..transports.masks import band
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -59,10 +60,7 @@ def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared
                        "build the mask as [.., seq, seq]")
         seen = int(allowed[-1].sum())
         width = window if window is not None else (seen if seen < length else None)
-        band = torch.ones(length, length, dtype=torch.bool).tril()
-        if width is not None:
-            band &= ~torch.ones(length, length, dtype=torch.bool).tril(-width)
-        if not torch.equal(allowed, band):
+        if not torch.equal(allowed, band(length, width)):
             ctx.refuse(
                 f"its attention mask is neither causal nor a causal sliding window (checked at sequence length "
                 f"{length})",
@@ -90,7 +88,8 @@ def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
     longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
     widths = []
     for length in (longer, max(2, longer // 2 + 1)):
-        leaves = {leaf: one_document(leaf, d, ctx.spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
+        leaves = {leaf: one_document(leaf, d, ctx.spec, length)
+                  for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
         if any(v is None for v in leaves.values()):
             return None
         try:
@@ -102,8 +101,7 @@ def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
         if tuple(flat.shape[-2:]) != (length, length) or not bool((flat == flat[:1]).all()):
             return None
         width = int(flat[0, -1].sum())
-        band = torch.ones(length, length, dtype=torch.bool).tril()
-        if not 1 <= width < length or not torch.equal(flat[0], band & ~band.tril(-width)):
+        if not 1 <= width < length or not torch.equal(flat[0], band(length, width)):
             return None
         widths.append(width)
     return widths[0] if widths[0] == widths[1] else None
