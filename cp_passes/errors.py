@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -111,12 +112,15 @@ def compile_error(error: BaseException, model: torch.nn.Module | None = None) ->
     return CPCompileError(f"cp_passes could not capture the model ({type(error).__name__}):\n{_trimmed(error)}")
 
 
-def experts_fix(model: torch.nn.Module | None) -> str | None:
+def experts_fix(model: torch.nn.Module | None, said: str) -> str | None:
     """How to run ``model``'s transformers MoE experts without their loop over the experts ``nonzero()``
-    selects (which dynamo cannot trace): the batched_mm implementation, per token, no data-dependent shapes."""
+    selects (which dynamo cannot trace): the batched_mm implementation, per token, no data-dependent shapes.
+    Only where dynamo's message ``said`` points into the file that defines the experts."""
     for name, module in (model.named_modules() if model is not None else ()):
         cls = type(module)
         if not (cls.__name__.endswith("Experts") and cls.__module__.startswith("transformers.")):
+            continue
+        if os.path.basename(inspect.getsourcefile(cls)) not in said:
             continue
         if not hasattr(module, "_is_expert_parallel"):  # what transformers' use_experts_implementation sets
             return (f"'{name}' ({cls.__name__}) has no experts-implementation switch in this transformers version: "
@@ -138,7 +142,8 @@ def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> C
     if own is not None:
         return own
     data_dependent = next((e for e in chain if isinstance(e, GuardOnDataDependentSymNode)), None)
-    experts = experts_fix(model) if data_dependent is not None or isinstance(error, exc.UserError) else None
+    experts = (experts_fix(model, _trimmed(data_dependent or error))
+               if data_dependent is not None or isinstance(error, exc.UserError) else None)
     if data_dependent is not None:
         fix = experts or ("compute such sizes outside the compiled module and pass them in, or use a form with "
                           "static shapes (masks instead of boolean indexing)")
