@@ -138,6 +138,45 @@ class ConcatenatedKeys(torch.nn.Module):
         return out.pow(2).sum(), (kv if self.read == "returned" else out)
 
 
+class SeparateValues(torch.nn.Module):
+    """K and V each concatenated from positions and windows of 2, a sliding window of 4 over the raw keys and the
+    causal block rule over the windows: the masks cut K's raw part, but V is a concatenation of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.q, self.k, self.v = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        b, s, d = h.shape
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        kc = torch.cat([k, k.view(b, s // 2, 2, d).mean(2)], 1)
+        vc = torch.cat([v, v.view(b, s // 2, 2, d).mean(2)], 1)
+        pos, windows = torch.arange(s), torch.arange(s // 2)
+        distance = pos[:, None] - pos[None, :]
+        neg = torch.finfo(h.dtype).min
+        sliding = torch.zeros(s, s).masked_fill((distance < 0) | (distance >= 4), neg)
+        block = torch.zeros(s, s // 2).masked_fill(2 * windows[None, :] + 1 > pos[:, None], neg)
+        out = (q @ kc.transpose(1, 2) + torch.cat([sliding, block], -1)).softmax(-1) @ vc
+        return out.pow(2).sum(), out
+
+
+def test_values_concatenated_apart_from_the_keys_are_refused_saying_so():
+    """Only one concatenation per attention is brought part by part; cutting K's raw part while V came whole
+    would misalign them."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
+    spec = cp_passes.CPSpec(name="concat", pad_multiple=2)
+    compiled = cp_passes.cp_compile(SeparateValues(), spec, mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, dist.group.WORLD, spec)
+    why = "(?s)is not that concatenation.*concatenate once and read the result as both"
+    with pytest.raises(CPCompileError, match=why):
+        compiled(**local)
+
+
 @pytest.mark.parametrize("read,why", [("scaled_values", "aten.mul.Tensor reads it as it is"),
                                       ("key_bias", "aten.sum.dim_IntList reads it as it is"),
                                       ("returned", "reads it as it is"),

@@ -112,6 +112,42 @@ def test_an_input_whose_size_equals_the_local_length_by_coincidence_is_not_shard
     compiled(input_ids=ids, image_features=features)  # the declaration settles it: no error
 
 
+class SegmentAttention(nn.Module):
+    """SDPA with a boolean mask from doc ids: same document, causal, within ``window``; doc id 0 is padding
+    (the T5X convention), which hides every key of a one-document probe filled with doc id 0."""
+
+    def __init__(self, window: int | None, zero_is_padding: bool):
+        super().__init__()
+        self.window, self.zero_is_padding = window, zero_is_padding
+        self.embed, self.qkv = nn.Embedding(32, 8), nn.Linear(8, 24)
+
+    def forward(self, input_ids, doc_ids):
+        q, k, v = self.qkv(self.embed(input_ids))[:, None].chunk(3, -1)
+        pos = torch.arange(input_ids.shape[1])
+        mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (pos[:, None] >= pos[None, :])
+        if self.window:
+            mask = mask & (pos[:, None] - pos[None, :] < self.window)
+        if self.zero_is_padding:
+            mask = mask & (doc_ids[:, None, :] != 0)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None])
+
+
+@pytest.mark.parametrize("window,zero_is_padding,transport,envelope", [
+    (4, False, "halo", "window 4 read from the model's mask for one document"),
+    (None, False, "sequence_gather", "causal envelope"),
+    (4, True, "sequence_gather", "causal envelope")])
+def test_a_doc_id_mask_plans_the_window_it_shows_for_one_document(group, window, zero_is_padding, transport,
+                                                                   envelope):
+    """The window of a mask read from doc ids is probed with one document; a mask that hides every key of that
+    probe (doc id 0 as padding) shows no window and keeps the causal envelope (it read as window 0 once, and
+    every valid run then failed the envelope check)."""
+    compiled = cp_passes.cp_compile(SegmentAttention(window, zero_is_padding), mesh=group, backend="aot_eager",
+                                    verbose=False)
+    compiled(input_ids=torch.randint(0, 32, (2, 8)), doc_ids=torch.ones(2, 8, dtype=torch.long))
+    (record,) = [r for r in compiled.compile_records[0].records if r.rule == "sdpa_data_mask"]
+    assert record.transport == transport and envelope in record.note, (record.transport, record.note)
+
+
 def test_the_llama_spec_shards_doc_ids_and_other_specs_must_list_them(group):
     ids, doc_ids = torch.randint(0, 32, (1, 8)), torch.zeros(1, 8, dtype=torch.long)
     compiled = cp_passes.cp_compile(toy(), "llama", mesh=group, backend="aot_eager", verbose=False)
