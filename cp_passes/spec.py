@@ -99,7 +99,13 @@ class CPSpec:
     """Name used in tables and error messages."""
 
     seq_dim: int = 1
-    """Dimension of every sharded input that indexes sequence positions (``[batch, seq, ...]`` -> 1)."""
+    """Dimension of every sharded input that indexes sequence positions (``[batch, seq, ...]`` -> 1), unless
+    ``sequence_dims`` names it."""
+
+    sequence_dims: tuple[tuple[str, int], ...] = ()
+    """Inputs whose sequence is not on ``seq_dim``, as ``(name, dim)`` pairs; a negative dim counts from the
+    end, so ``(("position_ids", -1),)`` serves M-RoPE positions ``[3, batch, seq]`` and plain ``[batch, seq]``
+    ones alike. The dims before it are the input's batch dims (``[3, batch]`` there)."""
 
     seq_inputs: tuple[str, ...] | None = None
     """Forward arguments (or batch keys) sharded along ``seq_dim``. ``None``: every tensor with the sequence
@@ -177,6 +183,11 @@ class CPSpec:
                 f"CPSpec.seq_dim must be a non-negative int (the dim of [batch, seq, ...] inputs that indexes "
                 f"positions), got {self.seq_dim!r}"
             )
+        if not isinstance(self.sequence_dims, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[0] and isinstance(p[1], int)
+                and not isinstance(p[1], bool) for p in self.sequence_dims):
+            raise ValueError(f"CPSpec.sequence_dims must be a tuple of (input name, dim) pairs, got "
+                             f"{self.sequence_dims!r}")
         for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs",
                       "packed_labels"):
             _check_names(field, getattr(self, field))
@@ -240,37 +251,59 @@ class CPSpec:
         None) and not in ``replicated_inputs``."""
         return name not in self.replicated_inputs and (self.seq_inputs is None or name in self.seq_inputs)
 
+    def dim_of(self, name: str | None, tensor=None) -> int:
+        """The dim on which input ``name`` carries the sequence (``sequence_dims``, else ``seq_dim``); a negative
+        one is counted from the end of ``tensor`` when it is given."""
+        dim = dict(self.sequence_dims).get(name, self.seq_dim)
+        return dim + tensor.dim() if dim < 0 and tensor is not None else dim
+
+    def length_of(self, name: str | None, tensor) -> int | None:
+        """The size of ``tensor`` on input ``name``'s sequence dim, or None when it has no such dim."""
+        dim = self.dim_of(name, tensor)
+        return tensor.shape[dim] if 0 <= dim < tensor.dim() else None
+
     def length_input(self, named, *, any_rank_tokens: bool = False):
-        """The ``(name, tensor)`` whose ``seq_dim`` gives the sequence length, or None: a token input
+        """The ``(name, tensor)`` whose sequence dim gives the sequence length, or None: a token input
         (``token_keys``) or ``inputs_embeds`` first, else the first tensor that may be sharded and has a
-        ``seq_dim``. ``any_rank_tokens`` also takes a token input without that dim (so that the caller can
+        sequence dim. ``any_rank_tokens`` also takes a token input without that dim (so that the caller can
         say what is wrong with it)."""
         usable = [(n, t) for n, t in named if hasattr(t, "dim") and self.may_shard(n)]
-        preferred = [(n, t) for n, t in usable
-                     if n in (*self.token_keys, "inputs_embeds") and (any_rank_tokens or t.dim() > self.seq_dim)]
-        return next(iter(preferred + [(n, t) for n, t in usable if t.dim() > self.seq_dim]), None)
+        preferred = [(n, t) for n, t in usable if n in (*self.token_keys, "inputs_embeds")
+                     and (any_rank_tokens or self.length_of(n, t) is not None)]
+        return next(iter(preferred + [(n, t) for n, t in usable if self.length_of(n, t) is not None]), None)
+
+    def batch_dims(self, name: str | None, tensor) -> tuple:
+        """The sizes before input ``name``'s sequence dim (its batch dims)."""
+        return tuple(tensor.shape[:self.dim_of(name, tensor)])
 
     def is_sharded(self, name: str | None, tensor, seq_len: int | None, leading: tuple | None = None,
                    known: tuple[str, ...] = ()) -> bool:
-        """Whether input ``name`` (a forward argument or batch key) is sharded along ``seq_dim``.
+        """Whether input ``name`` (a forward argument or batch key) is sharded along its sequence dim.
 
-        With ``seq_inputs`` None, a tensor with the sequence length on ``seq_dim`` is sharded when it is a known
+        With ``seq_inputs`` None, a tensor with the sequence length on its sequence dim is sharded when it is a known
         sequence input (tokens, labels, positions, doc ids, ``SEQUENCE_INPUTS``, ``known``) or has the leading
         (batch) dims ``leading`` of the input the length was read from; anything else with that length is
         ambiguous (image features ``[n_tokens, hidden]`` whose hidden size equals the local length, say):
         ValueError naming the fields that settle it, rather than sharding on a coincidence."""
         if not self.may_shard(name):
             return False
+        if (name in self.position_keys and name not in dict(self.sequence_dims) and seq_len is not None
+                and tensor.dim() > 2 and tensor.shape[-1] == seq_len and self.length_of(name, tensor) != seq_len):
+            raise ValueError(
+                f"input {name!r} {tuple(tensor.shape)} has the sequence length {seq_len} on its last dim, not on dim "
+                f"{self.dim_of(name)} (M-RoPE positions are [3, batch, seq]); say where it is: "
+                f"CPSpec(sequence_dims=(({name!r}, -1),))")
         if self.seq_inputs is not None:
             return True
-        if not (tensor.dim() > self.seq_dim and seq_len is not None and tensor.shape[self.seq_dim] == seq_len):
+        if seq_len is None or self.length_of(name, tensor) != seq_len:
             return False
         names = (*self.token_keys, *self.label_keys, *self.position_keys, self.doc_key, *SEQUENCE_INPUTS, *known)
-        if name in names or (leading is not None and tuple(tensor.shape[:self.seq_dim]) == tuple(leading)):
+        if name in names or (leading is not None and self.batch_dims(name, tensor) == tuple(leading)):
             return True
         what = f"input {name!r}" if name else "a positional input"
         raise ValueError(
-            f"{what} {tuple(tensor.shape)} has the sequence length {seq_len} on dim {self.seq_dim}, but it is not a "
+            f"{what} {tuple(tensor.shape)} has the sequence length {seq_len} on dim {self.dim_of(name, tensor)}, but "
+            f"it is not a "
             f"known sequence input ({', '.join(dict.fromkeys(names))}) and its leading dims are not the batch dims "
             f"{tuple(leading or ())} of the input the length comes from, so that length may be a coincidence. Say "
             f"which it is: CPSpec(seq_inputs=(..., {name!r})) if each rank passes its slice, or "

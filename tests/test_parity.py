@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, mixer_batch, scan_batch, toy_batch,
                        toy_model)
@@ -57,6 +58,24 @@ def split_floor(model, losses, grads) -> float:
         assert moved < 1e-5 * largest, f"the split one-device run moves {name}'s gradient by {moved}: a bug there"
         floor = max(floor, moved / grads[name].abs().max().item())
     return floor
+
+
+def blockwise_sdpa(P: int):
+    """SDPA as CP runs it on one device: each of P query blocks attends to the keys up to its own last one
+    only (for :func:`split_floor`)."""
+    sdpa = F.scaled_dot_product_attention
+
+    def cut(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        local, outs = q.shape[-2] // P, []
+        for start in range(0, q.shape[-2], local):
+            end = start + local
+            mask = (attn_mask[..., start:end, :end] if attn_mask is not None else
+                    torch.ones(local, end, dtype=torch.bool).tril(start) if is_causal else None)
+            outs.append(sdpa(q[..., start:end, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
+                             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
+        return torch.cat(outs, -2)
+
+    return cut
 
 
 def _toy_reference(config, seq_len, pass_positions):

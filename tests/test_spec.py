@@ -1,6 +1,7 @@
 import dataclasses
 
 import pytest
+import torch
 
 import cp_passes
 from cp_passes import CPSpec
@@ -24,12 +25,23 @@ def test_specs_are_frozen():
     ({"ignore_index": 1.5}, "1.5"),
     ({"gather_kv_together": 1}, "1"),
     ({"name": ""}, "''"),
+    ({"sequence_dims": {"position_ids": 2}}, "{'position_ids': 2}"),
+    ({"sequence_dims": (("position_ids", "2"),)}, "(('position_ids', '2'),)"),
 ])
 def test_invalid_specs_print_the_offending_value(kwargs, shown):
     with pytest.raises(ValueError) as info:
         CPSpec(**kwargs)
     field = next(iter(kwargs))
     assert f"CPSpec.{field}" in str(info.value) and shown in str(info.value)
+
+
+def test_sequence_dims_place_one_input_s_sequence_counting_negative_dims_from_the_end():
+    spec = CPSpec(sequence_dims=(("position_ids", -1),))
+    mrope, flat = torch.zeros(3, 2, 8), torch.zeros(2, 8)
+    assert spec.dim_of("position_ids", mrope) == 2 and spec.dim_of("position_ids", flat) == 1
+    assert spec.dim_of("input_ids", mrope) == 1 and spec.batch_dims("position_ids", mrope) == (3, 2)
+    assert spec.length_of("position_ids", mrope) == 8 and spec.length_of("position_ids", torch.zeros(())) is None
+    assert spec.is_sharded("position_ids", mrope, 8, (2,))
 
 
 def test_an_input_cannot_be_both_sharded_and_replicated():

@@ -13,7 +13,7 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from scenarios import hf_step3p7, step3p7_batch
-from test_parity import GRAD_RTOL, _compare, split_floor
+from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
 PACKED = [[3, 9, 4], [8, 4, 4]]
 """Row 0 at P = 4 (4 a rank): the second document spans ranks 0, 1 and 2 (positions 3..11), the third is
@@ -35,20 +35,8 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     """The model's one-device floor (:func:`split_floor`) with each of P query blocks attending to the keys
     up to its own last one only and the gradient summed from each block's loss. The MoE's expert gradients,
     summed over the few tokens routed to an expert, move by up to 2.4e-5 of their size (packed, P = 4)."""
-    sdpa = F.scaled_dot_product_attention
-
-    def cut(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        local, outs = q.shape[-2] // P, []
-        for start in range(0, q.shape[-2], local):
-            end = start + local
-            mask = (attn_mask[..., start:end, :end] if attn_mask is not None else
-                    torch.ones(local, end, dtype=torch.bool).tril(start) if is_causal else None)
-            outs.append(sdpa(q[..., start:end, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
-                             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
-        return torch.cat(outs, -2)
-
     model = hf_step3p7()
-    with mock.patch.object(F, "scaled_dot_product_attention", cut):
+    with mock.patch.object(F, "scaled_dot_product_attention", blockwise_sdpa(P)):
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     local = out.shape[1] // P
     return split_floor(model, [out[:, s:s + local].pow(2).sum() for s in range(0, out.shape[1], local)], grads)

@@ -52,8 +52,7 @@ class CPBackend:
         stage = "capture"
         try:  # everything that can fail happens before the agreement: after it, the other ranks run the graph
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
-            aten_gm, fakes = capture(gm, owner._sharded, owner.spec.seq_dim, owner._local_len,
-                                      owner.spec.pad_multiple)
+            aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
@@ -152,7 +151,7 @@ class CPModule(torch.nn.Module):
         self.verbose = verbose
         self.compile_records: list[CompileRecord] = []
         self._local_len = 0
-        self._sharded: dict[int, str] = {}
+        self._sharded: dict[int, tuple[str, int]] = {}  # id(tensor) -> (input name, sequence dim)
         self._agreed = self._entered = False
         self._guard_failures: list[str] = []
         self._signature = inspect.signature(model.forward)
@@ -200,9 +199,9 @@ class CPModule(torch.nn.Module):
             listed = f" among seq_inputs={spec.seq_inputs}" if spec.seq_inputs is not None else ""
             names = [name for name, _ in leaves if name]
             hint = _did_you_mean(spec.seq_inputs or (), names)
-            raise ValueError(f"cp_passes found no sequence input: no tensor argument has dim {spec.seq_dim}{listed} "
+            raise ValueError(f"cp_passes found no sequence input: no tensor argument has its sequence dim{listed} "
                              f"(the call passes {names}){hint}")
-        seq_len = found[1].shape[spec.seq_dim]
+        seq_len, leading = spec.length_of(*found), spec.batch_dims(*found)
         if seq_len % spec.pad_multiple:
             raise ValueError(f"the local sequence length {seq_len} is not a multiple of spec {spec.name!r}'s "
                              f"pad_multiple={spec.pad_multiple} (the model groups the sequence into windows that "
@@ -210,25 +209,26 @@ class CPModule(torch.nn.Module):
                              f"spec), which pads to a multiple of P * pad_multiple")
         self._sharded = {}
         for name, t in leaves:
-            if spec.seq_inputs is not None and name in spec.seq_inputs and t.shape[spec.seq_dim] != seq_len:
+            dim, length = spec.dim_of(name, t), spec.length_of(name, t)
+            if spec.seq_inputs is not None and name in spec.seq_inputs and length != seq_len:
                 raise ValueError(
-                    f"sequence input {name!r} has length {t.shape[spec.seq_dim]} on dim {spec.seq_dim}, "
+                    f"sequence input {name!r} {tuple(t.shape)} has length {length} on dim {dim}, "
                     f"expected the local length {seq_len}"
                 )
-            if spec.is_sharded(name, t, seq_len, tuple(found[1].shape[:spec.seq_dim])):
+            if spec.is_sharded(name, t, seq_len, leading):
                 if seq_len < 2:
                     raise ValueError(
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
                         f"use fewer ranks or a longer sequence"
                     )
-                self._sharded[id(t)] = name or "<positional>"
+                self._sharded[id(t)] = (name or "<positional>", dim)
                 # maybe_: Inductor may still specialize a kernel (conv backward does in 2.13) after the
                 # passes have read the symbolic graph; that only costs a recompile for a new length.
-                torch._dynamo.maybe_mark_dynamic(t, spec.seq_dim)
-            elif name not in spec.replicated_inputs and t.dim() > spec.seq_dim and t.shape[spec.seq_dim] == seq_len:
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+            elif name not in spec.replicated_inputs and length == seq_len:
                 what = f"input {name!r}" if name else "a positional input"
                 raise ValueError(
-                    f"{what} {tuple(t.shape)} has the local sequence length {seq_len} on dim {spec.seq_dim} in this "
+                    f"{what} {tuple(t.shape)} has the local sequence length {seq_len} on dim {dim} in this "
                     f"call, but spec {spec.name!r} does not list it in seq_inputs={spec.seq_inputs}"
                     f"{_did_you_mean(spec.seq_inputs, [name]) if name else ''}; add it to seq_inputs if each rank "
                     f"passes its slice (spec.replace(seq_inputs=spec.seq_inputs + ({name!r},))), or to "

@@ -24,8 +24,10 @@ _KEEP_SYMBOLIC = (
 )
 
 
-def sharded_placeholders(gm: torch.fx.GraphModule, sharded: dict[int, str]) -> list[tuple[torch.fx.Node, str]]:
-    """Dynamo's placeholders for the sharded inputs (``sharded`` maps ``id(tensor)`` to the input's name)."""
+def sharded_placeholders(gm: torch.fx.GraphModule,
+                         sharded: dict[int, tuple[str, int]]) -> list[tuple[torch.fx.Node, tuple[str, int]]]:
+    """Dynamo's placeholders for the sharded inputs (``sharded`` maps ``id(tensor)`` to the input's name and
+    sequence dim)."""
     found = []
     for node in gm.graph.find_nodes(op="placeholder"):
         grapharg = node.meta.get("grapharg")
@@ -74,7 +76,7 @@ def _specialized_error(name: str, length: int, where: str) -> CPCompileError:
     )
 
 
-def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, local_len: int, multiple: int = 1):
+def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local_len: int, multiple: int = 1):
     """Re-trace dynamo's graph to pre-dispatch ATen (stack traces and module paths kept) after proving that
     every sharded input carries one symbolic sequence length, a multiple of ``multiple`` (the spec's
     ``pad_multiple``). Returns ``(aten_gm, fakes)``."""
@@ -88,7 +90,7 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, loc
             "check the spec's seq_inputs against the arguments the model reads"
         )
     sizes = []
-    for node, name in inputs:
+    for node, (name, seq_dim) in inputs:
         size = _seq_size(node, seq_dim)
         if not isinstance(size, torch.SymInt) or shape_env.replace(size.node.expr).is_number:
             source = node.meta["grapharg"].source.name
@@ -108,9 +110,9 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, str], seq_dim: int, loc
     if shape_env.replace(sym).is_number:
         at = retracer.specialized_at
         where = source_line(at) if at is not None else "an unknown node"
-        raise _specialized_error(inputs[0][1], local_len, where)
+        raise _specialized_error(inputs[0][1][0], local_len, where)
     aten_placeholders = list(aten_gm.graph.find_nodes(op="placeholder"))
-    names = {node: name for node, name in inputs}
+    names = {node: name for node, (name, _) in inputs}
     for node, named in zip(aten_placeholders, placeholders):
         node._rename(named.name)  # l_doc_ids_, l_self_modules_embed_parameters_weight_ rather than arg9_1
         if named in names:

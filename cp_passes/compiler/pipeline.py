@@ -43,7 +43,7 @@ class CompileRecord:
     recompile reasons, with the source line that added the guard)."""
 
 
-def find_symbol(gm: torch.fx.GraphModule, spec, local_len: int):
+def find_symbol(gm: torch.fx.GraphModule, local_len: int):
     """The one symbol every sharded input's sequence dim carries."""
     symbols = sequence_symbol(list(gm.graph.find_nodes(op="placeholder")))
     if not symbols:
@@ -56,7 +56,7 @@ def find_symbol(gm: torch.fx.GraphModule, spec, local_len: int):
     if len(symbols) != 1:
         raise CPCompileError(
             f"cp_passes expected every sharded input to carry one local sequence length, found symbols "
-            f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on dim {spec.seq_dim}"
+            f"{sorted(map(str, symbols))}; check that the sharded inputs have equal length on their sequence dims"
         )
     (sym,) = symbols
     return sym
@@ -65,7 +65,7 @@ def find_symbol(gm: torch.fx.GraphModule, spec, local_len: int):
 def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord) -> Plan:
     """analyse -> match -> plan -> transports -> verify. Records every stage in ``record``; raises
     CPCompileError on refusal."""
-    sym = find_symbol(aten_gm, spec, record.local_len)
+    sym = find_symbol(aten_gm, record.local_len)
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     if fills_out_of_place(aten_gm):
         record.history.append(("fills out of place", format_graph(aten_gm)))

@@ -91,7 +91,7 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
     pad_multiple, packed_alignment = math.lcm(pad_multiple, spec.pad_multiple), math.lcm(packed_alignment,
                                                                                          spec.packed_alignment)
     checked = check_batch(dict(batch), spec, mask_keys)
-    dim, rows, seq_len = spec.seq_dim, checked.rows, checked.seq_len
+    rows, seq_len = checked.rows, checked.seq_len
     batch, packed_valid = checked.batch, None
     if checked.padding.packed:
         batch = pack(checked, packed_alignment)
@@ -107,6 +107,7 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
         if not (key in checked.seq_keys or added):
             out[key] = value
             continue
+        dim = spec.dim_of(key, value)
         if padded > seq_len:
             shape = list(value.shape)
             shape[dim] = padded - seq_len

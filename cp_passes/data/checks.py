@@ -78,19 +78,21 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
     """Refuse a batch whose sequence tensors disagree on rows or length, or that shard_batch cannot pad."""
     if isinstance(mask_keys, str) or not all(isinstance(k, str) for k in mask_keys):
         raise TypeError(f"mask_keys must be a tuple of key names, got {mask_keys!r}")
-    dim = spec.seq_dim
     packed = any(key in batch for key in LENGTH_KEYS)
-    if packed and dim != 1:
-        raise ValueError(f"packed batches need [batch, seq] tensors (seq_dim 1), got seq_dim {dim}")
+    moved = [name for name, _ in spec.sequence_dims
+             if isinstance(batch.get(name), torch.Tensor) and spec.dim_of(name, batch[name]) != 1]
+    if packed and (spec.seq_dim != 1 or moved):
+        raise ValueError(f"packed batches need [batch, seq] tensors (the sequence on dim 1), but spec {spec.name!r} "
+                         f"puts it elsewhere for {moved or 'every input'}")
     padding = Padding(spec, MASK_KEYS + tuple(mask_keys), packed)
     found = spec.length_input([(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS],
                               any_rank_tokens=True)
     if found is None:
-        raise ValueError(f"shard_batch found no tensor with a sequence dim {dim} among {list(batch)}")
+        raise ValueError(f"shard_batch found no tensor with a sequence dim among {list(batch)}")
     shape_key = found[0]
-    _check_dims(shape_key, batch[shape_key], dim)
+    _check_dims(shape_key, batch[shape_key], spec.dim_of(*found))
     shape = list(batch[shape_key].shape)
-    rows, seq_len = (shape[0] if dim else 1), shape[dim]
+    rows, seq_len = _rows_of(spec, *found), spec.length_of(*found)
     if rows == 0 or seq_len == 0:
         raise ValueError(f"batch[{shape_key!r}] has shape {shape}: no {'rows' if rows == 0 else 'positions'} to shard")
     names = padding.names()
@@ -98,6 +100,7 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
     for key, value in batch.items():
         if not isinstance(value, torch.Tensor) or key in LENGTH_KEYS or not spec.may_shard(key):
             continue
+        dim = spec.dim_of(key, value)
         named = (key in names and value.dim() <= dim + 1) or key in (spec.seq_inputs or ())
         if named or (packed and value.dim() == 1 and len(value) == seq_len):
             _check_dims(key, value, dim)
@@ -108,19 +111,25 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
                             else " (shift labels inside the sequence, ending in ignore_index)")
                 raise ValueError(f"batch[{key!r}] has length {value.shape[dim]} on dim {dim} but {shape_key} has "
                                  f"{seq_len}: every sequence tensor needs the same length{hint}")
-        if not spec.is_sharded(key, value, seq_len, tuple(shape[:dim]), tuple(names)):
+        if not spec.is_sharded(key, value, seq_len, spec.batch_dims(*found), tuple(names)):
             continue
-        if dim and value.shape[0] != rows:
-            if value.shape[0] == 1 and padding.is_position(key):
-                value = out[key] = value.expand(rows, *value.shape[1:])
+        if dim and value.shape[dim - 1] != rows:
+            if value.shape[dim - 1] == 1 and padding.is_position(key):
+                value = out[key] = value.expand(*value.shape[:dim - 1], rows, *value.shape[dim:])
             else:
                 one = (": a [1, S] tensor would be broadcast so that every row gets row 0's values"
-                       if value.shape[0] == 1 else "")
-                raise ValueError(f"batch[{key!r}] has {_rows(value.shape[0])} but {shape_key} has {_rows(rows)}{one}; "
-                                 f"give it one row per sequence")
+                       if value.shape[dim - 1] == 1 else "")
+                raise ValueError(f"batch[{key!r}] has {_rows(value.shape[dim - 1])} but {shape_key} has "
+                                 f"{_rows(rows)}{one}; give it one row per sequence")
         padding.value(key, value)  # refuses an undeclared integer key even where this batch needs no padding
         seq_keys.append(key)
     return CheckedBatch(out, shape_key, rows, seq_len, tuple(seq_keys), padding)
+
+
+def _rows_of(spec: CPSpec, key: str, value: torch.Tensor) -> int:
+    """The rows (sequences) of ``value``: the size of the dim before its sequence dim; 1 without one."""
+    dim = spec.dim_of(key, value)
+    return value.shape[dim - 1] if dim else 1
 
 
 def _rows(n: int) -> str:

@@ -33,11 +33,10 @@ def _export(build_model, inputs, spec: CPSpec):
         kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
     found = spec.length_input(list(kwargs.items()))
     if found is None:
-        raise ValueError(f"no input has a sequence dim {spec.seq_dim} that spec {spec.name!r} may shard: {list(kwargs)}")
-    seq_len = found[1].shape[spec.seq_dim]
+        raise ValueError(f"no input has a sequence dim that spec {spec.name!r} may shard: {list(kwargs)}")
+    seq_len, leading = spec.length_of(*found), spec.batch_dims(*found)
     seq = torch.export.Dim("seq", min=2)
-    leading = tuple(found[1].shape[:spec.seq_dim])
-    dynamic = {name: ({spec.seq_dim: seq} if spec.is_sharded(name, t, seq_len, leading) else None)
+    dynamic = {name: ({spec.dim_of(name, t): seq} if spec.is_sharded(name, t, seq_len, leading) else None)
                for name, t in kwargs.items()}
     exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

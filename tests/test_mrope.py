@@ -1,0 +1,64 @@
+"""Per-input sequence dims: M-RoPE positions ``[3, batch, seq]`` carry the sequence on their last dim.
+shard_batch cuts them there, cp_compile marks that dim, and Qwen2VLTextModel matches one device with an
+image's positions spanning a rank boundary."""
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cp_passes
+from cp_passes.data.batch import shard_for_rank
+from scenarios import MROPE_SPEC, hf_qwen2_vl_text, mrope_batch
+from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
+
+IMAGE = (3, 2, 4)
+"""An image of 2 x 4 patches at positions 3..10: across the boundary at 8 (P = 2, 16 positions) and at 4 and
+8 (P = 4)."""
+
+
+def test_shard_batch_cuts_mrope_positions_on_their_last_dim():
+    batch = mrope_batch(14, IMAGE)
+    local, layout = shard_for_rank(batch, 1, 4, MROPE_SPEC)
+    assert layout.padded_len == 16 and local["input_ids"].shape == (2, 4)
+    assert local["position_ids"].shape == (3, 2, 4)
+    assert torch.equal(local["position_ids"], batch["position_ids"][..., 4:8])
+    last, _ = shard_for_rank(batch, 3, 4, MROPE_SPEC)
+    # the two padding positions continue each row's count
+    assert torch.equal(last["position_ids"][..., 2:], batch["position_ids"][..., -1:] + torch.tensor([1, 2]))
+
+
+def test_mrope_positions_without_their_dim_are_refused_naming_the_field():
+    batch = mrope_batch(16, IMAGE)
+    with pytest.raises(ValueError, match=r"sequence_dims=\(\('position_ids', -1\),\)"):
+        shard_for_rank(batch, 0, 2, None)
+    with pytest.raises(ValueError, match=r"sequence_dims=\(\('position_ids', -1\),\)"):
+        cp_passes.CPSpec().is_sharded("position_ids", batch["position_ids"][..., :8], 8, (2,))
+
+
+def _reference(P: int):
+    """One device, and its floor (:func:`split_floor`): the gradient summed from P query blocks' losses,
+    each block attending to the keys up to its own last one only. Rounding moves the k projections'
+    gradients by up to 1.4e-5 of their size (in float64 CP matches one device to 7e-16)."""
+    model = hf_qwen2_vl_text()
+    batch = mrope_batch(16, IMAGE)
+    out = model(**batch).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    with mock.patch.object(F, "scaled_dot_product_attention", blockwise_sdpa(P)):
+        cut = model(**batch).last_hidden_state
+    local = 16 // P
+    floor = split_floor(model, [cut[:, s:s + local].pow(2).sum() for s in range(0, 16, local)], grads)
+    return loss.detach(), out.detach(), grads, max(GRAD_RTOL, 2 * floor)
+
+
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+def test_qwen2_vl_text_with_mrope_positions_matches_one_device(pool, parity_report, P):
+    per_rank = pool.run("mrope_parity", P, seq_len=16, image=IMAGE)
+    loss, out, grads, tolerance = _reference(P)
+    _compare(f"hf-Qwen2VLTextModel-mrope-aot_eager (grad tol {tolerance:.1e})", per_rank, loss, out, grads, 16,
+             parity_report, grad_rtol=tolerance)
+    rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
+    assert rules == [("sdpa_causal", "sequence_gather")] * 2, rules
