@@ -930,15 +930,70 @@ def hf_step3p7(seed: int = 0, moe: bool = True, traceable_experts: bool = True):
 
     if traceable_experts and not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
         use_experts_implementation(step.Step3p7Experts)
-    config = Step3p7TextConfig(
+    config = Step3p7TextConfig(**_step3p7_text(moe))
+    config._experts_implementation = "batched_mm" if traceable_experts else "eager"
+    torch.manual_seed(seed)
+    return Step3p7TextModel(config).float()
+
+
+def _step3p7_text(moe: bool = True) -> dict:
+    return dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, layer_types=list(STEP3P7_LAYERS),
         mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
         pad_token_id=0, use_cache=False)
-    config._experts_implementation = "batched_mm" if traceable_experts else "eager"
+
+
+IMAGE_TOKEN = 127
+"""The image placeholder id of the tiny vision-language models."""
+
+
+def hf_step3p7_vlm(seed: int = 0):
+    """A tiny Step3p7ForConditionalGeneration: the text model of :func:`hf_step3p7` with a vision tower (one
+    layer, patch 14) whose 112 x 112 images give 4 tokens each."""
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.step3p7 import modeling_step3p7 as step
+
+    if not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
+        use_experts_implementation(step.Step3p7Experts)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    config = Step3p7Config(text_config=_step3p7_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           use_cache=False)
+    config.text_config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
-    return Step3p7TextModel(config).float()
+    return Step3p7ForConditionalGeneration(config).float()
+
+
+VLM_IMAGES = [[6], [2, 11]]
+"""Where each row's images start (4 tokens each): row 0's crosses position 8 (a rank boundary at P = 2 and
+4), row 1's first crosses 4 and its second 12 (boundaries at P = 4)."""
+
+
+def vlm_batch(seq_len: int = 16, tokens: int = 4, hw: int = 112) -> dict:
+    """Token ids with image placeholders at :data:`VLM_IMAGES`, positions, labels (-100 on the images), and
+    every image's pixels (row 0's first)."""
+    ids = torch.randint(1, IMAGE_TOKEN, (len(VLM_IMAGES), seq_len), generator=torch.Generator().manual_seed(6))
+    for row, starts in enumerate(VLM_IMAGES):
+        for start in starts:
+            ids[row, start:start + tokens] = IMAGE_TOKEN
+    labels = torch.where(ids == IMAGE_TOKEN, -100, ids)
+    pixels = torch.randn(sum(map(len, VLM_IMAGES)), 3, hw, hw, generator=torch.Generator().manual_seed(7))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(len(VLM_IMAGES), seq_len),
+            "labels": labels, "pixel_values": pixels}
+
+
+def vlm_parity(group, model: str) -> dict:
+    """A vision-language model's training step on this rank's slice of ids, positions and labels and every
+    image's pixels; the loss is the model's mean over the labels."""
+    model = {"step3p7": hf_step3p7_vlm}[model]()
+    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(vlm_batch(), group, "step5")
+    out = compiled(**local)
+    out.loss.backward()
+    return _step(model, compiled, out.loss, out.logits, layout)
 
 
 def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:

@@ -20,6 +20,7 @@ from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
 from ..rules.registry import out_of_place, registered
 from ..transports import TRANSPORTS, Cost
+from ..transports.reductions import GlobalSum
 from .keys import KeyPlan, plan_keys
 
 aten = torch.ops.aten
@@ -63,8 +64,9 @@ class Plan:
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
 
 
-def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value:
-    """A per-rank partial sum may only flow through ops that are linear in it."""
+def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite:
+    """A per-rank partial sum may only flow through ops that are linear in it; an integer one (a count) that
+    another op reads is made global first."""
     packet = ctx.node.target.overloadpacket
     tensors = ctx.tensor_inputs()
     partial = [t for t in tensors if ctx.is_partial(t)]
@@ -79,6 +81,11 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value:
         ok = ctx.is_partial(ctx.node.args[0]) and not any(ctx.is_partial(t) or ctx.is_seq(t) for t in others)
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
+    if not ok and not any(ctx.is_seq(t) for t in others) and not any(
+            meta_val(t).is_floating_point() or meta_val(t).is_complex() for t in partial):
+        return Rewrite("global_sum", "reductions", GlobalSum(ctx.node, partial),
+                       note="an integer sum over the sequence read by a non-linear op: its global value "
+                            "(all-reduced, no autograd)")
     if not ok:
         ctx.refuse(
             f"its input is a per-rank partial sum over the sequence (from {op_name(origin)} at {source_line(origin)}); "

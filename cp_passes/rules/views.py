@@ -242,7 +242,7 @@ def _triangle(ctx: RuleContext):
 
 
 @register_rule(aten.index, aten.index_put, aten.index_put_, aten.masked_select, aten.nonzero,
-               aten.take, aten.masked_scatter, aten._local_scalar_dense, aten.item, aten.embedding_bag)
+               aten.take, aten._local_scalar_dense, aten.item, aten.embedding_bag)
 def _data_dependent(ctx: RuleContext):
     # Looking positions up in a table (table[position_ids]) is fine; indexing the sharded tensor is not.
     if ctx.is_seq(ctx.args.get("self", ctx.args.get("weight"))):

@@ -1,7 +1,10 @@
-"""Reductions: a mean over the sequence becomes this rank's sum over the global count.
+"""Reductions: a mean over the sequence becomes this rank's sum over the global count, and a count that a
+non-linear op reads becomes the global count.
 
 ``loss(reduction=mean)`` -> ``loss(reduction=sum) / global_count``: a per-rank partial sum whose ranks add
 up to the single-device mean, so the summed gradients match too. The count is one all-reduce, no autograd.
+An integer partial sum (how many image tokens a mask holds) that a comparison reads is all-reduced first
+(no autograd: integers carry no gradient), so the comparison sees the single-device value.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..graph.analysis import bind_args
+from ..graph.analysis import bind_args, meta_val, numel_hint
 from .base import Cost, Transport, register_transport
 from .collectives import all_reduce_sum
 
@@ -40,13 +43,39 @@ class GlobalMean:
     ignore_index: int | None
 
 
+@torch.library.custom_op("cp_passes::global_sum", mutates_args=())
+def global_sum_op(partial: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum over ranks of an integer per-rank partial sum."""
+    return all_reduce_sum(partial.clone(), group_name)
+
+
+@global_sum_op.register_fake
+def _(partial, group_name):
+    return torch.empty_like(partial)
+
+
+@dataclass
+class GlobalSum:
+    """``node`` reads the integer partial sums ``partial`` non-linearly: it reads their global values instead."""
+
+    node: torch.fx.Node
+    partial: list[torch.fx.Node]
+
+
 class Reductions(Transport):
     name = "reductions"
     order = 40
-    runtime = (torch.ops.cp_passes.global_count.default,)
+    runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default)
 
-    def apply(self, edit, request: GlobalMean) -> None:
+    def apply(self, edit, request: GlobalMean | GlobalSum) -> None:
         node = request.node
+        if isinstance(request, GlobalSum):
+            for i, partial in enumerate(request.partial):
+                total = edit.insert(torch.ops.cp_passes.global_sum.default, (partial, edit.group_name),
+                                    name=f"cp_global_sum_{i}")
+                node.replace_input_with(partial, total)
+            edit.changed(node)
+            return
         args = bind_args(node)
         args["reduction"] = 2
         node.args, node.kwargs = (), args
@@ -58,6 +87,10 @@ class Reductions(Transport):
         edit.replace_uses(node, mean)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
+        if isinstance(request, GlobalSum):
+            elements = sum(numel_hint(p) for p in request.partial)
+            moved = sum(numel_hint(p) * meta_val(p).dtype.itemsize for p in request.partial) * (layout.world - 1)
+            return Cost("all_reduce of integer partial sums (no autograd)", elements, moved, moved, moved)
         moved = 8 * (layout.world - 1)
         return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved)
 
