@@ -96,20 +96,26 @@ def hf_inkling2(seed: int = 0):
     with pad + unfold (full layers); MoE experts as batched matmuls."""
     from transformers import Inkling2ForCausalLM, Inkling2TextConfig
 
-    config = Inkling2TextConfig(
-        vocab_size=128, unpadded_vocab_size=128, eos_token_id=None, hidden_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
-        swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=8, rel_extent=6,
-        log_scaling_n_floor=4, layer_types=["hybrid_sliding", "hybrid"], conv_kernel_size=3,
-        moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
-        use_cache=False, attn_implementation="eager")
+    config = Inkling2TextConfig(**INKLING2_TEXT, attn_implementation="eager")
     config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
-    model = Inkling2ForCausalLM(config).float()
-    # Constant parameters (unit scales, zero queries) and std-0.02 weights would hide errors (near-uniform
-    # attention, no rel-pos profile): weights are drawn at 1 / sqrt(fan_in), which keeps activations O(1),
-    # and vectors perturbed. Larger weights make the model amplify rounding: computing the same positions with
-    # more masked keys then changes its own logits by more than the parity tolerance on one device.
+    return _inkling2_weights(Inkling2ForCausalLM(config).float())
+
+
+INKLING2_TEXT = dict(
+    vocab_size=128, unpadded_vocab_size=128, eos_token_id=None, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+    swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=8, rel_extent=6,
+    log_scaling_n_floor=4, layer_types=["hybrid_sliding", "hybrid"], conv_kernel_size=3,
+    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+    use_cache=False)
+
+
+def _inkling2_weights(model):
+    """Constant parameters (unit scales, zero queries) and std-0.02 weights would hide errors (near-uniform
+    attention, no rel-pos profile): weights are drawn at 1 / sqrt(fan_in), which keeps activations O(1), and
+    vectors perturbed. Larger weights make the model amplify rounding: computing the same positions with more
+    masked keys then changes its own logits by more than the parity tolerance on one device."""
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
@@ -985,12 +991,81 @@ def vlm_batch(seq_len: int = 16, tokens: int = 4, hw: int = 112) -> dict:
             "labels": labels, "pixel_values": pixels}
 
 
+def hf_inkling2_vlm(seed: int = 0):
+    """A tiny Inkling2ForConditionalGeneration: the text model of :func:`hf_inkling2` with a one-layer vision
+    tower; an image of grid (1, 2, 2) (28 x 28 pixels a token, channels last) gives 4 tokens."""
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=14, spatial_merge_size=2,
+                  posemb_grid_size=4, projection_hidden_dim=64, text_hidden_size=64)
+    config = Inkling2Config(text_config=INKLING2_TEXT, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                            use_cache=False)
+    config._attn_implementation = "eager"
+    config._experts_implementation = "batched_mm"
+    torch.manual_seed(seed)
+    return _inkling2_weights(Inkling2ForConditionalGeneration(config).float())
+
+
+def inkling2_vlm_batch() -> dict:
+    """:func:`vlm_batch`'s ids, positions and labels with Inkling2's pixels: one 28 x 28 x 3 block a token."""
+    batch = vlm_batch()
+    images = sum(map(len, VLM_IMAGES))
+    batch["pixel_values"] = torch.rand(4 * images, 28, 28, 3, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    batch["image_grid_thw"] = torch.tensor([[1, 2, 2]] * images)
+    return batch
+
+
+class MeasuredSplice(torch.nn.Module):
+    """Image features spliced into token embeddings after Inkling2's count check, which measures the masked
+    embeddings (``inputs_embeds[mask].numel() == features.numel()``); one causal attention layer mixes them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(128, 16)
+        self.vision = torch.nn.Linear(12, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, input_ids, pixel_values, labels):
+        x = self.embed(input_ids)
+        features = self.vision(pixel_values).tanh()
+        mask = (input_ids == IMAGE_TOKEN).unsqueeze(-1).expand_as(x)
+        torch._check(x[mask].numel() == features.numel())
+        x = x.masked_scatter(mask, features)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        logits = self.head(x + h)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), logits
+
+
+def measured_splice_batch() -> dict:
+    batch = vlm_batch()
+    batch.pop("position_ids")
+    batch["pixel_values"] = torch.randn(4 * sum(map(len, VLM_IMAGES)), 12, generator=torch.Generator().manual_seed(8))
+    return batch
+
+
+def measured_splice_parity(group) -> dict:
+    model = MeasuredSplice()
+    compiled = cp_passes.cp_compile(model, None, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(measured_splice_batch(), group)
+    loss, logits = compiled(**local)
+    loss.backward()
+    return _step(model, compiled, loss, logits, layout)
+
+
+VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"), "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch, None)}
+"""Each vision-language model: builder, batch, spec."""
+
+
 def vlm_parity(group, model: str) -> dict:
     """A vision-language model's training step on this rank's slice of ids, positions and labels and every
     image's pixels; the loss is the model's mean over the labels."""
-    model = {"step3p7": hf_step3p7_vlm}[model]()
-    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(vlm_batch(), group, "step5")
+    build, batch, spec = VLM_MODELS[model]
+    model = build()
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(batch(), group, spec)
     out = compiled(**local)
     out.loss.backward()
     return _step(model, compiled, out.loss, out.logits, layout)

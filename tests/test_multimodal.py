@@ -6,7 +6,7 @@ import torch
 
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
-from scenarios import hf_step3p7_vlm, vlm_batch
+from scenarios import MeasuredSplice, hf_step3p7_vlm, measured_splice_batch, vlm_batch
 from test_parity import _compare
 
 
@@ -40,3 +40,17 @@ def test_step3p7_with_images_across_ranks_matches_one_device(pool, parity_report
              out.logits.detach(), grads, 16, parity_report)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert ("global_sum", "reductions") in rules and ("masked_scatter_splice", "splice") in rules, rules
+
+
+def test_a_count_check_that_measures_the_masked_embeddings_sees_the_global_count(pool, parity_report):
+    """Inkling2's check, ``inputs_embeds[mask].numel() == features.numel()``, measures a boolean-indexed
+    sharded tensor: it is sized by the global count of the mask instead (the check would fail on every rank
+    with the local count), and the splice matches one device."""
+    per_rank = pool.run("measured_splice_parity", 2)
+    model = MeasuredSplice()
+    loss, logits = model(**measured_splice_batch())
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    _compare("MeasuredSplice-aot_eager", per_rank, loss.detach(), logits.detach(), grads, 16, parity_report)
+    rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
+    assert ("masked_count", "reductions") in rules and ("masked_scatter_splice", "splice") in rules, rules

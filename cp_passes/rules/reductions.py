@@ -7,7 +7,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val, seq_multiple
 from ..match.blocks import concat_reads
-from ..transports.reductions import GlobalMean
+from ..transports.reductions import GlobalMean, MaskedCount
 from ..transports.scan import SCANS, Scan
 from ..transports.shift import Diff
 from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
@@ -129,6 +129,30 @@ def _sum(ctx: RuleContext):
     if ctx.dims(dims, ctx.ndim(src)) & set(ctx.seq_dims(src)):
         return Value.PARTIAL
     return None
+
+
+_SIZES = {aten.sym_size.int, aten.sym_numel.default}
+
+
+def masked_count(ctx: RuleContext) -> Rewrite | None:
+    """``x[mask]`` with a boolean mask over the sequence whose result is only measured (a count check such
+    as ``inputs_embeds[image_mask].numel() == features.numel()``): its length becomes the global count of
+    the mask's elements. None for any other index."""
+    if ctx.node.target is not aten.index.Tensor:
+        return None
+    x, indices = ctx.arg("self"), ctx.arg("indices")
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node):
+        return None
+    mask = indices[0]
+    if meta_val(mask).dtype != torch.bool or not ctx.is_seq(mask) or not ctx.node.users:
+        return None
+    if not all(u.target in _SIZES and (u.target is aten.sym_numel.default or u.args[1] == 0) for u in ctx.node.users):
+        return None
+    rest = meta_val(x).shape[meta_val(mask).dim():]
+    if any(not isinstance(size, int) for size in rest):
+        return None
+    return Rewrite("masked_count", "reductions", MaskedCount(ctx.node, x, mask, tuple(rest)),
+                   note="x[mask] only measured: sized by the global count of the mask (all-reduced, no autograd)")
 
 
 _LOSSES = (

@@ -13,6 +13,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from ..errors import op_name, source_line
 from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, window
+from .reductions import masked_count
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -244,6 +245,9 @@ def _triangle(ctx: RuleContext):
 @register_rule(aten.index, aten.index_put, aten.index_put_, aten.masked_select, aten.nonzero,
                aten.take, aten._local_scalar_dense, aten.item, aten.embedding_bag)
 def _data_dependent(ctx: RuleContext):
+    count = masked_count(ctx)
+    if count is not None:
+        return count
     # Looking positions up in a table (table[position_ids]) is fine; indexing the sharded tensor is not.
     if ctx.is_seq(ctx.args.get("self", ctx.args.get("weight"))):
         ctx.refuse("it indexes with data-dependent positions or reads a sharded value", NO_RULE_FIX)

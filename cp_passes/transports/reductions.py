@@ -62,13 +62,33 @@ class GlobalSum:
     partial: list[torch.fx.Node]
 
 
+@dataclass
+class MaskedCount:
+    """``node = x[mask]``, only measured: it is replaced by an empty tensor of the global count's length
+    (times the trailing sizes ``rest``)."""
+
+    node: torch.fx.Node
+    x: torch.fx.Node
+    mask: torch.fx.Node
+    rest: tuple[int, ...]
+
+
 class Reductions(Transport):
     name = "reductions"
     order = 40
     runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default)
 
-    def apply(self, edit, request: GlobalMean | GlobalSum) -> None:
+    def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount) -> None:
         node = request.node
+        if isinstance(request, MaskedCount):
+            local = edit.insert(aten.sum.dim_IntList, (request.mask, None), {"dtype": torch.int64},
+                                name="cp_masked_count")
+            total = edit.insert(torch.ops.cp_passes.global_sum.default, (local, edit.group_name),
+                                name="cp_global_masked_count")
+            count = edit.insert(aten._local_scalar_dense.default, (total,), name="cp_global_masked_count_value")
+            sized = edit.insert(aten.new_empty.default, (request.x, [count, *request.rest]), name="cp_masked_sized")
+            edit.replace_uses(node, sized)
+            return
         if isinstance(request, GlobalSum):
             for i, partial in enumerate(request.partial):
                 total = edit.insert(torch.ops.cp_passes.global_sum.default, (partial, edit.group_name),
@@ -87,6 +107,9 @@ class Reductions(Transport):
         edit.replace_uses(node, mean)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
+        if isinstance(request, MaskedCount):
+            moved = 8 * (layout.world - 1)
+            return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved)
         if isinstance(request, GlobalSum):
             elements = sum(numel_hint(p) for p in request.partial)
             moved = sum(numel_hint(p) * meta_val(p).dtype.itemsize for p in request.partial) * (layout.world - 1)
