@@ -31,19 +31,23 @@ _KERNELS: dict[str, tuple[object, object]] = {}
 """``Recurrence.kernel`` -> (the original function, its :class:`~cp_passes.spec.Recurrence`)."""
 
 
-def _encode(kernel: str, options: dict) -> str:
-    """The kernel's constant arguments as op-schema text (``name=repr;...``; dynamo traces f-strings)."""
+def encode_options(what: str, options: dict, hint: str = "") -> str:
+    """Constant arguments of an op-wrapped call (``what``) as op-schema text (``name=repr;...``; dynamo traces
+    f-strings); ValueError for anything but plain constants, with ``hint``."""
     for name, value in options.items():
         if not (isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value))
                 or (isinstance(value, str) and not set(value) & set(";=\\'\""))):
-            raise ValueError(f"cp_passes passes only plain constants to the recurrent kernel {kernel}, and its argument "
-                             f"{name!r} is {value!r}; a tensor argument (cu_seqlens, a parameter) must be declared "
-                             f"among the Recurrence's sequence_args if it carries the sequence, or the call changed")
+            raise ValueError(f"cp_passes passes only plain constants to {what}, and its argument {name!r} is "
+                             f"{value!r}{hint}")
     return ";".join(f"{name}={value!r}" for name, value in sorted(options.items()))
 
 
-def _decode(options: str) -> dict:
+def decode_options(options: str) -> dict:
     return {name: ast.literal_eval(value) for name, value in (o.split("=", 1) for o in options.split(";") if o)}
+
+
+_CONSTANTS_HINT = ("; a tensor argument (cu_seqlens, a parameter) must be declared among the Recurrence's "
+                   "sequence_args if it carries the sequence, or the call changed")
 
 
 def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.Tensor, bool]:
@@ -59,7 +63,7 @@ def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.
 
 def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
     fn, rec = _KERNELS[kernel]
-    kwargs = _decode(options)
+    kwargs = decode_options(options)
     kwargs[rec.output_final_state] = True
     if documents is not None:
         local, starts = _segments(documents, offset, args[0].shape[rec.seq_dim])
@@ -216,7 +220,8 @@ def _wrapper(rec, fn):
             return fn(*args, **kwargs)
         options = {k: v for k, v in bound.items() if k in named and v is not None}
         out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
-                                                    bound.get(rec.initial_state), _encode(rec.kernel, options),
+                                                    bound.get(rec.initial_state), encode_options(
+                                                        f"the recurrent kernel {rec.kernel}", options, _CONSTANTS_HINT),
                                                     documents, 0)
         return out, (state if bound.get(rec.output_final_state) else None)
 

@@ -108,12 +108,13 @@ class CPSpec:
     ones alike. The dims before it are the input's batch dims (``[3, batch]`` there)."""
 
     seq_inputs: tuple[str, ...] | None = None
-    """Forward arguments (or batch keys) sharded along ``seq_dim``. ``None``: every tensor with the sequence
-    length on ``seq_dim`` that is a known sequence input or has the batch dims of the input the length is read
-    from (tokens first); another tensor with that length is refused as ambiguous (:meth:`is_sharded`)."""
+    """Forward arguments (or batch keys) sharded along their sequence dim (``seq_dim`` unless ``sequence_dims``
+    says otherwise). ``None``: every tensor with the sequence length on that dim that is a known sequence input
+    or has the batch dims of the input the length is read from (tokens first); another tensor with that length
+    is refused as ambiguous (:meth:`is_sharded`)."""
 
     replicated_inputs: tuple[str, ...] = ()
-    """Arguments never sharded even if their ``seq_dim`` happens to equal the sequence length."""
+    """Arguments never sharded even if their sequence dim happens to equal the sequence length."""
 
     pad_token_id: int = 0
     """Value that :func:`cp_passes.shard_batch` pads token inputs (``token_keys``) with."""
@@ -175,6 +176,13 @@ class CPSpec:
     """Module globs whose convolutions run causally along the sequence. Kernel size, dilation, padding and
     groups are read from the op; a declared convolution that the graph does not show as causal is refused."""
 
+    eager_modules: tuple[str, ...] = ()
+    """Module globs that run eagerly on every rank, outside the analysed graph: a vision tower whose own
+    data-dependent code (sizes from ``.tolist()``) neither dynamo nor AOT autograd can trace for training.
+    Such a module must take no sequence-sharded input (image pixels and grid sizes, which every rank passes
+    whole). It is called as one op, ``cp_passes::eager_module``, whose output sizes the graph treats as data
+    dependent, and its backward runs it again under ``torch.func.vjp`` (the random state restored)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"CPSpec.name must be a non-empty string, got {self.name!r}")
@@ -189,7 +197,7 @@ class CPSpec:
             raise ValueError(f"CPSpec.sequence_dims must be a tuple of (input name, dim) pairs, got "
                              f"{self.sequence_dims!r}")
         for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs",
-                      "packed_labels"):
+                      "packed_labels", "eager_modules"):
             _check_names(field, getattr(self, field))
         if not isinstance(self.doc_key, str) or not self.doc_key:
             raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")
@@ -232,10 +240,11 @@ class CPSpec:
         return next((g for g in self.causal_convs if fnmatch.fnmatchcase(module, g)), None)
 
     def check_module_globs(self, paths: list[str]) -> None:
-        """Raise ValueError for a module glob (``attention``, ``causal_convs``) that matches none of ``paths``
-        (the model's ``named_modules()``): a typo there would silently declare nothing."""
+        """Raise ValueError for a module glob (``attention``, ``causal_convs``, ``eager_modules``) that matches none
+        of ``paths`` (the model's ``named_modules()``): a typo there would silently declare nothing."""
         globs = [(f"AttentionRule.modules={a.modules!r}", a.modules) for a in self.attention]
         globs += [(f"causal_convs entry {g!r}", g) for g in self.causal_convs]
+        globs += [(f"eager_modules entry {g!r}", g) for g in self.eager_modules]
         for what, glob in globs:
             if not any(fnmatch.fnmatchcase(p, glob) for p in paths):
                 close = difflib.get_close_matches(glob, paths, n=3, cutoff=0.3)
@@ -287,11 +296,10 @@ class CPSpec:
         ValueError naming the fields that settle it, rather than sharding on a coincidence."""
         if not self.may_shard(name):
             return False
-        if (name in self.position_keys and name not in dict(self.sequence_dims) and seq_len is not None
-                and tensor.dim() > 2 and tensor.shape[-1] == seq_len and self.length_of(name, tensor) != seq_len):
+        if name in self.position_keys and name not in dict(self.sequence_dims) and tensor.dim() > 2:
             raise ValueError(
-                f"input {name!r} {tuple(tensor.shape)} has the sequence length {seq_len} on its last dim, not on dim "
-                f"{self.dim_of(name)} (M-RoPE positions are [3, batch, seq]); say where it is: "
+                f"input {name!r} {tuple(tensor.shape)} has more dims than [batch, seq] positions (M-RoPE positions "
+                f"are [3, batch, seq], the sequence last); say where its sequence is: "
                 f"CPSpec(sequence_dims=(({name!r}, -1),))")
         if self.seq_inputs is not None:
             return True

@@ -705,15 +705,20 @@ def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
 
     n = len(layer_types)
-    config = Glm5NextTextConfig(
+    config = Glm5NextTextConfig(**_glm5_next_text(layer_types))
+    torch.manual_seed(seed)
+    return Glm5NextTextModel(config).float()
+
+
+def _glm5_next_text(layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
+    n = len(layer_types)
+    return dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=n,
         num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4,
         index_head_dim=16, index_n_heads=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
         hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False, layer_types=list(layer_types),
         mlp_layer_types=["dense"] * n, indexer_types=["full"] * n)
-    torch.manual_seed(seed)
-    return Glm5NextTextModel(config).float()
 
 
 def glm5_next_batch(seq_len: int) -> dict:
@@ -981,7 +986,7 @@ VLM_IMAGES = [[6], [2, 11]]
 def vlm_batch(seq_len: int = 16, tokens: int = 4, hw: int = 112) -> dict:
     """Token ids with image placeholders at :data:`VLM_IMAGES`, positions, labels (-100 on the images), and
     every image's pixels (row 0's first)."""
-    ids = torch.randint(1, IMAGE_TOKEN, (len(VLM_IMAGES), seq_len), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(1, 120, (len(VLM_IMAGES), seq_len), generator=torch.Generator().manual_seed(6))
     for row, starts in enumerate(VLM_IMAGES):
         for start in starts:
             ids[row, start:start + tokens] = IMAGE_TOKEN
@@ -1055,7 +1060,35 @@ def measured_splice_parity(group) -> dict:
     return _step(model, compiled, loss, logits, layout)
 
 
-VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"), "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch, None)}
+def hf_glm5_next_vlm(seed: int = 0):
+    """A tiny Glm5NextForConditionalGeneration: the text model of :func:`hf_glm5_next` with a one-layer vision
+    tower; an image of grid (1, 4, 4) patches (flattened, 1176 values each) gives 4 tokens after the 2 x 2
+    merge. Image and video markers take ids above the batches' (120..126)."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+                  out_hidden_size=64, intermediate_size=64, projection_intermediate_size=64, image_size=56)
+    config = Glm5NextConfig(text_config=_glm5_next_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                            video_token_id=126, image_start_token_id=125, image_end_token_id=124,
+                            video_start_token_id=123, video_end_token_id=122, use_cache=False)
+    torch.manual_seed(seed)
+    return Glm5NextForConditionalGeneration(config).float()
+
+
+def glm5_next_vlm_batch() -> dict:
+    """:func:`vlm_batch`'s ids, positions and labels with Glm5Next's flattened patches, 16 an image."""
+    batch = vlm_batch()
+    images = sum(map(len, VLM_IMAGES))
+    batch["pixel_values"] = torch.randn(16 * images, 1176, generator=torch.Generator().manual_seed(7))
+    batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
+    return batch
+
+
+VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"),
+              "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch,
+                           cp_passes.CPSpec(name="inkling2_vlm", eager_modules=("model.vision_tower",))),
+              "glm5_next": (hf_glm5_next_vlm, glm5_next_vlm_batch,
+                            cp_passes.load_spec("glm5_next").replace(eager_modules=("model.visual",)))}
 """Each vision-language model: builder, batch, spec."""
 
 

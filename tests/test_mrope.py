@@ -37,6 +37,21 @@ def test_mrope_positions_without_their_dim_are_refused_naming_the_field():
         cp_passes.CPSpec().is_sharded("position_ids", batch["position_ids"][..., :8], 8, (2,))
 
 
+def test_rows_of_an_input_on_seq_dim_stay_on_dim_0():
+    """Only a ``sequence_dims`` input counts rows just before its sequence; ``[batch, channels, seq]`` has
+    ``batch`` rows."""
+    spec = cp_passes.CPSpec(seq_dim=2, seq_inputs=("x",))
+    local, layout = shard_for_rank({"x": torch.randn(2, 4, 8)}, 1, 2, spec)
+    assert layout.valid.shape == (2, 4) and torch.equal(local["x"], local["x"][:, :, :4])
+
+
+def test_packed_rows_with_mrope_positions_are_refused():
+    """Packing writes [batch, seq] positions, not the [3, batch, seq] ones the spec says the model takes."""
+    batch = {"input_ids": torch.randint(1, 128, (1, 16)), "seq_lens": torch.tensor([[8, 8]])}
+    with pytest.raises(ValueError, match="packed batches.*position_ids"):
+        shard_for_rank(batch, 0, 2, MROPE_SPEC)
+
+
 def _reference(P: int):
     """One device, and its floor (:func:`split_floor`): the gradient summed from P query blocks' losses,
     each block attending to the keys up to its own last one only. Rounding moves the k projections'

@@ -6,7 +6,7 @@ import torch
 
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
-from scenarios import MeasuredSplice, hf_step3p7_vlm, measured_splice_batch, vlm_batch
+from scenarios import VLM_MODELS, MeasuredSplice, measured_splice_batch
 from test_parity import _compare
 
 
@@ -25,21 +25,28 @@ def test_each_rank_splices_the_features_masked_scatter_puts_at_its_positions(wor
     assert torch.equal(torch.cat(local, 1), x.masked_scatter(mask, source))
 
 
-@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
-def test_step3p7_with_images_across_ranks_matches_one_device(pool, parity_report, P):
-    """Step3p7ForConditionalGeneration with "step5": three images of 4 tokens, one crossing position 8 (rank
-    boundary at P = 2 and 4), two crossing 4 and 12 (at P = 4); every rank runs the vision tower on all
-    pixels, and the vision gradients, each rank's for its own tokens, add up over the ranks."""
-    per_rank = pool.run("vlm_parity", P, model="step3p7")
-    model = hf_step3p7_vlm()
-    out = model(**vlm_batch())
+VLM_CASES = [("step3p7", 2), ("inkling2", 2), ("glm5_next", 4), pytest.param("step3p7", 4, marks=pytest.mark.full),
+             pytest.param("inkling2", 4, marks=pytest.mark.full), pytest.param("glm5_next", 2, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("model,P", VLM_CASES)
+def test_vision_language_model_with_images_across_ranks_matches_one_device(pool, parity_report, model, P):
+    """transformers' Step3p7, Inkling2 and Glm5Next ForConditionalGeneration: three images of 4 tokens, one
+    crossing position 8 (a rank boundary at P = 2 and 4), two crossing 4 and 12 (at P = 4). Every rank runs
+    the vision tower on all pixels (Inkling2's and Glm5Next's eagerly: sizes from .tolist()), and the vision
+    gradients, each rank's for its own tokens, add up over the ranks."""
+    per_rank = pool.run("vlm_parity", P, model=model)
+    build, batch, _ = VLM_MODELS[model]
+    reference = build()
+    out = reference(**batch())
     out.loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert any(n.startswith("model.vision_model") for n in grads)
-    _compare("hf-Step3p7ForConditionalGeneration-images-aot_eager", per_rank, out.loss.detach(),
-             out.logits.detach(), grads, 16, parity_report)
+    grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert any(n.startswith(("model.vision", "model.visual")) for n in grads)
+    _compare(f"hf-{type(reference).__name__}-images-aot_eager", per_rank, out.loss.detach(), out.logits.detach(),
+             grads, 16, parity_report)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
-    assert ("global_sum", "reductions") in rules and ("masked_scatter_splice", "splice") in rules, rules
+    assert ("masked_scatter_splice", "splice") in rules, rules
+    assert (("eager_module", "eager") in rules) == (model != "step3p7"), rules
 
 
 def test_a_count_check_that_measures_the_masked_embeddings_sees_the_global_count(pool, parity_report):
@@ -54,3 +61,37 @@ def test_a_count_check_that_measures_the_masked_embeddings_sees_the_global_count
     _compare("MeasuredSplice-aot_eager", per_rank, loss.detach(), logits.detach(), grads, 16, parity_report)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert ("masked_count", "reductions") in rules and ("masked_scatter_splice", "splice") in rules, rules
+
+
+class Tower(torch.nn.Module):
+    """Sizes from data (a split by .tolist() lengths) and dropout: what an eager module must reproduce."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = torch.nn.Linear(6, 4)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, pixels, lengths, scale=1.0):
+        parts = self.drop(self.proj(pixels)).split(lengths.tolist())
+        return {"pooled": torch.stack([p.mean(0) for p in parts]) * scale, "tokens": torch.cat(parts)}
+
+
+def test_an_eager_module_computes_what_the_module_does_with_the_same_gradients():
+    """Outside cp_passes the op runs the module; its backward runs it again from the forward's random state,
+    so dropout draws the same mask and the gradients are the module's own."""
+    from cp_passes.eager_modules import install
+
+    pixels, lengths = torch.randn(7, 6, requires_grad=True), torch.tensor([3, 4])
+    plain, wrapped = Tower(), Tower()
+    install(torch.nn.Sequential(wrapped), ("0",))
+    outs = []
+    for model in (plain, wrapped):
+        torch.manual_seed(1)
+        out = model(pixels, lengths, scale=2.0)
+        (out["pooled"].pow(2).sum() + out["tokens"].sum()).backward()
+        outs.append((out, pixels.grad.clone(), model.proj.weight.grad))
+        pixels.grad = None
+    (a, ga, wa), (b, gb, wb) = outs
+    assert torch.equal(a["pooled"], b["pooled"]) and torch.equal(a["tokens"], b["tokens"])
+    assert torch.equal(ga, gb) and torch.equal(wa, wb)

@@ -137,6 +137,57 @@ def test_partial_sum_plus_a_per_rank_value_is_refused(group):
     assert err.problems[0].op == "aten.add.Tensor" and "partial sum" in err.problems[0].reason
 
 
+class Counted(nn.Module):
+    """Features scaled by a test on the count of token 3, which ``count`` computes from the sharded ids."""
+
+    def __init__(self, count):
+        super().__init__()
+        self.count = count
+
+    def forward(self, input_ids, feats):
+        return feats * self.count((input_ids == 3).sum())
+
+
+def _global_sums(count) -> list[tuple[str, list[str]]]:
+    """For each op that the plan makes read the global value of the count: (op, the partial sums it reads)."""
+    from cp_passes.compiler.planner import plan_graph
+    from cp_passes.graph.analysis import sequence_symbol
+    from cp_passes.group import CPGroup
+
+    batch = {"input_ids": torch.randint(0, 5, (2, 8)), "feats": torch.randn(3, 4)}
+    seq = torch.export.Dim("seq", min=2)
+    gm = torch.export.export(Counted(count), (), batch, dynamic_shapes={"input_ids": {1: seq}, "feats": None},
+                             strict=False).module()
+    (sym,) = sequence_symbol(list(gm.graph.find_nodes(op="placeholder")))
+    plan = plan_graph(gm, sym, cp_passes.CPSpec(), CPGroup(None, "t", 3, 8))
+    return [(str(node.target), [str(p.target) for p in rw.request.partial])
+            for node, rw, _ in plan.rewrites if rw.rule == "global_sum"]
+
+
+def test_an_integer_count_read_other_than_linearly_is_made_global_at_its_reader():
+    assert _global_sums(lambda n: n > 3) == [("aten.gt.Scalar", ["aten.sum.default"])]
+    # type_as reads only the count's dtype: the 5 it casts stays 5, not P x 5
+    assert _global_sums(lambda n: n == torch.tensor(5).type_as(n)) == [
+        ("aten.type_as.default", ["aten.sum.default"]), ("aten.eq.Tensor", ["aten.sum.default"])]
+    # a floor division is not linear: the ranks' floors do not add up to the floor of the total
+    assert _global_sums(lambda n: torch.div(n, 2, rounding_mode="floor") > 0) == [
+        ("aten.div.Tensor_mode", ["aten.sum.default"])]
+
+
+def test_a_float_sum_cast_to_an_integer_is_refused():
+    """Truncation is not linear, and a float sum is not made global (it may carry a gradient)."""
+    with pytest.raises(CPCompileError, match="partial sum"):
+        _global_sums(lambda n: n.float().mul(0.5).long() > 3)
+
+
+def test_an_eager_module_given_a_sharded_input_is_refused_naming_it(group):
+    model = Tiny(nn.Linear(8, 8))
+    spec = cp_passes.CPSpec(eager_modules=("mix",))
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match="eager module 'mix' takes sequence-sharded inputs"):
+        compiled(torch.randint(0, 32, (2, 8)))
+
+
 def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
     """transformers pads labels by one ignore_index and slices from 1: each rank reads the next rank's first
     label (rank 3 of 8 receives one int64 per batch row and sends its first one back)."""

@@ -21,6 +21,7 @@ import torch.fx
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
+from ..eager_modules import install as install_eager_modules
 from ..kernels import install
 from ..spec import CPSpec, resolve_spec
 from ..report.dump import trace_record, write_dump
@@ -156,6 +157,7 @@ class CPModule(torch.nn.Module):
         self._guard_failures: list[str] = []
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
+        self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
         # graph failed when a call recompiles.
         compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,
@@ -211,10 +213,9 @@ class CPModule(torch.nn.Module):
         for name, t in leaves:
             dim, length = spec.dim_of(name, t), spec.length_of(name, t)
             if spec.seq_inputs is not None and name in spec.seq_inputs and length != seq_len:
-                raise ValueError(
-                    f"sequence input {name!r} {tuple(t.shape)} has length {length} on dim {dim}, "
-                    f"expected the local length {seq_len}"
-                )
+                has = f"length {length} on dim {dim}" if length is not None else f"no dim {dim}"
+                raise ValueError(f"sequence input {name!r} {tuple(t.shape)} has {has}, expected the local length "
+                                 f"{seq_len} there")
             if spec.is_sharded(name, t, seq_len, leading):
                 if seq_len < 2:
                     raise ValueError(

@@ -18,7 +18,7 @@ from ..errors import CPCompileError, Problem, module_path, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
-from ..rules.registry import out_of_place, registered
+from ..rules.registry import ALWAYS, out_of_place, registered
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum
 from .keys import KeyPlan, plan_keys
@@ -62,23 +62,40 @@ class Plan:
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
+_CASTS = {aten._to_copy, aten.to}
+_PARTIAL_METADATA = {aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride}
+"""Ops that read a partial sum's shape or dtype only."""
 
 
-def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite:
-    """A per-rank partial sum may only flow through ops that are linear in it; an integer one (a count) that
-    another op reads is made global first."""
+def _linear_cast(ctx: RuleContext) -> bool:
+    """A cast that keeps sums: to a floating type, or from an integer to an integer at least as wide."""
+    source, out = meta_val(ctx.node.args[0]).dtype, meta_val(ctx.node).dtype
+    if out.is_floating_point or out.is_complex:
+        return True
+    return (not source.is_floating_point and not source.is_complex and source is not torch.bool
+            and out is not torch.bool and out.itemsize >= source.itemsize)
+
+
+def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | None:
+    """A per-rank partial sum may only flow through ops that are linear in it (as their first operand); an
+    integer one (a count) that another op reads is made global first."""
     packet = ctx.node.target.overloadpacket
+    if packet in _PARTIAL_METADATA:
+        return None
     tensors = ctx.tensor_inputs()
     partial = [t for t in tensors if ctx.is_partial(t)]
     others = [t for t in tensors if not ctx.is_partial(t)]
     scalars = [a for a in ctx.node.args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    first = ctx.node.args[0] if ctx.node.args else None
     ok = False
     if packet in _PARTIAL_LINEAR:
-        ok = True
+        ok = (partial == [first] and not any(ctx.is_seq(t) for t in others)
+              and (packet not in _CASTS or _linear_cast(ctx)))
     elif packet is aten.mul:
         ok = len(partial) == 1 and not any(ctx.is_seq(t) for t in others)
     elif packet is aten.div:
-        ok = ctx.is_partial(ctx.node.args[0]) and not any(ctx.is_partial(t) or ctx.is_seq(t) for t in others)
+        ok = (ctx.is_partial(first) and not any(ctx.is_partial(t) or ctx.is_seq(t) for t in others)
+              and ctx.args.get("rounding_mode") is None)
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
     if not ok and not any(ctx.is_seq(t) for t in others) and not any(
@@ -253,7 +270,7 @@ def _plan_node(ctx: RuleContext, origins: dict):
         _check_mutation(ctx)
     if partial_in:
         return _partial_rule(ctx, origins[partial_in[0]])
-    if not seq_in and not ctx.is_seq(node):
+    if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS:
         return None  # nothing about the sequence here
     rule = lookup_rule(node.target)
     if rule is None:

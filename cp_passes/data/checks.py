@@ -79,11 +79,12 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
     if isinstance(mask_keys, str) or not all(isinstance(k, str) for k in mask_keys):
         raise TypeError(f"mask_keys must be a tuple of key names, got {mask_keys!r}")
     packed = any(key in batch for key in LENGTH_KEYS)
-    moved = [name for name, _ in spec.sequence_dims
-             if isinstance(batch.get(name), torch.Tensor) and spec.dim_of(name, batch[name]) != 1]
+    moved = [name for name, _ in spec.sequence_dims if name in spec.position_keys or (
+        isinstance(batch.get(name), torch.Tensor) and spec.dim_of(name, batch[name]) != 1)]
     if packed and (spec.seq_dim != 1 or moved):
-        raise ValueError(f"packed batches need [batch, seq] tensors (the sequence on dim 1), but spec {spec.name!r} "
-                         f"puts it elsewhere for {moved or 'every input'}")
+        raise ValueError(f"packed batches need [batch, seq] tensors (the sequence on dim 1) and write [batch, seq] "
+                         f"positions, but spec {spec.name!r} puts the sequence elsewhere for "
+                         f"{moved or 'every input'}")
     padding = Padding(spec, MASK_KEYS + tuple(mask_keys), packed)
     found = spec.length_input([(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS],
                               any_rank_tokens=True)
@@ -113,23 +114,33 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
                                  f"{seq_len}: every sequence tensor needs the same length{hint}")
         if not spec.is_sharded(key, value, seq_len, spec.batch_dims(*found), tuple(names)):
             continue
-        if dim and value.shape[dim - 1] != rows:
-            if value.shape[dim - 1] == 1 and padding.is_position(key):
-                value = out[key] = value.expand(*value.shape[:dim - 1], rows, *value.shape[dim:])
+        at = _rows_dim(spec, key, value)
+        if at is not None and value.shape[at] != rows:
+            if value.shape[at] == 1 and padding.is_position(key):
+                value = out[key] = value.expand(*value.shape[:at], rows, *value.shape[at + 1:])
             else:
                 one = (": a [1, S] tensor would be broadcast so that every row gets row 0's values"
-                       if value.shape[dim - 1] == 1 else "")
-                raise ValueError(f"batch[{key!r}] has {_rows(value.shape[dim - 1])} but {shape_key} has "
+                       if value.shape[at] == 1 else "")
+                raise ValueError(f"batch[{key!r}] has {_rows(value.shape[at])} but {shape_key} has "
                                  f"{_rows(rows)}{one}; give it one row per sequence")
         padding.value(key, value)  # refuses an undeclared integer key even where this batch needs no padding
         seq_keys.append(key)
     return CheckedBatch(out, shape_key, rows, seq_len, tuple(seq_keys), padding)
 
 
-def _rows_of(spec: CPSpec, key: str, value: torch.Tensor) -> int:
-    """The rows (sequences) of ``value``: the size of the dim before its sequence dim; 1 without one."""
+def _rows_dim(spec: CPSpec, key: str, value: torch.Tensor) -> int | None:
+    """The dim of ``value`` that counts rows (sequences): dim 0 (``[batch, ..., seq, ...]``), or the one before
+    the sequence for an input ``sequence_dims`` places (M-RoPE's ``[3, batch, seq]``); None when the sequence
+    comes first."""
     dim = spec.dim_of(key, value)
-    return value.shape[dim - 1] if dim else 1
+    if not dim:
+        return None
+    return dim - 1 if key in dict(spec.sequence_dims) else 0
+
+
+def _rows_of(spec: CPSpec, key: str, value: torch.Tensor) -> int:
+    at = _rows_dim(spec, key, value)
+    return 1 if at is None else value.shape[at]
 
 
 def _rows(n: int) -> str:

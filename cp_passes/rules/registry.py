@@ -40,12 +40,19 @@ class Value(enum.Enum):
     """This rank's share of a sum over the sequence: the ranks' values add up to the single-device value."""
 
 
-def register_rule(*ops):
-    """Register ``fn`` as the rule for each op (an OpOverload, or an OpOverloadPacket for all overloads)."""
+ALWAYS: set = set()
+"""Ops whose rule is asked even when no input or output carries the sequence."""
+
+
+def register_rule(*ops, always: bool = False):
+    """Register ``fn`` as the rule for each op (an OpOverload, or an OpOverloadPacket for all overloads);
+    ``always``: ask it for every call, not only those that touch the sequence."""
 
     def decorator(fn):
         for op in ops:
             _RULES[op] = fn
+            if always:
+                ALWAYS.add(op)
         return fn
 
     return decorator

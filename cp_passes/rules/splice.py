@@ -22,10 +22,14 @@ def _masked_scatter(ctx: RuleContext):
         ctx.refuse("its source is sharded along the sequence, so the elements a rank's mask selects may sit "
                    "on other ranks", _FIX)
     shape = meta_val(x).shape
-    if (ctx.seq_dims(x) != (1,) or ctx.seq_dims(mask) != (1,) or tuple(meta_val(ctx.node).shape) != tuple(shape)
-            or meta_val(mask).dim() != len(shape) or seq_multiple(shape[1], ctx.sym) != 1):
-        ctx.refuse(f"it scatters into {ctx.seq_dims(x)} of a {tuple(shape)} tensor with a mask sharded on "
-                   f"{ctx.seq_dims(mask)}; the splice has a rule only for both sharded on dim 1 alone", _FIX)
+    if tuple(meta_val(ctx.node).shape) != tuple(shape) or meta_val(mask).dim() != len(shape):
+        ctx.refuse(f"its mask {tuple(meta_val(mask).shape)} broadcasts the {tuple(shape)} tensor it scatters into, "
+                   f"or has fewer dims; the splice has a rule only for a mask of the tensor's rank that broadcasts "
+                   f"to its shape", _FIX)
+    if ctx.seq_dims(x) != (1,) or ctx.seq_dims(mask) != (1,) or seq_multiple(shape[1], ctx.sym) != 1:
+        ctx.refuse(f"it scatters into a {tuple(shape)} tensor sharded on dims {ctx.seq_dims(x)} with a mask "
+                   f"sharded on dims {ctx.seq_dims(mask)}; the splice has a rule only for both sharded on dim 1 "
+                   f"alone, with the local length there", _FIX)
     return Rewrite("masked_scatter_splice", "splice", Splice(ctx.node, x, mask, source),
                    note="each rank reads the source from the count of masked elements before its rows "
                         "(all-gathered per-row counts)")

@@ -3,8 +3,9 @@ non-linear op reads becomes the global count.
 
 ``loss(reduction=mean)`` -> ``loss(reduction=sum) / global_count``: a per-rank partial sum whose ranks add
 up to the single-device mean, so the summed gradients match too. The count is one all-reduce, no autograd.
-An integer partial sum (how many image tokens a mask holds) that a comparison reads is all-reduced first
-(no autograd: integers carry no gradient), so the comparison sees the single-device value.
+An integer partial sum (how many image tokens a mask holds) that an op reads other than linearly (a count
+check's comparison) is all-reduced first (no autograd: integers carry no gradient), so that op sees the
+single-device value; so is the length of ``x[mask]`` when only that length is read.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class Reductions(Transport):
     def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount) -> None:
         node = request.node
         if isinstance(request, MaskedCount):
-            local = edit.insert(aten.sum.dim_IntList, (request.mask, None), {"dtype": torch.int64},
+            local = edit.insert(aten.sum.dim_IntList, (edit.current(request.mask), None), {"dtype": torch.int64},
                                 name="cp_masked_count")
             total = edit.insert(torch.ops.cp_passes.global_sum.default, (local, edit.group_name),
                                 name="cp_global_masked_count")
@@ -90,7 +91,7 @@ class Reductions(Transport):
             edit.replace_uses(node, sized)
             return
         if isinstance(request, GlobalSum):
-            for i, partial in enumerate(request.partial):
+            for i, partial in enumerate(map(edit.current, request.partial)):
                 total = edit.insert(torch.ops.cp_passes.global_sum.default, (partial, edit.group_name),
                                     name=f"cp_global_sum_{i}")
                 node.replace_input_with(partial, total)

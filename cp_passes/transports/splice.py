@@ -54,7 +54,11 @@ def spliced(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, counts: t
     first = totals.cumsum(0) - totals + torch.where(preceding, counts, 0).sum(0)
     index = first.unsqueeze(1) + selected.cumsum(1, dtype=torch.int64) - 1
     flat = source.reshape(-1)
-    read = flat[index.clamp(0, flat.numel() - 1)]  # unmasked elements read any element, then drop it
+    torch._assert_async(totals.sum() <= flat.numel(),
+                        "masked_scatter: number of elements of source < number of ones in mask")
+    # Unmasked elements read any element and drop it: one more element keeps an empty source readable.
+    padded = torch.cat([flat, flat.new_zeros(1)])
+    read = padded[index.clamp(0, flat.numel())]
     return torch.where(selected, read, x.reshape(rows, -1)).view(x.shape)
 
 
