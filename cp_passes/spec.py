@@ -34,6 +34,10 @@ class AttentionRule:
     window: int | None = None
     """Sliding-window width ``w`` (each query sees itself and the ``w - 1`` preceding keys); ``None``
     for causal attention over the whole preceding sequence."""
+    left_padding: int = 0
+    """For a window's halo: this many zero rows in front of the ``w - 1`` rows received, so that an attention
+    kernel's key tiles line up with global key positions (``w - 1 + left_padding`` a multiple of the tile).
+    The zeros are made on each rank, never sent, and hidden by the mask."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.modules, str) or not self.modules:
@@ -41,6 +45,11 @@ class AttentionRule:
         if self.window is not None and (not isinstance(self.window, int) or isinstance(self.window, bool)
                                         or self.window < 1):
             raise ValueError(f"AttentionRule.window must be a positive int or None, got {self.window!r}")
+        if not isinstance(self.left_padding, int) or isinstance(self.left_padding, bool) or self.left_padding < 0:
+            raise ValueError(f"AttentionRule.left_padding must be a non-negative int, got {self.left_padding!r}")
+        if self.left_padding and self.window is None:
+            raise ValueError(f"AttentionRule.left_padding={self.left_padding} pads a window's halo; declare the "
+                             f"window (window=None gathers the whole preceding sequence)")
 
 
 @dataclass(frozen=True)

@@ -472,9 +472,12 @@ def packed_model_inputs(batch: dict, hf: bool) -> dict:
 def packed_parity(group, model: str, backend: str, cases: list, config: dict | None = None) -> list[dict]:
     """One compiled model run on several packed batches (seq_len, layout)."""
     hf = model == "hf"
-    net = hf_llama(use_cache=False) if hf else toy_model(**(config or {}))
-    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=config["window"]),)) \
-        if config and config.get("window") else None
+    config = dict(config or {})
+    left_padding = config.pop("left_padding", 0)
+    net = hf_llama(use_cache=False) if hf else toy_model(**config)
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=config["window"],
+                                                               left_padding=left_padding),)) \
+        if config.get("window") else None
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len, layout in cases:

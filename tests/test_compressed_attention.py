@@ -107,6 +107,9 @@ def test_what_each_rank_receives_per_layer_at_p8():
     # The masks gather position ids (7 shards of 2 x 8 int64); HCA's reads the compressed entries' shape only.
     masks = [r.bytes for r in records if r.rule == "key_mask"]
     assert masks[0] == masks[2] == 7 * 2 * 8 * 8 < masks[1], masks
+    # explain counts them apart: metadata, gathered without autograd; the keys are not
+    assert [r.metadata_bytes for r in records if r.rule == "key_mask"] == masks
+    assert not any(r.metadata_bytes for r in records if r.rule in ("key_operand", "shift_stencil"))
     shifts = [r.bytes for r in records if r.rule == "shift_stencil"]
     assert shifts == [2 * 2 * 32 * 4] * 2, shifts
     assert all(r.bytes == r.lower_bound_bytes for r in records if r.rule in ("key_operand", "shift_stencil"))

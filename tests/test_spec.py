@@ -44,6 +44,14 @@ def test_sequence_dims_place_one_input_s_sequence_counting_negative_dims_from_th
     assert spec.is_sharded("position_ids", mrope, 8, (2,))
 
 
+def test_left_padding_pads_a_declared_window_only():
+    assert cp_passes.AttentionRule("layers.*.attn", window=4, left_padding=2).left_padding == 2
+    with pytest.raises(ValueError, match="left_padding=2 pads a window's halo"):
+        cp_passes.AttentionRule("layers.*.attn", left_padding=2)
+    with pytest.raises(ValueError, match="non-negative int, got -1"):
+        cp_passes.AttentionRule("layers.*.attn", window=4, left_padding=-1)
+
+
 def test_an_input_cannot_be_both_sharded_and_replicated():
     with pytest.raises(ValueError, match=r"\['mask'\].*seq_inputs=\('ids', 'mask'\).*replicated_inputs=\('mask',\)"):
         CPSpec(seq_inputs=("ids", "mask"), replicated_inputs=("mask",))

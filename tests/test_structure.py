@@ -1,6 +1,8 @@
 """Structure of the rewritten graphs on a fake process group of 8 ranks (one process, no data moved):
 which collectives, how many, where, and how many bytes each rank receives."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -120,6 +122,23 @@ def test_window_by_gather_moves_more_than_the_halo(fake_world):
     (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
     assert h == bound and g == (WORLD - 1) * 16 * bound // 4  # 7 ranks x 16 rows against 4 rows
     assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][HALO] == 0
+
+
+def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_world):
+    """AttentionRule(left_padding=3): the halo op makes 3 zero rows before the window's 4 (K+V 2 x 16 wide);
+    the bytes moved are the plain halo's, and the parity tests show the mask hides the zeros."""
+    rule = cp_passes.AttentionRule("layers.*.attn", window=5, left_padding=3)
+    padded = compile_toy(fake_world, seq=16, window=5, spec=dict(attention=(rule,)))
+    plain = compile_toy(fake_world, seq=16, window=5)
+
+    def moved(record):
+        return [(r.bytes, r.lower_bound_bytes, r.sent_bytes) for r in record.records if r.rule == "sdpa_window"]
+
+    assert moved(padded) == moved(plain) and len(moved(plain)) == 2
+    halos = re.findall(r'"f32\[2, 2, (\S+) \+ (\d+), 32\]" = torch\.ops\.cp_passes\.halo\.default\(\w+, 2, (\d+), (\d+),',
+                       padded.aot_graphs["forward"])
+    assert [h[1:] for h in halos] == [("7", "4", "3")] * 2, halos
+    assert all("3 zero rows in front of the halo" in r.note for r in padded.records if r.rule == "sdpa_window")
 
 
 def test_explain_at_compile_time_by_environment(fake_world, capsys, monkeypatch):

@@ -7,7 +7,7 @@ import re
 from tabulate import tabulate
 
 HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
-           "lower bound recv", "bytes sent", "note")
+           "lower bound recv", "bytes sent", "of which metadata", "note")
 
 
 def format_bytes(n: int) -> str:
@@ -22,7 +22,8 @@ def table_rows(records) -> list[tuple]:
     return [
         (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
          format_bytes(r.bytes) if r.collective else "", format_bytes(r.lower_bound_bytes) if r.collective else "",
-         format_bytes(r.sent_bytes) if r.collective else "", r.note)
+         format_bytes(r.sent_bytes) if r.collective else "", format_bytes(r.metadata_bytes) if r.metadata_bytes else "",
+         r.note)
         for r in records
     ]
 
@@ -35,9 +36,11 @@ def format_record(record) -> str:
     total = sum(r.bytes for r in record.records)
     bound = sum(r.lower_bound_bytes for r in record.records)
     sent = sum(r.sent_bytes for r in record.records)
+    metadata = sum(r.metadata_bytes for r in record.records)
     return (f"{head}\n{tabulate(table_rows(record.records), headers=HEADERS)}\n"
-            f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}), sent "
-            f"{format_bytes(sent)}; the backward moves the same bytes the other way")
+            f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "
+            f"metadata without autograd {format_bytes(metadata)}), sent {format_bytes(sent)}; the backward moves "
+            f"the same bytes the other way, except the metadata")
 
 
 def format_graphs(records) -> str:

@@ -182,7 +182,10 @@ def sdpa_rule(ctx: RuleContext):
                      f"time")
     elif window:
         notes.append(f"window {window} read from the model's mask")
+    left_padding = declared.left_padding if declared is not None and halo else 0
+    if left_padding:
+        notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,
-                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes)
+                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes, left_padding)
     rule = "sdpa_data_mask" if metadata else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
     return Rewrite(rule, "halo" if halo else "sequence_gather", request, note="; ".join(notes))

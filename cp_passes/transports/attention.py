@@ -42,6 +42,8 @@ class AttentionKV:
     scale: object
     mask: MetadataMask | None = None
     notes: list[str] = field(default_factory=list)
+    left_padding: int = 0
+    """Zero rows in front of a halo (hidden by the mask)."""
 
     @property
     def kv_label(self) -> str:
@@ -64,7 +66,7 @@ class AttentionKV:
             return Cost()
         moved = self.mask.gathered_bytes(world)
         names = ", ".join(leaf.name for leaf in self.mask.gathered)
-        return Cost(f"all_gather {names} (no grad)", 0, moved, moved, moved)
+        return Cost(f"all_gather {names} (no grad)", 0, moved, moved, moved, moved)
 
 
 def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node, str], torch.fx.Node]) -> None:
@@ -85,9 +87,11 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     mask = None
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
-        mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo), name="cp_mask_block")
+        mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo, request.left_padding),
+                           name="cp_mask_block")
     elif halo:
-        mask = edit.insert(causal_mask, (q, rank, world, request.window, True), name="cp_window_mask")
+        mask = edit.insert(causal_mask, (q, rank, world, request.window, True, request.left_padding),
+                           name="cp_window_mask")
     if request.causal and not halo:
         keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
         values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")

@@ -31,11 +31,14 @@ class Cost:
     bytes: int = 0
     lower_bound_bytes: int = 0
     sent_bytes: int = 0
+    metadata_bytes: int = 0
+    """Of ``bytes``, those of metadata gathered without autograd: positions, doc ids, counts."""
 
     def __add__(self, other: "Cost") -> "Cost":
         return Cost(" + ".join(c for c in (self.collective, other.collective) if c),
                     self.elements + other.elements, self.bytes + other.bytes,
-                    self.lower_bound_bytes + other.lower_bound_bytes, self.sent_bytes + other.sent_bytes)
+                    self.lower_bound_bytes + other.lower_bound_bytes, self.sent_bytes + other.sent_bytes,
+                    self.metadata_bytes + other.metadata_bytes)
 
 
 class Transport:

@@ -114,11 +114,13 @@ class Halo(Transport):
         from .attention import AttentionKV, rewrite_attention
 
         assert isinstance(request, AttentionKV), request
-        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, request.window - 1, f"{name}_halo"))
+        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, request.window - 1,
+                                                                     f"{name}_halo", left_padding=request.left_padding))
 
-    def insert(self, edit, x, dim: int, halo: int, name: str, before=None) -> torch.fx.Node:
+    def insert(self, edit, x, dim: int, halo: int, name: str, before=None, left_padding: int = 0) -> torch.fx.Node:
         return edit.insert(torch.ops.cp_passes.halo.default,
-                           (x, dim, halo, 0, edit.rank, edit.world, edit.group_name), name=name, before=before)
+                           (x, dim, halo, left_padding, edit.rank, edit.world, edit.group_name), name=name,
+                           before=before)
 
     def _conv(self, edit, match: ConvHalo) -> None:
         node = match.conv

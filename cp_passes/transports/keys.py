@@ -227,7 +227,7 @@ class KeyGather(Transport):
         if isinstance(request, KeyMask):
             leaves, moved = request.mask.gathered, request.mask.gathered_bytes(layout.world)
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
-                        0, moved, moved, moved)
+                        0, moved, moved, moved, moved)
         if request.concat:
             return sum((self._rows_cost(request, part, request.keys if i == 0 else None, layout, rank, local_len)
                         for i, part in enumerate(request.source.args[0])), Cost())

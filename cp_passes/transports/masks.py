@@ -80,8 +80,12 @@ def key_positions(local, rank: int, world: int, halo: int | None, device=None) -
     return layout.gathered_positions(local, device).narrow(0, 0, layout.visible_prefix(rank, local))
 
 
-def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
-    return key_positions(query.shape[-2], rank, world, window - 1 if halo else None, query.device)
+def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool,
+                   left_padding: int = 0) -> torch.Tensor:
+    """The global position of every key the transport brings; -1 for a zero row in front of a halo (and, as
+    ever, for a halo row before the sequence start)."""
+    positions = key_positions(query.shape[-2], rank, world, window - 1 if halo else None, query.device)
+    return torch.cat([positions.new_full((left_padding,), -1), positions]) if left_padding else positions
 
 
 def band(size: int, window: int | None, device=None) -> torch.Tensor:
@@ -90,11 +94,12 @@ def band(size: int, window: int | None, device=None) -> torch.Tensor:
     return visible if window is None else visible.triu(1 - window)
 
 
-def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool) -> torch.Tensor:
+def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool,
+                left_padding: int = 0) -> torch.Tensor:
     """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
-    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0``."""
+    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding never is)."""
     q_pos = Layout(world).positions(rank, query.shape[-2], query.device)
-    k_pos = _key_positions(query, rank, world, window, halo)
+    k_pos = _key_positions(query, rank, world, window, halo, left_padding)
     distance = q_pos[:, None] - k_pos[None, :]
     visible = (distance >= 0) & (k_pos[None, :] >= 0)
     return visible if window is None else visible & (distance < window)
@@ -106,7 +111,7 @@ def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, query: tor
 
 
 def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, window: int | None,
-               halo: bool) -> torch.Tensor:
+               halo: bool, left_padding: int = 0) -> torch.Tensor:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
     (columns before the sequence start are False). Fails at run time if the model allows a key outside the
     causal (window) envelope the transport was planned for: every rank checks every row of the global mask,
@@ -118,5 +123,5 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
                         "attention); declare the window these modules really use in an AttentionRule "
                         "(window=None: every preceding key)")
     rows = global_mask.index_select(-2, Layout(world).positions(rank, query.shape[-2], query.device))
-    k_pos = _key_positions(query, rank, world, window, halo)
+    k_pos = _key_positions(query, rank, world, window, halo, left_padding)
     return rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)

@@ -110,13 +110,13 @@ class Reductions(Transport):
     def cost(self, request, layout, rank, local_len) -> Cost:
         if isinstance(request, MaskedCount):
             moved = 8 * (layout.world - 1)
-            return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved)
+            return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
         if isinstance(request, GlobalSum):
             elements = sum(numel_hint(p) for p in request.partial)
             moved = sum(numel_hint(p) * meta_val(p).dtype.itemsize for p in request.partial) * (layout.world - 1)
-            return Cost("all_reduce of integer partial sums (no autograd)", elements, moved, moved, moved)
+            return Cost("all_reduce of integer partial sums (no autograd)", elements, moved, moved, moved, moved)
         moved = 8 * (layout.world - 1)
-        return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved)
+        return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
 
 
 REDUCTIONS = register_transport(Reductions())

@@ -169,9 +169,10 @@ class ScanTransport(Transport):
         if request.op in ("cummax", "cummin"):
             total += total // meta_val(request.source).dtype.itemsize * 8  # and each running value's index
         moved = (layout.world - 1) * total
+        metadata = 0 if meta_val(request.source).is_floating_point() else moved  # gathered without autograd
         return Cost("all_gather each rank's last running value | bw reduce_scatter",
                     moved // meta_val(request.source).dtype.itemsize, moved, len(layout.preceding_ranks(rank)) * total,
-                    moved)
+                    moved, metadata)
 
 
 SCAN = register_transport(ScanTransport())

@@ -81,7 +81,8 @@ class SpliceTransport(Transport):
         rows = meta_val(request.x).shape[0]
         moved = 8 * rows * (layout.world - 1)
         needed = 8 * (rows - 1) * (layout.world > 1) + 8 * rows * bool(layout.preceding_ranks(rank))
-        return Cost("all_gather of per-row counts (no autograd)", rows * (layout.world - 1), moved, needed, moved)
+        return Cost("all_gather of per-row counts (no autograd)", rows * (layout.world - 1), moved, needed, moved,
+                    moved)
 
 
 SPLICE = register_transport(SpliceTransport())
