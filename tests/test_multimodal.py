@@ -95,3 +95,36 @@ def test_an_eager_module_computes_what_the_module_does_with_the_same_gradients()
     (a, ga, wa), (b, gb, wb) = outs
     assert torch.equal(a["pooled"], b["pooled"]) and torch.equal(a["tokens"], b["tokens"])
     assert torch.equal(ga, gb) and torch.equal(wa, wb)
+
+
+class TiedTower(torch.nn.Module):
+    """Two linear maps around a GELU; ``tied``: one weight under two names."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        if tied:
+            self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+
+
+@pytest.mark.parametrize("tied,autocast", [(True, False), (False, True)])
+def test_an_eager_module_keeps_tied_weights_and_the_forward_s_autocast(tied, autocast):
+    """Both names of a tied weight get their share of its gradient; the backward's second run is in bf16
+    autocast as the forward was, so the gradients are the autocast module's own. (Tied under autocast, one
+    device sums the two uses' gradients in bf16 and the eager module in fp32.)"""
+    from cp_passes.eager_modules import install
+
+    x, grad = torch.randn(4, 8), torch.randn(4, 8)
+    plain, wrapped = TiedTower(tied), TiedTower(tied)
+    install(torch.nn.Sequential(wrapped), ("0",))
+    for model in (plain, wrapped):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(x)
+        out.backward(grad.to(out.dtype))
+    assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    for name, p in plain.named_parameters(remove_duplicate=False):
+        assert torch.equal(p.grad, wrapped.get_parameter(name).grad), name

@@ -166,6 +166,8 @@ def _global_sums(count) -> list[tuple[str, list[str]]]:
 
 def test_an_integer_count_read_other_than_linearly_is_made_global_at_its_reader():
     assert _global_sums(lambda n: n > 3) == [("aten.gt.Scalar", ["aten.sum.default"])]
+    # a square reads the count twice: (sum of counts)^2, not the sum of squares
+    assert _global_sums(lambda n: n * n > 3) == [("aten.mul.Tensor", ["aten.sum.default"])]
     # type_as reads only the count's dtype: the 5 it casts stays 5, not P x 5
     assert _global_sums(lambda n: n == torch.tensor(5).type_as(n)) == [
         ("aten.type_as.default", ["aten.sum.default"]), ("aten.eq.Tensor", ["aten.sum.default"])]

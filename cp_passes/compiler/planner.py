@@ -62,7 +62,7 @@ class Plan:
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
-_CASTS = {aten._to_copy, aten.to}
+_CASTS = {aten._to_copy, aten.to, aten.type_as}
 _PARTIAL_METADATA = {aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride}
 """Ops that read a partial sum's shape or dtype only."""
 
@@ -76,6 +76,13 @@ def _linear_cast(ctx: RuleContext) -> bool:
             and out is not torch.bool and out.itemsize >= source.itemsize)
 
 
+def _argument_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """Every node ``node`` reads, once per argument that holds it (``all_input_nodes`` lists each once)."""
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
+    return found
+
+
 def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | None:
     """A per-rank partial sum may only flow through ops that are linear in it (as their first operand); an
     integer one (a count) that another op reads is made global first."""
@@ -87,14 +94,15 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | 
     others = [t for t in tensors if not ctx.is_partial(t)]
     scalars = [a for a in ctx.node.args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
     first = ctx.node.args[0] if ctx.node.args else None
+    reads = [a for a in _argument_nodes(ctx.node) if ctx.is_partial(a)]  # by argument: mul(p, p) reads p twice
     ok = False
     if packet in _PARTIAL_LINEAR:
-        ok = (partial == [first] and not any(ctx.is_seq(t) for t in others)
+        ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
               and (packet not in _CASTS or _linear_cast(ctx)))
     elif packet is aten.mul:
-        ok = len(partial) == 1 and not any(ctx.is_seq(t) for t in others)
+        ok = len(reads) == 1 and not any(ctx.is_seq(t) for t in others)
     elif packet is aten.div:
-        ok = (ctx.is_partial(first) and not any(ctx.is_partial(t) or ctx.is_seq(t) for t in others)
+        ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
               and ctx.args.get("rounding_mode") is None)
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
