@@ -11,6 +11,13 @@ MLA's ``expand_kv`` (copies into slices of an empty tensor) is rewritten out of 
 not covered yet (the grouped-mm dispatch sorts tokens over the flattened sequence): build it with
 ``mlp_layer_types=["dense"] * num_hidden_layers``.
 
+With images, every rank passes its slice of ids, positions and labels and the whole ``pixel_values`` and
+``image_grid_thw``. The vision tower (``model.visual``) splits its attention by lengths from ``.tolist()`` and
+branches on them, which neither dynamo nor fake tensors can follow, so it runs eagerly on every rank
+(``eager_modules``; its output sizes are measured on the real pixels when the graph compiles, so batches of
+the same pixel shape must keep their grids). Its features are spliced into each rank's tokens by the count of
+image tokens before them.
+
 Packed rows: ``shard_batch`` with this spec adds doc ids and per-document positions, which the model takes
 and does not read (it uses no positions, and its indexer masks padding only), so its state and its indexer
 run across documents, as on one device. To keep documents apart the model must be called with
@@ -24,6 +31,7 @@ SPEC = CPSpec(
     name="glm5_next",
     seq_inputs=("input_ids", "position_ids", "labels", "shift_labels", "doc_ids"),
     position_keys=("position_ids",),
+    eager_modules=("model.visual",),
     recurrences=(
         Recurrence("transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention",
                    ("query", "key", "value", "g", "beta"), form="affine"),

@@ -1088,10 +1088,8 @@ def glm5_next_vlm_batch() -> dict:
 
 
 VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"),
-              "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch,
-                           cp_passes.CPSpec(name="inkling2_vlm", eager_modules=("model.vision_tower",))),
-              "glm5_next": (hf_glm5_next_vlm, glm5_next_vlm_batch,
-                            cp_passes.load_spec("glm5_next").replace(eager_modules=("model.visual",)))}
+              "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch, "inkling2"),
+              "glm5_next": (hf_glm5_next_vlm, glm5_next_vlm_batch, "glm5_next")}
 """Each vision-language model: builder, batch, spec."""
 
 

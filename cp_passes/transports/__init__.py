@@ -1,7 +1,7 @@
 """Transports: how sequence data moves between ranks. One module per transport; see :mod:`.base`.
 
-Importing this package registers the built-in transports, in order: eager (moves nothing), positions (no communication),
-shift, halo, scan, splice, carry, sequence_gather, key_gather, reductions.
+Importing this package registers the built-in transports, in order: positions (no communication),
+shift, halo, scan, splice, carry, sequence_gather, key_gather, reductions, eager (moves nothing).
 """
 
 from .base import TRANSPORTS, Cost, Transport, collective_ops, in_order, register_transport, unregister_transport
@@ -16,5 +16,6 @@ from .scan import SCAN
 from .shift import SHIFT
 from .splice import SPLICE
 
-__all__ = ["CARRY", "Cost", "EAGER", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT", "SPLICE",
-           "TRANSPORTS", "Transport", "collective_ops", "in_order", "register_transport", "unregister_transport"]
+__all__ = ["CARRY", "Cost", "EAGER", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT",
+           "SPLICE", "TRANSPORTS", "Transport", "collective_ops", "in_order", "register_transport",
+           "unregister_transport"]

@@ -1,5 +1,6 @@
 """Eager: a module that runs outside the analysed graph on every rank moves nothing; the rewrite table lists
-it so that ``explain`` says what ran where."""
+it so that ``explain`` says what ran where. It runs last: it only tags, and the graph's dead-code elimination
+after a transport must not run before the transports whose requests name nodes still unused."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class EagerCall:
 
 class EagerTransport(Transport):
     name = "eager"
-    order = 5
+    order = 50
 
     def apply(self, edit, request: EagerCall) -> None:
         edit.changed(request.node)
