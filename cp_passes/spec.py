@@ -321,9 +321,9 @@ class CPSpec:
         what = f"input {name!r}" if name else "a positional input"
         raise ValueError(
             f"{what} {tuple(tensor.shape)} has the sequence length {seq_len} on dim {self.dim_of(name, tensor)}, but "
-            f"it is not a "
-            f"known sequence input ({', '.join(dict.fromkeys(names))}) and its leading dims are not the batch dims "
-            f"{tuple(leading or ())} of the input the length comes from, so that length may be a coincidence. Say "
+            f"it is not a known sequence input ({', '.join(dict.fromkeys(names))}) and its leading dims are not the "
+            f"batch dims {tuple(leading or ())} of the input the length comes from, so that length may be a "
+            f"coincidence. Say "
             f"which it is: CPSpec(seq_inputs=(..., {name!r})) if each rank passes its slice, or "
             f"CPSpec(replicated_inputs=({name!r},)) if every rank passes the whole tensor")
 

@@ -939,15 +939,22 @@ def hf_step3p7(seed: int = 0, moe: bool = True, traceable_experts: bool = True):
     experts, top 2, a shared expert). transformers 5.24 generates Step3p7Experts without its experts
     implementation switch (a loop over nonzero()); ``traceable_experts`` restores it and picks batched_mm."""
     from transformers import Step3p7TextConfig, Step3p7TextModel
-    from transformers.integrations.moe import use_experts_implementation
-    from transformers.models.step3p7 import modeling_step3p7 as step
 
-    if traceable_experts and not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
-        use_experts_implementation(step.Step3p7Experts)
+    if traceable_experts:
+        _traceable_step3p7_experts()
     config = Step3p7TextConfig(**_step3p7_text(moe))
     config._experts_implementation = "batched_mm" if traceable_experts else "eager"
     torch.manual_seed(seed)
     return Step3p7TextModel(config).float()
+
+
+def _traceable_step3p7_experts() -> None:
+    """Restore Step3p7Experts' experts-implementation switch (once per process)."""
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.step3p7 import modeling_step3p7 as step
+
+    if not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
+        use_experts_implementation(step.Step3p7Experts)
 
 
 def _step3p7_text(moe: bool = True) -> dict:
@@ -967,11 +974,8 @@ def hf_step3p7_vlm(seed: int = 0):
     """A tiny Step3p7ForConditionalGeneration: the text model of :func:`hf_step3p7` with a vision tower (one
     layer, patch 14) whose 112 x 112 images give 4 tokens each."""
     from transformers import Step3p7Config, Step3p7ForConditionalGeneration
-    from transformers.integrations.moe import use_experts_implementation
-    from transformers.models.step3p7 import modeling_step3p7 as step
 
-    if not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
-        use_experts_implementation(step.Step3p7Experts)
+    _traceable_step3p7_experts()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
                   patch_size=14)
     config = Step3p7Config(text_config=_step3p7_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
