@@ -11,6 +11,8 @@ import torch
 import torch.fx
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_HF_CACHE = "transformers/cache_utils.py:"
+_CACHE_FIX = "call the model with use_cache=False: a training step never reads the cache"
 
 
 def source_line(node: torch.fx.Node, code: bool = True) -> str:
@@ -65,7 +67,10 @@ class Problem:
 
     @classmethod
     def at(cls, node: torch.fx.Node, reason: str, fix: str) -> "Problem":
-        return cls(op_name(node), source_line(node), module_path(node), reason, fix)
+        source = source_line(node)
+        if source.startswith(_HF_CACHE):  # a KV cache's update: the training step never reads it
+            fix = _CACHE_FIX
+        return cls(op_name(node), source, module_path(node), reason, fix)
 
     def format(self, index: int | None = None) -> str:
         head = f"[{index}] " if index is not None else ""
@@ -167,9 +172,12 @@ def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> C
             f"loop over the experts that nonzero() selects). {fix}. Dynamo said:\n{_trimmed(error)}"
         )
     if isinstance(error, exc.Unsupported):
+        said = _trimmed(error)
+        # transformers logs when activation checkpointing turns a configured cache off: a graph break
+        fix = f" Fix: {_CACHE_FIX}." if "use_cache" in said else ""
         return CPCompileError(
             "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
-            f"unchecked), but dynamo could not trace it:\n{_trimmed(error)}"
+            f"unchecked), but dynamo could not trace it.{fix} Dynamo said:\n{said}"
         )
     return None
 

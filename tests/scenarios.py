@@ -138,11 +138,17 @@ def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool 
 
 
 def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
-              labels_in_model: bool = False, family: str = "llama") -> list[dict]:
+              labels_in_model: bool = False, family: str = "llama", checkpointing: bool = False) -> list[dict]:
     """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
     as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
-    ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside."""
+    ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside.
+    ``checkpointing``: transformers' activation checkpointing on every decoder layer (called with use_cache=False,
+    as cp_passes asks: the layers would log while turning the configured cache off)."""
     model = HF_MODELS[family]()
+    call = {}
+    if checkpointing:
+        model.activation_checkpointing_enable()
+        call["use_cache"] = False
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
@@ -150,11 +156,11 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
         local, layout = cp_passes.shard_batch(global_batch, group)
         model.zero_grad()
         if labels_in_model:
-            out = compiled(**local)
+            out = compiled(**local, **call)
         else:
             count = (global_batch["shift_labels"] != -100).sum()
             extra = {} if mean_loss else {"num_items_in_batch": count}
-            out = compiled(**local, labels=local["shift_labels"], **extra)
+            out = compiled(**local, labels=local["shift_labels"], **extra, **call)
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
                         "valid": layout.valid, "compiles": len(compiled.compile_records),

@@ -392,3 +392,41 @@ def test_window_wider_than_the_probe_needs_a_declaration(group):
     compiled = cp_passes.cp_compile(toy(window=window), spec, mesh=group, backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (1, long_seq)))
     assert {r.rule for r in compiled.compile_records[0].records} >= {"sdpa_window"}
+
+
+def test_selective_checkpointing_is_refused_naming_context_fn(group):
+    """A selective checkpointing policy picks among post-dispatch ATen ops that only exist after cp_passes
+    rewrote the graph: refused, saying how to checkpoint instead."""
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    policy = partial(create_selective_checkpoint_contexts, lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE)
+    err = refusal(group, lambda x: checkpoint(torch.tanh, x, use_reentrant=False, context_fn=policy))
+    assert "context_fn" in str(err) and "checkpoint without context_fn" in str(err)
+
+
+def test_a_cache_that_slices_the_sequence_asks_for_use_cache_false(group):
+    """transformers' sliding-window cache keeps the last window - 1 positions: on a shard those would be this
+    rank's, so the slice is refused, and the fix says what a training step does."""
+    from scenarios import hf_batch, hf_gemma2
+
+    model = hf_gemma2()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    batch = hf_batch(8)
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=True)
+    assert {p.source.split(" in ")[0].split(":")[0] for p in info.value.problems} == {"transformers/cache_utils.py"}
+    assert all(p.fix.startswith("call the model with use_cache=False") for p in info.value.problems)
+
+
+def test_checkpointed_layers_with_a_configured_cache_ask_for_use_cache_false(group):
+    """With activation checkpointing on, transformers turns a configured cache off and logs it, a graph
+    break under fullgraph: the error says to pass use_cache=False, which the checkpointing parity tests do."""
+    from scenarios import hf_llama
+
+    model = hf_llama()
+    model.activation_checkpointing_enable()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match="Fix: call the model with use_cache=False"):
+        compiled(input_ids=torch.randint(0, 128, (1, 8)))

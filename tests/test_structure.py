@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
+from cp_passes.report.explain import format_record
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 WORLD, RANK = 8, 3
@@ -158,3 +159,75 @@ def test_created_nodes_name_their_pass_and_rule(fake_world):
     assert "cp_conv_halo" in after_halo and "# cp_passes: pass=halo rule=causal_conv_slice" in after_halo
     assert "# cp_passes: pass=halo rule=sdpa_window" in after_halo
     assert "cp_passes: pass=sequence_gather" not in after_halo
+
+
+def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world):
+    """Blocks under torch.utils.checkpoint: the rewrite happens inside the regions, and the backward's
+    recomputation issues each layer's K/V gather and conv halo again (the forward ops appear in the backward
+    graph), where the plain model saves what they brought."""
+    checkpointed = compile_toy(fake_world, checkpoint=True, conv_kernel=(0, 4), n_layers=2)
+    plain = compile_toy(fake_world, conv_kernel=(0, 4), n_layers=2)
+    assert any(label.startswith("checkpointed regions inlined (2)") for label, _ in checkpointed.history)
+    moved = [r for r in checkpointed.records if r.transport in ("sequence_gather", "halo")]
+    assert [(r.rule, r.checkpoint) for r in moved] == [("sdpa_causal", "repeated in backward"),
+                                                       ("causal_conv_slice", "repeated in backward"),
+                                                       ("sdpa_causal", "repeated in backward")]
+    assert not any(r.checkpoint for r in plain.records)
+    for record, again in ((checkpointed, 1), (plain, 0)):
+        forward, backward = record.aot_ops["forward"], record.aot_ops["backward"]
+        assert forward[GATHER] == 2 and forward[HALO] == 1
+        assert backward[GATHER] == 2 * again and backward[HALO] == again
+        assert backward[REDUCE_SCATTER] == 2 and backward[HALO_BACKWARD] == 1
+    text = format_record(checkpointed)
+    assert "the backward's recomputation repeats 3 rewrites' collectives" in text
+    assert "checkpointed: repeated in backward" in text and "saved for backward on this rank" in text
+
+
+def _saved_slope(saved_at) -> int:
+    """Saved activation bytes per 16 more tokens a rank holds: what grows with the sequence (parameters'
+    transposes and RNG states do not)."""
+    return saved_at(2) - saved_at(1)
+
+
+def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
+    """The saved-for-backward estimate (AOTAutograd's partition, fake tensors): with checkpointed blocks a
+    rank keeps what one device keeps divided by P, up to the rank-offset causal mask CP builds for its key
+    block (the single-device model uses is_causal), and checkpointing cuts it by the factor it does on one
+    device. Without checkpointing a rank also keeps the gathered K/V (memory that scales as S/P is issue 15)."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    from cp_passes.report.memory import activation_bytes, saved_for_backward
+
+    def cp_rank(checkpoint):
+        def at(blocks):
+            torch.manual_seed(0)
+            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=4))
+            compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
+            ids = torch.randint(0, 256, (2, 16 * blocks))
+            compiled(ids, labels=ids)[0].backward()
+            return activation_bytes(compiled.compile_records[-1].saved)
+        return at
+
+    def one_device(checkpoint):
+        def at(blocks):
+            saved = []
+
+            def backward(graph, _):
+                saved.extend(saved_for_backward(graph))
+                return make_boxed_func(graph.forward)
+
+            torch.manual_seed(0)
+            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=4))
+            ids = torch.randint(0, 256, (2, 16 * blocks * WORLD))
+            compiler = aot_autograd(fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
+                                    bw_compiler=backward, partition_fn=min_cut_rematerialization_partition)
+            torch.compile(model, backend=compiler, fullgraph=True)(ids, labels=ids)[0].backward()
+            return activation_bytes(saved)
+        return at
+
+    cp, cp_checkpointed = _saved_slope(cp_rank(False)), _saved_slope(cp_rank(True))
+    one, one_checkpointed = _saved_slope(one_device(False)) / WORLD, _saved_slope(one_device(True)) / WORLD
+    assert cp_checkpointed < 0.2 * cp and one_checkpointed < 0.2 * one
+    assert cp_checkpointed / cp <= 1.1 * one_checkpointed / one
+    assert one_checkpointed <= cp_checkpointed <= 1.25 * one_checkpointed

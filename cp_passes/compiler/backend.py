@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from ..errors import CPCompileError, compile_error, stage_error
+from ..graph.checkpoint import inline_checkpoints
 from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
 from ..eager_modules import install as install_eager_modules
@@ -26,6 +27,7 @@ from ..kernels import install
 from ..spec import CPSpec, resolve_spec
 from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
+from ..report.memory import saved_for_backward
 from ..transports import collective_ops
 from .agreement import agree_before_running, check_inputs, collective_fingerprint, describe_inputs
 from .capture import capture
@@ -53,6 +55,9 @@ class CPBackend:
         stage = "capture"
         try:  # everything that can fail happens before the agreement: after it, the other ranks run the graph
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
+            regions = inline_checkpoints(gm)
+            if regions:
+                record.history.append((f"checkpointed regions inlined ({regions})", gm.print_readable(print_output=False)))
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
@@ -106,6 +111,8 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
             record.aot_graphs[name] = format_graph(graph)
             record.aot_ops[name] = collections.Counter(
                 str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+            if kind == "backward":
+                record.saved.extend(saved_for_backward(graph))
 
         return capture
 
@@ -122,7 +129,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
 
         return compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
-    from functorch.compile import make_boxed_func
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
     def compiler(kind):
@@ -132,7 +139,9 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
 
         return fn
 
-    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"))(gm, example_inputs)
+    # The partitioner Inductor and torch's own aot_eager use: saved tensors and recomputation match theirs.
+    return aot_autograd(fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                        partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
 
 
 class CPModule(torch.nn.Module):

@@ -16,6 +16,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, sequence_symbol
+from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
@@ -37,6 +38,8 @@ class CompileRecord:
     aot_graphs: dict[str, str] = field(default_factory=dict)
     aot_ops: dict[str, collections.Counter] = field(default_factory=dict)
     output_code: list[str] = field(default_factory=list)
+    saved: list = field(default_factory=list)
+    """What the forward saves for the backward (``report.memory.Saved``), once the backward is compiled."""
     seconds: float = 0.0
     recompile_reasons: list[str] = field(default_factory=list)
     """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
@@ -75,13 +78,17 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     plan = plan_graph(aten_gm, sym, spec, cp)
     record.records = plan.records
     record.partial_outputs = plan.partial_outputs
-    edits = run_transports(aten_gm, plan, cp, record.history)
-    verify(aten_gm, plan, edits, fakes, before)
+    done = run_transports(aten_gm, plan, cp, record.history)
+    verify(aten_gm, plan, [edit for edit, _ in done], fakes, before)
+    for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
+        rewrite.checkpoint = tag_transport(edit)
     return plan
 
 
-def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple[str, str]]) -> list[Edit]:
-    """Apply each transport's rewrites in the transports' order, recording the graph after each."""
+def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
+                   history: list[tuple[str, str]]) -> list[tuple[Edit, RewriteRecord]]:
+    """Apply each transport's rewrites in the transports' order, recording the graph after each. Returns each
+    applied edit with its row of the table."""
     edits, records = [], []
     for transport in in_order():
         todo = [(n, r, rec) for n, r, rec in plan.rewrites if r.transport == transport.name]
@@ -99,7 +106,7 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp, history: list[tuple
     alive = set(gm.graph.nodes)
     dropped = {id(r) for e, r in zip(edits, records) if e.origin not in alive and not any(n in alive for n in e.nodes)}
     plan.records[:] = [r for r in plan.records if id(r) not in dropped]
-    return edits
+    return list(zip(edits, records))
 
 
 def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list) -> None:

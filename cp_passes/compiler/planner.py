@@ -33,6 +33,9 @@ class RewriteRecord(Cost):
     rule: str = ""
     transport: str = ""
     note: str = ""
+    checkpoint: str = ""
+    """Inside a checkpointed region: what the backward's recomputation does with this rewrite's collectives
+    (``graph.checkpoint.REPEATED`` or ``SAVED``); "" outside one."""
     node: str = ""
     op: str = ""
     source: str = ""

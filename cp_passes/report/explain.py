@@ -6,6 +6,9 @@ import re
 
 from tabulate import tabulate
 
+from ..graph.checkpoint import REPEATED
+from .memory import activation_bytes
+
 HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
            "lower bound recv", "bytes sent", "of which metadata", "note")
 
@@ -23,7 +26,7 @@ def table_rows(records) -> list[tuple]:
         (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
          format_bytes(r.bytes) if r.collective else "", format_bytes(r.lower_bound_bytes) if r.collective else "",
          format_bytes(r.sent_bytes) if r.collective else "", format_bytes(r.metadata_bytes) if r.metadata_bytes else "",
-         r.note)
+         "; ".join(n for n in (r.note, r.checkpoint and f"checkpointed: {r.checkpoint}") if n))
         for r in records
     ]
 
@@ -32,15 +35,29 @@ def format_record(record) -> str:
     head = (f"cp_passes rewrites: rank {record.rank} of {record.world_size}, local length {record.local_len}, "
             f"backend {record.backend}")
     if not record.records:
-        return head + "\n(no node touches the sequence in a way that needs a transport)"
+        return "\n".join([head, "(no node touches the sequence in a way that needs a transport)"] + _memory(record))
     total = sum(r.bytes for r in record.records)
     bound = sum(r.lower_bound_bytes for r in record.records)
     sent = sum(r.sent_bytes for r in record.records)
     metadata = sum(r.metadata_bytes for r in record.records)
-    return (f"{head}\n{tabulate(table_rows(record.records), headers=HEADERS)}\n"
-            f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "
-            f"metadata without autograd {format_bytes(metadata)}), sent {format_bytes(sent)}; the backward moves "
-            f"the same bytes the other way, except the metadata")
+    lines = [head, tabulate(table_rows(record.records), headers=HEADERS),
+             f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "
+             f"metadata without autograd {format_bytes(metadata)}), sent {format_bytes(sent)}; the backward moves "
+             f"the same bytes the other way, except the metadata"]
+    repeated = [r for r in record.records if r.checkpoint == REPEATED]
+    if repeated:
+        lines.append(f"checkpointed regions: the backward's recomputation repeats {len(repeated)} rewrites' "
+                     f"collectives, receiving {format_bytes(sum(r.bytes for r in repeated))} again (recomputing "
+                     f"what they brought costs less memory than saving it)")
+    return "\n".join(lines + _memory(record))
+
+
+def _memory(record) -> list[str]:
+    if not record.saved:
+        return []
+    kept = [s for s in record.saved if not s.primal]
+    return [f"saved for backward on this rank (AOTAutograd's partition): {format_bytes(activation_bytes(record.saved))}"
+            f" in {len(kept)} tensors, besides the inputs and parameters the backward reads"]
 
 
 def format_graphs(records) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class ToyLlamaConfig:
     conv_form: str = "slice"
     """"slice": conv1d(padding=(k-1)*d)[..., :seq] (Hugging Face Mamba); "pad": F.pad((k-1)*d, 0) then conv1d."""
     conv_depthwise: bool = True
+    checkpoint: bool = False
+    """Run each block under ``torch.utils.checkpoint`` while training (activation checkpointing: the blocks'
+    activations are recomputed in the backward instead of saved)."""
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -153,8 +157,12 @@ class ToyLlama(nn.Module):
         angles = torch.cat([angles, angles], dim=-1)[:, None]
         cos, sin = angles.cos(), angles.sin()
         x = self.embed(input_ids)
+        checkpointed = self.cfg.checkpoint and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, cos, sin, doc_ids)
+            if checkpointed:
+                x = checkpoint(layer, x, cos, sin, doc_ids, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, doc_ids)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
