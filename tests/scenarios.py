@@ -3,6 +3,8 @@ the tests compare them with the single-device model in the main process."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -1180,3 +1182,56 @@ def mrope_parity(group, seq_len: int, image: tuple[int, int, int]) -> dict:
     loss = out.pow(2).sum()
     loss.backward()
     return _step(model, compiled, loss, out, layout)
+
+
+def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | None = None) -> list[dict]:
+    """The micro-batches of one step: 2 rows per replica, one global length each (an odd one padded); a
+    replica's rows, or all of them (the single-device reference's concatenated batch)."""
+    batches = [toy_batch(seq_len, batch=2 * dp, seed=10 * step + i) for i, seq_len in enumerate(seq_lens)]
+    if replica is None:
+        return batches
+    rows = slice(2 * replica, 2 * replica + 2)
+    return [{k: v[rows] for k, v in b.items()} for b in batches]
+
+
+def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "aot_eager") -> dict:
+    """Four ranks as dp 2 x cp 2: cp_compile over the cp dim, the data-parallel ``wrapper`` over a mesh that
+    holds the cp ranks ("fsdp": FSDP2 over the flattened mesh, torchtitan's arrangement; "hsdp": FSDP2 on the
+    2-D mesh; "ddp": DDP over the flattened group; "fsdp_dp": FSDP2 over dp alone, which is refused). Each
+    step accumulates micro-batches of the given global lengths, each summed loss divided by the step's global
+    token count, the wrapper summing gradients; an SGD update between steps. Returns, per step, this rank's
+    losses and every full gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert torch.distributed.get_world_size(group) == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = toy_model()
+    compiled = cp_passes.cp_compile(model, mesh=mesh["cp"], backend=backend, verbose=False)
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    if wrapper == "ddp":
+        compiled = DistributedDataParallel(compiled, process_group=flat.get_group())
+    else:
+        fully_shard(compiled, mesh={"fsdp": flat, "hsdp": mesh, "fsdp_dp": mesh["dp"]}[wrapper])
+    cp_passes.sum_gradients(compiled)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    replica, results = mesh["dp"].get_local_rank(), []
+    for step, seq_lens in enumerate(steps):
+        local = [cp_passes.shard_batch(b, mesh["cp"])[0] for b in dp_cp_micro_batches(step, seq_lens, 2, replica)]
+        count = cp_passes.global_token_count([b["labels"] for b in local], mesh)
+        losses = []
+        for i, batch in enumerate(local):
+            batch.pop("position_ids")
+            # DDP reduces the whole accumulated gradient at each backward: sync at the last micro-batch only
+            last = i == len(local) - 1
+            with compiled.no_sync() if wrapper == "ddp" and not last else contextlib.nullcontext():
+                loss, _ = compiled(**batch)
+                (loss / count).backward()
+            losses.append((loss / count).detach())
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        results.append({"losses": losses, "grads": grads, "count": int(count)})
+    return results

@@ -3,8 +3,10 @@ dp x cp mesh, bf16, gradient accumulation over micro-batches of different length
 the single-device model, forward and gradients, as in test_parity.py."""
 
 import pytest
+import torch
 
-from test_parity import _compare, _hf_reference, _toy_reference
+from scenarios import dp_cp_micro_batches, toy_model
+from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
 
 # A causal layer (K/V gather) and a layer with a causal convolution (halo) before its attention, both
 # checkpointed: the backward's recomputation issues both transports again.
@@ -31,3 +33,56 @@ def test_hf_activation_checkpointing_parity(pool, parity_report, P):
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-LlamaForCausalLM-checkpointed", [r[i] for r in per_rank], *_hf_reference(seq_len, False),
                  seq_len, parity_report)
+
+
+def _dp_cp_reference(steps: list[list[int]]) -> list[dict]:
+    """One device on the concatenated batch: the same micro-batches and SGD steps, losses summed over tokens
+    and divided by the step's token count."""
+    model = toy_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    results = []
+    for step, seq_lens in enumerate(steps):
+        batches = dp_cp_micro_batches(step, seq_lens, 2)
+        count = sum(int((b["labels"] != -100).sum()) for b in batches)
+        losses = []
+        for batch in batches:
+            batch.pop("position_ids")
+            loss, _ = model(**batch)
+            (loss / count).backward()
+            losses.append((loss / count).detach())
+        results.append({"losses": losses, "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                        "count": count})
+        optimizer.step()
+        optimizer.zero_grad()
+    return results
+
+
+# Two steps of two micro-batches each, of different global lengths (11 and 13 are padded to a multiple of 2).
+STEPS = [[16, 11], [13, 8]]
+
+
+@pytest.mark.parametrize("wrapper", ["fsdp", pytest.param("hsdp", marks=pytest.mark.full),
+                                     pytest.param("ddp", marks=pytest.mark.full)])
+def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wrapper):
+    """dp 2 x cp 2 on four gloo processes against one device on the concatenated batch, step by step: the
+    wrapper sums the gradients over dp and cp, losses are normalised by the step's global token count."""
+    per_rank = pool.run("dp_cp_training", 4, wrapper=wrapper, steps=STEPS)
+    for step, ref in enumerate(_dp_cp_reference(STEPS)):
+        ranks = [r[step] for r in per_rank]
+        assert {r["count"] for r in ranks} == {ref["count"]}
+        loss_err = 0.0
+        for i, ref_loss in enumerate(ref["losses"]):
+            loss = sum(r["losses"][i] for r in ranks)
+            loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+            assert loss_err <= OUT_TOL, f"step {step}, micro-batch {i}: loss differs by {loss_err} (relative)"
+        for rank, r in enumerate(ranks):  # the wrapper leaves every rank the whole step's gradient
+            grad_err = max(((r["grads"][n] - g).abs().max() / g.abs().max()).item() for n, g in ref["grads"].items())
+            assert grad_err <= GRAD_RTOL, f"step {step}, rank {rank}: gradients differ by {grad_err} (relative)"
+        parity_report.append((f"ToyLlama-dp2xcp2-{wrapper}-step{step}", 4, STEPS[step][0], 0.0, loss_err, grad_err))
+
+
+def test_fully_shard_over_dp_alone_is_refused(pool):
+    """FSDP over the dp dim alone would average each CP rank's share with its dp peers and never sum over CP:
+    refused before anything compiles, naming the meshes to use."""
+    with pytest.raises(RuntimeError, match="does not hold this rank's CP peers"):
+        pool.run("dp_cp_training", 4, wrapper="fsdp_dp", steps=STEPS[:1])

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.fx
 
+from ..data_parallel import check_wrappers
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.checkpoint import inline_checkpoints
 from ..graph.provenance import format_graph
@@ -249,6 +250,8 @@ class CPModule(torch.nn.Module):
 
     @torch.compiler.disable  # inside an outer torch.compile, dynamo would trace the model without cp_passes
     def forward(self, *args, **kwargs):
+        if not self.compile_records:
+            check_wrappers(self, self.module, self.cp.group)
         leaves = self._leaves(args, kwargs)
         check_inputs(self.cp, describe_inputs(leaves))  # first: every rank then takes the same decisions
         seq_len = self._mark_sequence_inputs(leaves)
