@@ -1235,3 +1235,24 @@ def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "
         optimizer.zero_grad()
         results.append({"losses": losses, "grads": grads, "count": int(count)})
     return results
+
+
+def bf16_step(model, mode: str, batch: dict, call=None):
+    """One training step in bf16: ``mode`` "autocast" (fp32 parameters, bf16 compute) or "params" (bf16
+    parameters). Returns the loss, the logits and the gradients, in fp32."""
+    call = call or model
+    if mode == "params":
+        model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext():
+        loss, logits = call(**batch)
+    loss.backward()
+    return loss.detach().float(), logits.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def bf16_parity(group, mode: str, seq_len: int, config: dict, backend: str = "aot_eager") -> dict:
+    model = toy_model(**config)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)
+    local.pop("position_ids")
+    loss, logits, grads = bf16_step(model, mode, local, compiled)
+    return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid}

@@ -1,8 +1,11 @@
 """The commands README gives, run the way a user runs them."""
 
+import math
 import os
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,6 +58,17 @@ def test_example_script_trains():
     out = run("examples/train_toy_llama.py", "--backend", "aot_eager", "--steps", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("step")] == ["step 0", "step 1"]
+
+
+@pytest.mark.full
+def test_fsdp_example_trains_under_torchrun():
+    """README's FSDP2 example as README runs it: torchrun, 4 CPU ranks as dp 2 x cp 2."""
+    out = run("-m", "torch.distributed.run", "--nproc-per-node", "4", "examples/train_fsdp_cp.py",
+              "--backend", "aot_eager", "--steps", "2", "--seq-len", "64", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    steps = [line for line in out.stdout.splitlines() if line.startswith("step")]
+    assert [line.split(":")[0] for line in steps] == ["step 0", "step 1"]
+    assert all(math.isfinite(float(line.split("loss ")[1].split()[0])) for line in steps)
 
 
 def test_halo_benchmark_reports_the_lower_bound():

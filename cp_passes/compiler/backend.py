@@ -79,7 +79,7 @@ class CPBackend:
         owner._agreed = True
         agree_before_running(cp, None, True, fingerprint, owner._guard_failures)
         owner.compile_records.append(record)
-        if owner.verbose and cp.rank == 0:
+        if owner.verbose and _first_rank():
             print(f"cp_passes: compiled in {record.seconds:.1f} s", file=sys.stderr, flush=True)
 
         @functools.wraps(compiled)
@@ -96,13 +96,18 @@ class CPBackend:
         owner, cp = self.owner, self.owner.cp
         if owner.explain_ranks is not None and (owner.explain_ranks == "all" or cp.rank in owner.explain_ranks):
             print(format_record(record), file=sys.stderr, flush=True)
-        if owner.verbose and cp.rank == 0:
+        if owner.verbose and _first_rank():
             print(
                 f"cp_passes: rank 0 of {cp.size}: {len(plan.rewrites)} rewrites planned; lowering "
                 f"{sum(1 for _ in gm.graph.nodes)} nodes with {owner.backend} (first compile takes a while)...",
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def _first_rank() -> bool:
+    """Rank 0 of the whole job: one progress line however many CP groups (data-parallel replicas) compile."""
+    return torch.distributed.get_rank() == 0
 
 
 def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: CompileRecord):

@@ -155,8 +155,8 @@ class ToyLlama(nn.Module):
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         angles = position_ids[..., None].float() * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]
-        cos, sin = angles.cos(), angles.sin()
         x = self.embed(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)  # bf16 parameters: bf16 rotations
         checkpointed = self.cfg.checkpoint and self.training and torch.is_grad_enabled()
         for layer in self.layers:
             if checkpointed:
