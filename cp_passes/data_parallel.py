@@ -24,7 +24,8 @@ import torch.distributed as dist
 def global_token_count(labels: torch.Tensor | Iterable[torch.Tensor], mesh, ignore_index: int = -100) -> torch.Tensor:
     """The number of loss targets in the whole step: this rank's local ``labels`` (one tensor per micro-batch,
     as ``shard_batch`` left them, padding set to ``ignore_index``) counted and summed over every rank of
-    ``mesh`` (a DeviceMesh of any dims, or a ProcessGroup). Count the labels the loss reads: shifted ones.
+    ``mesh`` (a DeviceMesh whose dims are all data or context parallel, or a ProcessGroup). Count the labels
+    the loss reads: shifted ones; ``ignore_index`` is the spec's (``shard_batch`` pads labels with it).
     Divide each micro-batch's summed loss by it (or pass it to a transformers model as
     ``num_items_in_batch``)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -48,21 +49,51 @@ def _sum_hook(group, bucket):
     return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 
 
+def _cp_groups(module: torch.nn.Module) -> list[dist.ProcessGroup]:
+    """The CP groups of the ``cp_compile``d modules in ``module`` (itself included)."""
+    from .group import CPGroup
+
+    return [m.cp.group for m in module.modules() if isinstance(getattr(m, "cp", None), CPGroup)]
+
+
+def _require_peers(ranks: set[int], what: str, cp_groups: list[dist.ProcessGroup]) -> None:
+    for group in cp_groups:
+        peers = set(dist.get_process_group_ranks(group))
+        if not peers <= ranks:
+            raise ValueError(
+                f"{what} (ranks {sorted(ranks)}) does not hold this rank's CP peers {sorted(peers)}: each CP rank's "
+                f"gradient is its tokens' share and must be summed over CP, which a data-parallel wrapper only does "
+                f"over its own ranks. Shard over the flattened mesh (mesh[\"dp\", \"cp\"]._flatten()) or the 2-D "
+                f"mesh (HSDP), or run DDP over the flattened mesh's group; then cp_passes.sum_gradients(wrapper)"
+            )
+
+
+def _fsdp_groups(module):
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
 def sum_gradients(wrapper: torch.nn.Module) -> torch.nn.Module:
     """Make a data-parallel ``wrapper`` (a module ``fully_shard`` was applied to, or a
     ``DistributedDataParallel``) sum gradients over its ranks instead of averaging them, for losses divided
     by :func:`global_token_count`. Returns ``wrapper``. FSDP2 adds each micro-batch's reduced gradient to
     the sharded one, so accumulation needs nothing more; DDP reduces the whole accumulated gradient at every
     backward, so run all but a step's last micro-batch under ``wrapper.no_sync()``, as with any DDP
-    accumulation."""
+    accumulation. A wrapper whose ranks do not include the CP peers of a ``cp_compile``d module inside it is
+    refused: it would never sum over CP."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    cp_groups = _cp_groups(wrapper)
     if isinstance(wrapper, FSDPModule):
+        for group in _fsdp_groups(wrapper):
+            mesh = group.mesh_info.mesh
+            _require_peers(set(mesh.mesh.flatten().tolist()), f"fully_shard's mesh {mesh.mesh_dim_names}", cp_groups)
         wrapper.set_gradient_divide_factor(1.0)
         wrapper.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has neither AVG nor PREMUL_SUM
     elif isinstance(wrapper, DistributedDataParallel):
-        wrapper.register_comm_hook(wrapper.process_group, _sum_hook)
+        group = wrapper.process_group
+        _require_peers(set(dist.get_process_group_ranks(group)), "DDP's process group", cp_groups)
+        wrapper.register_comm_hook(group, _sum_hook)
     else:
         raise TypeError(f"sum_gradients takes a module fully_shard was applied to or a DistributedDataParallel, "
                         f"got {type(wrapper).__name__}")
@@ -70,8 +101,9 @@ def sum_gradients(wrapper: torch.nn.Module) -> torch.nn.Module:
 
 
 def check_wrappers(module: torch.nn.Module, model: torch.nn.Module, cp_group: dist.ProcessGroup) -> None:
-    """Refuse data-parallel wrapping that would leave the CP ranks' gradients unsummed or break the graph:
-    ``fully_shard`` on a mesh without this rank's CP peers, or on the model's own submodules."""
+    """Refuse data-parallel wrapping of a ``cp_compile``d ``module`` that would leave the CP ranks' gradients
+    wrong or break the graph: ``fully_shard`` on the model's own submodules, on a mesh without this rank's CP
+    peers, or left averaging (each CP rank's gradient is a share to add, not an estimate to average)."""
     from torch.distributed.fsdp import FSDPModule
 
     inner = [name for name, sub in model.named_modules() if isinstance(sub, FSDPModule)]
@@ -83,14 +115,13 @@ def check_wrappers(module: torch.nn.Module, model: torch.nn.Module, cp_group: di
         )
     if not isinstance(module, FSDPModule):
         return
-    peers = set(dist.get_process_group_ranks(cp_group))
-    for group in module._get_fsdp_state()._fsdp_param_groups:
+    for group in _fsdp_groups(module):
         mesh = group.mesh_info.mesh
-        ranks = set(mesh.mesh.flatten().tolist())
-        if not peers <= ranks:
+        _require_peers(set(mesh.mesh.flatten().tolist()), f"fully_shard's mesh {mesh.mesh_dim_names}", [cp_group])
+        if group.gradient_divide_factor is None:
             raise ValueError(
-                f"fully_shard's mesh {mesh.mesh_dim_names} (ranks {sorted(ranks)}) does not hold this rank's CP "
-                f"peers {sorted(peers)}: each CP rank's gradient is its tokens' share and must be summed over CP, "
-                f"which a data-parallel wrapper only does over its own ranks. Shard over the flattened mesh "
-                f"(mesh[\"dp\", \"cp\"]._flatten()) or the 2-D mesh (HSDP), then cp_passes.sum_gradients(module)"
+                "fully_shard averages gradients over its ranks, but each CP rank's gradient is its tokens' share of "
+                "the loss, to be summed: call cp_passes.sum_gradients(module) and divide each summed loss by "
+                "cp_passes.global_token_count(...) (or set_gradient_divide_factor(dp size) for losses averaged per "
+                "data-parallel replica)"
             )

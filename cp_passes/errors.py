@@ -174,7 +174,7 @@ def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> C
     if isinstance(error, exc.Unsupported):
         said = _trimmed(error)
         # transformers logs when activation checkpointing turns a configured cache off: a graph break
-        fix = f" Fix: {_CACHE_FIX}." if "use_cache" in said else ""
+        fix = f" Fix: {_CACHE_FIX}." if "is incompatible with gradient checkpointing" in said else ""
         return CPCompileError(
             "cp_passes needs the whole forward as one graph (code outside it would run on a local shard "
             f"unchecked), but dynamo could not trace it.{fix} Dynamo said:\n{said}"

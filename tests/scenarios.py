@@ -1197,7 +1197,8 @@ def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | 
 def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "aot_eager") -> dict:
     """Four ranks as dp 2 x cp 2: cp_compile over the cp dim, the data-parallel ``wrapper`` over a mesh that
     holds the cp ranks ("fsdp": FSDP2 over the flattened mesh, torchtitan's arrangement; "hsdp": FSDP2 on the
-    2-D mesh; "ddp": DDP over the flattened group; "fsdp_dp": FSDP2 over dp alone, which is refused). Each
+    2-D mesh; "ddp": DDP over the flattened group; refused: "fsdp_dp" and "ddp_dp" over dp alone, "fsdp_avg"
+    averaging). Each
     step accumulates micro-batches of the given global lengths, each summed loss divided by the step's global
     token count, the wrapper summing gradients; an SGD update between steps. Returns, per step, this rank's
     losses and every full gradient."""
@@ -1210,11 +1211,13 @@ def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "
     model = toy_model()
     compiled = cp_passes.cp_compile(model, mesh=mesh["cp"], backend=backend, verbose=False)
     flat = mesh["dp", "cp"]._flatten("dp_cp")
-    if wrapper == "ddp":
-        compiled = DistributedDataParallel(compiled, process_group=flat.get_group())
+    if wrapper.startswith("ddp"):
+        group = mesh["dp"].get_group() if wrapper == "ddp_dp" else flat.get_group()
+        compiled = DistributedDataParallel(compiled, process_group=group)
     else:
-        fully_shard(compiled, mesh={"fsdp": flat, "hsdp": mesh, "fsdp_dp": mesh["dp"]}[wrapper])
-    cp_passes.sum_gradients(compiled)
+        fully_shard(compiled, mesh={"fsdp": flat, "fsdp_avg": flat, "hsdp": mesh, "fsdp_dp": mesh["dp"]}[wrapper])
+    if wrapper != "fsdp_avg":
+        cp_passes.sum_gradients(compiled)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     replica, results = mesh["dp"].get_local_rank(), []
     for step, seq_lens in enumerate(steps):

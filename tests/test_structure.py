@@ -231,3 +231,51 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
     assert cp_checkpointed < 0.2 * cp and one_checkpointed < 0.2 * one
     assert cp_checkpointed / cp <= 1.1 * one_checkpointed / one
     assert one_checkpointed <= cp_checkpointed <= 1.25 * one_checkpointed
+
+
+def test_inlined_regions_keep_nesting_outputs_and_the_model_s_in_place_ops():
+    """The inliner on a dynamo graph of its own: a region nested in another and one returning a tuple become
+    plain nodes tagged per region (inner ids before outer ones), and in-place ops without users, before and
+    after the regions, survive (no dead-code elimination over the model's graph); forward and gradients are
+    the function's own."""
+    from torch.utils.checkpoint import checkpoint
+
+    from cp_passes.graph.checkpoint import REGION, inline_checkpoints
+
+    def inner(h):
+        return torch.sin(h) * 2
+
+    def outer(x, w):
+        y = checkpoint(inner, x @ w, use_reentrant=False)
+        return y.relu(), y + 1
+
+    def f(x, w, counter):
+        counter.add_(1)
+        a, b = checkpoint(outer, x, w, use_reentrant=False)
+        m = a * 3
+        m.masked_fill_(m > 0.5, 0.0)
+        return m + b.sum() + counter
+
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["regions"] = inline_checkpoints(gm)
+        seen["targets"] = [str(n.target) for n in gm.graph.nodes]
+        seen["ids"] = [n.meta[REGION] for n in gm.graph.nodes if REGION in n.meta]
+        return gm
+
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    counter, expected_counter = torch.zeros(4), torch.zeros(4)
+    out = torch.compile(f, backend=backend, fullgraph=True)(x, w, counter)
+    out.sum().backward()
+    grads = [x.grad.clone(), w.grad.clone()]
+    x.grad = w.grad = None
+    expected = f(x, w, expected_counter)
+    expected.sum().backward()
+    assert seen["regions"] == 2 and not any("tag_activation_checkpoint" in t for t in seen["targets"])
+    assert any("add_" in t for t in seen["targets"]) and any("masked_fill_" in t for t in seen["targets"])
+    inner_id, outer_id = sorted(set(seen["ids"]))
+    assert seen["ids"].index(outer_id) < seen["ids"].index(inner_id)  # the outer region's matmul comes first
+    assert torch.equal(counter, expected_counter) and torch.allclose(out, expected)
+    assert torch.allclose(grads[0], x.grad) and torch.allclose(grads[1], w.grad)

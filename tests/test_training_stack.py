@@ -2,6 +2,8 @@
 dp x cp mesh, bf16, gradient accumulation over micro-batches of different lengths. Each is checked against
 the single-device model, forward and gradients, as in test_parity.py."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,6 +60,12 @@ def _dp_cp_reference(steps: list[list[int]]) -> list[dict]:
     return results
 
 
+def _relative(value: torch.Tensor, reference: torch.Tensor) -> float:
+    """max |value - reference| relative to the reference's largest entry; inf for a NaN (max() skips NaNs)."""
+    err = ((value - reference).abs().max() / reference.abs().max()).item()
+    return math.inf if math.isnan(err) else err
+
+
 # Two steps of two micro-batches each, of different global lengths (11 and 13 are padded to a multiple of 2).
 STEPS = [[16, 11], [13, 8]]
 
@@ -71,30 +79,31 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
     for step, ref in enumerate(_dp_cp_reference(STEPS)):
         ranks = [r[step] for r in per_rank]
         assert {r["count"] for r in ranks} == {ref["count"]}
-        loss_err = 0.0
-        for i, ref_loss in enumerate(ref["losses"]):
-            loss = sum(r["losses"][i] for r in ranks)
-            loss_err = max(loss_err, abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-            assert loss_err <= OUT_TOL, f"step {step}, micro-batch {i}: loss differs by {loss_err} (relative)"
+        loss_err = max(_relative(sum(r["losses"][i] for r in ranks), ref_loss) for i, ref_loss in enumerate(ref["losses"]))
+        assert loss_err <= OUT_TOL, f"step {step}: losses differ by {loss_err} (relative)"
         for rank, r in enumerate(ranks):  # the wrapper leaves every rank the whole step's gradient
-            grad_err = max(((r["grads"][n] - g).abs().max() / g.abs().max()).item() for n, g in ref["grads"].items())
+            grad_err = max(_relative(r["grads"][n], g) for n, g in ref["grads"].items())
             assert grad_err <= GRAD_RTOL, f"step {step}, rank {rank}: gradients differ by {grad_err} (relative)"
         parity_report.append((f"ToyLlama-dp2xcp2-{wrapper}-step{step}", 4, STEPS[step][0], 0.0, loss_err, grad_err))
 
 
-def test_fully_shard_over_dp_alone_is_refused(pool):
-    """FSDP over the dp dim alone would average each CP rank's share with its dp peers and never sum over CP:
-    refused before anything compiles, naming the meshes to use."""
-    with pytest.raises(RuntimeError, match="does not hold this rank's CP peers"):
-        pool.run("dp_cp_training", 4, wrapper="fsdp_dp", steps=STEPS[:1])
+@pytest.mark.parametrize("wrapper,error", [("fsdp_dp", "does not hold this rank's CP peers"),
+                                           ("ddp_dp", "does not hold this rank's CP peers"),
+                                           ("fsdp_avg", "fully_shard averages gradients over its ranks")])
+def test_data_parallel_that_would_not_sum_over_cp_is_refused(pool, wrapper, error):
+    """FSDP2 or DDP over the dp dim alone would never sum the CP ranks' shares, and FSDP2 left averaging
+    would divide them by the ranks: refused before anything compiles, naming what to do."""
+    with pytest.raises(RuntimeError, match=error):
+        pool.run("dp_cp_training", 4, wrapper=wrapper, steps=STEPS[:1])
 
 
 def _errors(loss, logits, grads, reference) -> tuple[float, float, float]:
     """Relative loss error, max |logit error|, and the worst parameter's max gradient error relative to that
     gradient's largest entry, against the fp32 single-device ``reference``."""
     ref_loss, ref_logits, ref_grads = reference
-    return (abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), (logits - ref_logits).abs().max().item(),
-            max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in ref_grads.items()))
+    logits_err = (logits - ref_logits).abs().max().item()
+    return (_relative(loss, ref_loss), math.inf if math.isnan(logits_err) else logits_err,
+            max(_relative(grads[n], g) for n, g in ref_grads.items()))
 
 
 def _loss_error_scale(logits, reference, labels) -> float:

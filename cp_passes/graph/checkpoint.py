@@ -1,14 +1,14 @@
 """Activation checkpointing: dynamo's checkpointed regions inlined, every node tagged for recomputation.
 
 ``torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False)`` (what transformers'
-``gradient_checkpointing_enable()`` installs) reaches the backend as a ``tag_activation_checkpoint``
+``activation_checkpointing_enable()`` installs) reaches the backend as a ``tag_activation_checkpoint``
 higher-order op whose body is a graph of its own. cp_passes must see inside it (the attention and
 convolutions are there), so :func:`inline_checkpoints` replaces each such op by its body's nodes, tagged
 the way torch's own lowering of the op tags them: ``recompute = PREFER_RECOMPUTE`` and one
 ``ac_graph_id`` per region. The tags travel with the nodes through the ATen re-trace and AOTAutograd
 (both copy them), and the partitioner recomputes the tagged nodes in the backward instead of saving them.
 
-The transports' nodes inside a region (:func:`tag_transports`) are tagged with it: their collectives run
+The transports' nodes inside a region (:func:`tag_transport`) are tagged with it: their collectives run
 again in the backward's recomputation, except those whose result is a scalar (a global count), which are
 saved because keeping them costs nothing.
 """
@@ -40,8 +40,7 @@ def inline_checkpoints(gm: torch.fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target is torch.ops.higher_order.tag_activation_checkpoint:
             regions += _inline(gm, node)
-    if regions:
-        gm.graph.eliminate_dead_code()
+    if regions:  # no dead-code elimination: it would drop the model's in-place ops, which have no users
         gm.graph.lint()
         gm.recompile()
     return regions
@@ -85,7 +84,10 @@ def _inline(gm: torch.fx.GraphModule, call: torch.fx.Node) -> int:
             raise CPCompileError(f"cp_passes internal error: a checkpointed region at {source_line(call)} returns "
                                  f"{type(outputs).__name__} read other than by index")
         call.replace_all_uses_with(outputs)
+    body_attr = call.args[0]
     gm.graph.erase_node(call)
+    if not body_attr.users:
+        gm.graph.erase_node(body_attr)
     return 1 + nested
 
 
