@@ -168,6 +168,11 @@ class CPSpec:
     """Declared attention semantics per module glob, checked against the graph (first match wins).
     Undeclared attention is read from the graph alone: ``is_causal`` or a window mask the model builds."""
 
+    gathered_keys: str = "save"
+    """What the backward does with keys and values all-gathered for attention: "save" (autograd keeps the
+    gathered copy: S positions per rank and layer, one gather) or "regather" (it keeps this rank's slice and
+    the backward gathers again: the K/V saved stay S/P, the forward's bytes move twice)."""
+
     window_transport: str = "halo"
     """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, the lower bound)
     or "gather" (the whole preceding sequence, masked; for comparison and debugging)."""
@@ -222,6 +227,8 @@ class CPSpec:
                 raise ValueError(f"CPSpec.{field} must be an int, got {value!r}")
         if not isinstance(self.gather_kv_together, bool):
             raise ValueError(f"CPSpec.gather_kv_together must be a bool, got {self.gather_kv_together!r}")
+        if self.gathered_keys not in ("regather", "save"):
+            raise ValueError(f"CPSpec.gathered_keys must be 'regather' or 'save', got {self.gathered_keys!r}")
         if self.window_transport not in ("halo", "gather"):
             raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
         if self.attention_keys not in ("visible", "all"):

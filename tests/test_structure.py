@@ -169,18 +169,18 @@ def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world)
     plain = compile_toy(fake_world, conv_kernel=(0, 4), n_layers=2)
     assert any(label.startswith("checkpointed regions inlined (2)") for label, _ in checkpointed.history)
     moved = [r for r in checkpointed.records if r.transport in ("sequence_gather", "halo")]
-    assert [(r.rule, r.checkpoint) for r in moved] == [("sdpa_causal", "repeated in backward"),
+    assert [(r.rule, r.backward) for r in moved] == [("sdpa_causal", "repeated in backward"),
                                                        ("causal_conv_slice", "repeated in backward"),
                                                        ("sdpa_causal", "repeated in backward")]
-    assert not any(r.checkpoint for r in plain.records)
+    assert not any(r.backward for r in plain.records)
     for record, again in ((checkpointed, 1), (plain, 0)):
         forward, backward = record.aot_ops["forward"], record.aot_ops["backward"]
         assert forward[GATHER] == 2 and forward[HALO] == 1
         assert backward[GATHER] == 2 * again and backward[HALO] == again
         assert backward[REDUCE_SCATTER] == 2 and backward[HALO_BACKWARD] == 1
     text = format_record(checkpointed)
-    assert "the backward's recomputation repeats 3 rewrites' collectives" in text
-    assert "checkpointed: repeated in backward" in text and "saved for backward on this rank" in text
+    assert "recomputed in the backward instead of saved" in text and "3 rewrites' collectives" in text
+    assert "repeated in backward" in text and "saved for backward on this rank" in text
 
 
 def _saved_slope(saved_at) -> int:
@@ -279,3 +279,23 @@ def test_inlined_regions_keep_nesting_outputs_and_the_model_s_in_place_ops():
     assert seen["ids"].index(outer_id) < seen["ids"].index(inner_id)  # the outer region's matmul comes first
     assert torch.equal(counter, expected_counter) and torch.allclose(out, expected)
     assert torch.allclose(grads[0], x.grad) and torch.allclose(grads[1], w.grad)
+
+
+def _gathered_kv_saved(record) -> list[str]:
+    """Saved-for-backward tensors shaped like gathered K/V: [batch, heads, k * s, head_dim] with k > 1."""
+    return [s.shape for s in record.saved if re.fullmatch(r"\(2, 2, \d+\*s\d+, 16\)", s.shape)]
+
+
+def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
+    """CPSpec(gathered_keys="regather"): autograd keeps each layer's local K/V, and the backward gathers them
+    again (the forward op appears in the backward graph); with "save" the gathered copies are saved."""
+    saved = compile_toy(fake_world, n_layers=2, spec=dict(gathered_keys="save"))
+    regathered = compile_toy(fake_world, n_layers=2, spec=dict(gathered_keys="regather"))
+    assert len(_gathered_kv_saved(saved)) == 4  # K and V of 2 layers, the causal prefix of ranks 0..3
+    assert _gathered_kv_saved(regathered) == []
+    assert saved.aot_ops["backward"][GATHER] == 0 and regathered.aot_ops["backward"][GATHER] == 2
+    assert regathered.aot_ops["forward"][GATHER] == 2 and regathered.aot_ops["backward"][REDUCE_SCATTER] == 2
+    rows = [r.backward for r in regathered.records if r.transport == "sequence_gather"]
+    assert rows == ["gathered again in backward, not saved"] * 2
+    text = format_record(regathered)
+    assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text

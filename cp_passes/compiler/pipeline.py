@@ -24,6 +24,10 @@ from ..transports import in_order
 from .planner import Plan, RewriteRecord, plan_graph
 
 
+GATHERS_KEYS = ("sequence_gather", "key_gather")
+"""The transports that all-gather keys for attention (with autograd): ``CPSpec.gathered_keys`` applies."""
+
+
 @dataclass
 class CompileRecord:
     """Everything one compiled graph went through, for ``explain`` and ``dump_dir``."""
@@ -80,8 +84,9 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     record.partial_outputs = plan.partial_outputs
     done = run_transports(aten_gm, plan, cp, record.history)
     verify(aten_gm, plan, [edit for edit, _ in done], fakes, before)
+    regather = spec.gathered_keys == "regather"
     for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
-        rewrite.checkpoint = tag_transport(edit)
+        rewrite.backward = tag_transport(edit, regather and edit.pass_name in GATHERS_KEYS)
     return plan
 
 

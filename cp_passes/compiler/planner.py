@@ -33,9 +33,10 @@ class RewriteRecord(Cost):
     rule: str = ""
     transport: str = ""
     note: str = ""
-    checkpoint: str = ""
-    """Inside a checkpointed region: what the backward's recomputation does with this rewrite's collectives
-    (``graph.checkpoint.REPEATED`` or ``SAVED``); "" outside one."""
+    backward: str = ""
+    """What the backward does with this rewrite's collectives, where cp_passes decides (``graph.checkpoint``):
+    ``REPEATED`` in a checkpointed region's recomputation, ``REGATHERED`` (gathered keys not saved) or
+    ``SAVED``; "" where the partitioner decides."""
     node: str = ""
     op: str = ""
     source: str = ""

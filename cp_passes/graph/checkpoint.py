@@ -100,24 +100,28 @@ def _unique_attr(gm: torch.fx.GraphModule, name: str) -> str:
 
 
 REPEATED, SAVED = "repeated in backward", "saved for backward"
+REGATHERED = "gathered again in backward, not saved"
 
 
-def tag_transport(edit) -> str:
-    """Give the nodes ``edit`` created inside a checkpointed region that region's tags (values need their
-    ``val`` meta). Returns what the backward does with the transport's collectives: ``REPEATED`` (they run
-    again in the recomputation), ``SAVED`` (scalars, kept) or "" (not in a region)."""
+def tag_transport(edit, regather: bool = False) -> str:
+    """Tag the nodes ``edit`` created for the partitioner (values need their ``val`` meta). Inside a checkpointed
+    region they take its tags: their collectives run again in the backward's recomputation (``REPEATED``), or,
+    scalars, are kept (``SAVED``). Outside one, ``regather`` (a transport that gathers keys) has them
+    recomputed as well, so autograd keeps the local slice and not the gathered sequence (``REGATHERED``).
+    Returns "" for nodes left to the partitioner."""
     region = region_of(edit.origin)
-    if region is None:
+    if region is None and not regather:
         return ""
     policies = set()
     for node in edit.created:
-        if REGION in node.meta:
+        if "recompute" in node.meta:
             continue
         val = node.meta.get("val")
         scalar = isinstance(val, torch.Tensor) and val.dim() == 0
-        node.meta[REGION] = region
+        if region is not None:
+            node.meta[REGION] = region
         node.meta["recompute"] = CheckpointPolicy.MUST_SAVE if scalar else CheckpointPolicy.PREFER_RECOMPUTE
         policies.add(node.meta["recompute"])
-    if not policies:
-        return ""
-    return REPEATED if CheckpointPolicy.PREFER_RECOMPUTE in policies else SAVED
+    if CheckpointPolicy.PREFER_RECOMPUTE not in policies:
+        return SAVED if policies and region is not None else ""
+    return REPEATED if region is not None else REGATHERED

@@ -6,7 +6,7 @@ import re
 
 from tabulate import tabulate
 
-from ..graph.checkpoint import REPEATED
+from ..graph.checkpoint import REGATHERED, REPEATED
 from .memory import activation_bytes
 
 HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
@@ -26,7 +26,7 @@ def table_rows(records) -> list[tuple]:
         (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
          format_bytes(r.bytes) if r.collective else "", format_bytes(r.lower_bound_bytes) if r.collective else "",
          format_bytes(r.sent_bytes) if r.collective else "", format_bytes(r.metadata_bytes) if r.metadata_bytes else "",
-         "; ".join(n for n in (r.note, r.checkpoint and f"checkpointed: {r.checkpoint}") if n))
+         "; ".join(n for n in (r.note, r.backward) if n))
         for r in records
     ]
 
@@ -44,11 +44,11 @@ def format_record(record) -> str:
              f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "
              f"metadata without autograd {format_bytes(metadata)}), sent {format_bytes(sent)}; the backward moves "
              f"the same bytes the other way, except the metadata"]
-    repeated = [r for r in record.records if r.checkpoint == REPEATED]
+    repeated = [r for r in record.records if r.backward in (REPEATED, REGATHERED)]
     if repeated:
-        lines.append(f"checkpointed regions: the backward's recomputation repeats {len(repeated)} rewrites' "
-                     f"collectives, receiving {format_bytes(sum(r.bytes for r in repeated))} again (recomputing "
-                     f"what they brought costs less memory than saving it)")
+        lines.append(f"recomputed in the backward instead of saved (checkpointed regions; gathered keys with "
+                     f"gathered_keys=\"regather\"): {len(repeated)} rewrites' collectives, receiving "
+                     f"{format_bytes(sum(r.bytes for r in repeated))} again")
     return "\n".join(lines + _memory(record))
 
 
