@@ -1198,7 +1198,7 @@ def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "
     """Four ranks as dp 2 x cp 2: cp_compile over the cp dim, the data-parallel ``wrapper`` over a mesh that
     holds the cp ranks ("fsdp": FSDP2 over the flattened mesh, torchtitan's arrangement; "hsdp": FSDP2 on the
     2-D mesh; "ddp": DDP over the flattened group; refused: "fsdp_dp" and "ddp_dp" over dp alone, "fsdp_avg"
-    averaging). Each
+    averaging, "fsdp_inner" a block sharded inside the CP model). Each
     step accumulates micro-batches of the given global lengths, each summed loss divided by the step's global
     token count, the wrapper summing gradients; an SGD update between steps. Returns, per step, this rank's
     losses and every full gradient."""
@@ -1215,7 +1215,10 @@ def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "
         group = mesh["dp"].get_group() if wrapper == "ddp_dp" else flat.get_group()
         compiled = DistributedDataParallel(compiled, process_group=group)
     else:
-        fully_shard(compiled, mesh={"fsdp": flat, "fsdp_avg": flat, "hsdp": mesh, "fsdp_dp": mesh["dp"]}[wrapper])
+        if wrapper == "fsdp_inner":
+            fully_shard(model.layers[0], mesh=flat)
+        fully_shard(compiled, mesh={"fsdp": flat, "fsdp_inner": flat, "fsdp_avg": flat, "hsdp": mesh,
+                                    "fsdp_dp": mesh["dp"]}[wrapper])
     if wrapper != "fsdp_avg":
         cp_passes.sum_gradients(compiled)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)

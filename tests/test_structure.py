@@ -197,7 +197,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
-    from cp_passes.report.memory import activation_bytes, saved_for_backward
+    from cp_passes.report.memory import saved_activation_bytes, saved_for_backward
 
     def cp_rank(checkpoint):
         def at(blocks):
@@ -206,7 +206,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
             compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
             ids = torch.randint(0, 256, (2, 16 * blocks))
             compiled(ids, labels=ids)[0].backward()
-            return activation_bytes(compiled.compile_records[-1].saved)
+            return saved_activation_bytes(compiled.compile_records[-1].saved)
         return at
 
     def one_device(checkpoint):
@@ -223,7 +223,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
             compiler = aot_autograd(fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
                                     bw_compiler=backward, partition_fn=min_cut_rematerialization_partition)
             torch.compile(model, backend=compiler, fullgraph=True)(ids, labels=ids)[0].backward()
-            return activation_bytes(saved)
+            return saved_activation_bytes(saved)
         return at
 
     cp, cp_checkpointed = _saved_slope(cp_rank(False)), _saved_slope(cp_rank(True))

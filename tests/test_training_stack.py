@@ -89,10 +89,12 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
 
 @pytest.mark.parametrize("wrapper,error", [("fsdp_dp", "does not hold this rank's CP peers"),
                                            ("ddp_dp", "does not hold this rank's CP peers"),
-                                           ("fsdp_avg", "fully_shard averages gradients over its ranks")])
+                                           ("fsdp_avg", "fully_shard averages gradients over its ranks"),
+                                           ("fsdp_inner", "fully_shard was applied to modules inside the CP model")])
 def test_data_parallel_that_would_not_sum_over_cp_is_refused(pool, wrapper, error):
-    """FSDP2 or DDP over the dp dim alone would never sum the CP ranks' shares, and FSDP2 left averaging
-    would divide them by the ranks: refused before anything compiles, naming what to do."""
+    """FSDP2 or DDP over the dp dim alone would never sum the CP ranks' shares, FSDP2 left averaging would
+    divide them by the ranks, and a block sharded inside the model would split the graph at FSDP's hooks:
+    refused before anything compiles, naming what to do."""
     with pytest.raises(RuntimeError, match=error):
         pool.run("dp_cp_training", 4, wrapper=wrapper, steps=STEPS[:1])
 

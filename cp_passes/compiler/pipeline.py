@@ -20,12 +20,8 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
-from ..transports import in_order
+from ..transports import TRANSPORTS, in_order
 from .planner import Plan, RewriteRecord, plan_graph
-
-
-GATHERS_KEYS = ("sequence_gather", "key_gather")
-"""The transports that all-gather keys for attention (with autograd): ``CPSpec.gathered_keys`` applies."""
 
 
 @dataclass
@@ -86,7 +82,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     verify(aten_gm, plan, [edit for edit, _ in done], fakes, before)
     regather = spec.gathered_keys == "regather"
     for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
-        rewrite.backward = tag_transport(edit, regather and edit.pass_name in GATHERS_KEYS)
+        rewrite.backward = tag_transport(edit, regather and TRANSPORTS[edit.pass_name].gathers_keys)
     return plan
 
 

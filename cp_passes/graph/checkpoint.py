@@ -10,7 +10,8 @@ the way torch's own lowering of the op tags them: ``recompute = PREFER_RECOMPUTE
 
 The transports' nodes inside a region (:func:`tag_transport`) are tagged with it: their collectives run
 again in the backward's recomputation, except those whose result is a scalar (a global count), which are
-saved because keeping them costs nothing.
+saved because keeping them costs nothing. Outside regions the same tag, on the nodes of a transport that
+gathers keys, makes the backward gather them again instead of saving them (``CPSpec.gathered_keys``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import re
 from tabulate import tabulate
 
 from ..graph.checkpoint import REGATHERED, REPEATED
-from .memory import activation_bytes
+from .memory import saved_activation_bytes
 
 HEADERS = ("node", "source", "module", "rule", "transport", "collective", "elements recv", "bytes recv",
            "lower bound recv", "bytes sent", "of which metadata", "note")
@@ -56,7 +56,7 @@ def _memory(record) -> list[str]:
     if not record.saved:
         return []
     kept = [s for s in record.saved if not s.primal]
-    return [f"saved for backward on this rank (AOTAutograd's partition): {format_bytes(activation_bytes(record.saved))}"
+    return [f"saved for backward on this rank (AOTAutograd's partition): {format_bytes(saved_activation_bytes(record.saved))}"
             f" in {len(kept)} tensors, besides the inputs and parameters the backward reads"]
 
 

@@ -35,6 +35,6 @@ def saved_for_backward(backward: torch.fx.GraphModule) -> list[Saved]:
     return saved
 
 
-def activation_bytes(saved: list[Saved]) -> int:
+def saved_activation_bytes(saved: list[Saved]) -> int:
     """The bytes the forward kept for the backward beyond its own inputs."""
     return sum(s.bytes for s in saved if not s.primal)

@@ -50,6 +50,9 @@ class Transport:
     layouts: ClassVar[tuple[str, ...]] = (CONTIGUOUS,)
     runtime: ClassVar[tuple] = ()
     """The custom ops this transport's edits insert that issue collectives."""
+    gathers_keys: ClassVar[bool] = False
+    """Its edits all-gather keys and values for attention, with autograd: ``CPSpec.gathered_keys`` chooses
+    whether the backward saves the gathered copy or gathers again."""
 
     def apply(self, edit, request) -> None:
         raise NotImplementedError

@@ -50,6 +50,7 @@ class SequenceGather(Transport):
     name = "sequence_gather"
     order = 30
     runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default)
+    gathers_keys = True
 
     def insert(self, edit, x: torch.fx.Node, dim: int, name: str) -> torch.fx.Node:
         return edit.insert(torch.ops.cp_passes.sequence_gather.default, (x, dim, edit.world, edit.group_name),

@@ -168,6 +168,7 @@ class KeyGather(Transport):
     order = 35
     runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
                torch.ops.cp_passes.halo.default)
+    gathers_keys = True
 
     def apply(self, edit, request) -> None:
         if isinstance(request, KeyMask):
