@@ -57,8 +57,8 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
         assert r.bytes == (WORLD - 1) * local_kv * 4
         assert r.lower_bound_bytes == RANK * local_kv * 4  # causal: rank 3 needs ranks 0..2
     after = record.history[-1][1]
-    assert "enable_gqa = True" in after
     assert "torch.ops.cp_passes.sequence_gather.default(cp_kv" in after
+    assert "gathered_attention(add, cp_k_visible, cp_v_visible, None" in after  # K/V at kv_heads
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
@@ -67,11 +67,13 @@ def test_k_and_v_gathered_separately_when_asked(fake_world):
     assert record.aot_ops["backward"][REDUCE_SCATTER] == 4
 
 
-def test_positions_offset_and_causal_mask_at_rank_offset(fake_world):
+def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
+    """Rank 3's queries see ranks 0..2's keys whole and its own causally: two attention calls, no mask."""
     record = compile_toy(fake_world)
     after, forward = record.history[-1][1], record.aot_graphs["forward"]
     assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
-    assert "cp_causal_mask" in after and "is_causal = False" in after
+    assert "cp_causal_mask" not in after and "aten.scaled_dot_product_attention" not in after
+    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None)") == 2  # FULL, CAUSAL
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"

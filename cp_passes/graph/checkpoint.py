@@ -102,6 +102,9 @@ def _unique_attr(gm: torch.fx.GraphModule, name: str) -> str:
 
 REPEATED, SAVED = "repeated in backward", "saved for backward"
 REGATHERED = "gathered again in backward, not saved"
+NOT_RECOMPUTED = "cp_passes_not_recomputed"
+"""Node meta: a node a transport made that ``regather`` leaves to the partitioner (an attention call's result:
+its output and logsumexp are what the backward should keep, not what it should compute again)."""
 
 
 def tag_transport(edit, regather: bool = False) -> str:
@@ -115,7 +118,7 @@ def tag_transport(edit, regather: bool = False) -> str:
         return ""
     policies = set()
     for node in edit.created:
-        if "recompute" in node.meta:
+        if "recompute" in node.meta or (region is None and node.meta.get(NOT_RECOMPUTED)):
             continue
         val = node.meta.get("val")
         scalar = isinstance(val, torch.Tensor) and val.dim() == 0

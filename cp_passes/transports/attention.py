@@ -2,7 +2,9 @@
 
 A rule asks for :class:`AttentionKV` with transport ``halo`` (a sliding window: the ``window - 1``
 preceding rows) or ``sequence_gather`` (everything, then the rows a causal query can see); the transport
-supplies the function that moves one tensor, this module rewires the attention call.
+supplies the function that moves one tensor, this module rewires the attention call. Gathered keys without
+a window are attended block by block (:mod:`.block_attention`): the pieces a query sees whole, its own
+causally, no ``[queries, keys]`` mask built or saved unless the model's own mask reads data.
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+from ..errors import CPCompileError
 from ..graph.analysis import meta_val, numel_hint
+from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
+from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from .masks import MetadataMask, causal_mask, global_shaped, mask_block, visible_keys
 
 aten = torch.ops.aten
@@ -85,6 +90,9 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     else:
         keys, values = move(k, "cp_k"), move(v, "cp_v")
     mask = None
+    if not halo and request.window is None and _no_dropout(request.dropout_p):
+        _attend_blocks(edit, request, q, keys, values)
+        return
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
         mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo, request.left_padding),
@@ -102,6 +110,82 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     node.kwargs = {"is_causal": mask is None and request.causal, "scale": request.scale,
                    "enable_gqa": request.enable_gqa}
     edit.changed(node)
+
+
+def _no_dropout(p) -> bool:
+    return p is None or (isinstance(p, (int, float)) and p == 0)
+
+
+def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
+    """Causal (or full) attention over gathered keys as :func:`block_attention_op`: the SDPA call's uses read
+    its output. The keys are cut to those a causal query can see; a model-built mask is cut to them too."""
+    node, rank, world = request.node, edit.rank, edit.world
+    mask = None
+    if request.causal:
+        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
+        values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")
+    if request.mask is not None:
+        mask = edit.insert(mask_block, (global_mask(edit, request.mask), q, rank, world, None, False),
+                           name="cp_mask_block")
+    q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
+    both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale),
+                       name="cp_block_attention")
+    out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
+    for made in (both, out):
+        made.meta[NOT_RECOMPUTED] = True
+    edit.replace_uses(node, out)
+
+
+def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[list[int], list[int], list[int]]:
+    """How :func:`block_attention_op` splits rank ``rank``'s queries and the keys it attends to, in units of
+    the local length: query pieces (the layout's ranges, in local order), key pieces (every rank's ranges in
+    gather order, up to the visible prefix when causal), and each pair's kind. Causal pairs are ``FULL`` when
+    the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP`` after; adjacent ``FULL`` key pieces are
+    one call unless a mask is cut per piece (``masked``: it then decides, and may skip a piece)."""
+    q_ranges = layout.ranges(rank, 1)
+    k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, 1)]
+    if causal:
+        k_ranges = k_ranges[:layout.visible_prefix(rank, 1)]
+    q_bounds = [0]
+    for start, stop in q_ranges:
+        q_bounds.append(q_bounds[-1] + stop - start)
+    k_bounds = [0]
+    for start, stop in k_ranges:
+        k_bounds.append(k_bounds[-1] + stop - start)
+    def kind(q_range, k_range):
+        if not causal:
+            return FULL
+        if k_range[0] >= q_range[1]:
+            return SKIP
+        if masked or k_range[1] <= q_range[0]:
+            return FULL  # a mask decides which of the pair's keys each query sees
+        if k_range == q_range:
+            return CAUSAL
+        raise CPCompileError(f"cp_passes internal error: the layout's key range {k_range} straddles its query "
+                             f"range {q_range}; block attention needs them equal or apart")
+
+    kinds = [kind(q_range, k_range) for q_range in q_ranges for k_range in k_ranges]
+    if not masked:  # merge runs of whole key pieces every query piece treats alike
+        merged_bounds, merged = [0], [[] for _ in q_ranges]
+        nk = len(k_ranges)
+        for j in range(nk):
+            column = [kinds[i * nk + j] for i in range(len(q_ranges))]
+            if j and column == [m[-1] for m in merged] and all(c == FULL for c in column):
+                merged_bounds[-1] = k_bounds[j + 1]
+                continue
+            merged_bounds.append(k_bounds[j + 1])
+            for m, c in zip(merged, column):
+                m.append(c)
+        k_bounds, kinds = merged_bounds, [c for m in merged for c in m]
+    return q_bounds, k_bounds, kinds
+
+
+def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale):
+    """:func:`block_attention_op` with its piece bounds at this call's local length: ``(output, logsumexp)``."""
+    length = q.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
+                              kinds, scale)
 
 
 def global_mask(edit, found: MetadataMask) -> torch.fx.Node:

@@ -1,0 +1,187 @@
+"""Attention over key blocks, merged by logsumexp: ``cp_passes::block_attention``.
+
+The gather transport's edit calls it in place of ``scaled_dot_product_attention`` once K/V are gathered. The
+local queries and the keys they may see come in pieces (``q_bounds``, ``k_bounds``: row offsets of each
+piece, in the tensors as given); ``kinds`` says for every (query piece, key piece) pair, row-major, what the
+pair computes: ``SKIP`` nothing, ``FULL`` every score, ``CAUSAL`` the causal triangle of two pieces that start
+at the same position. Each computed pair is one attention call returning its output and logsumexp; the
+outputs merge with weights ``exp(lse_pair - lse)``. So causal attention needs no mask (the pieces before
+this rank's own are seen whole, its own is causal), and no key block a query cannot see is computed.
+
+A mask the model builds (packed documents) is passed as booleans ``[.., queries, keys]``; each pair then
+computes only the rectangle of rows and keys its mask block lets anything through (a document that ended
+before a key block costs nothing there).
+
+Autograd saves the inputs, the output and the logsumexp (``[.., queries]``): nothing ``[queries, keys]``.
+The backward calls each pair's attention backward with the merged output and logsumexp, which is exactly
+that pair's share of the gradient (what ring attention does). On CPU each pair is
+``aten._scaled_dot_product_flash_attention_for_cpu`` (grouped-query heads included); elsewhere an exact
+matmul-softmax of the pair.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+aten = torch.ops.aten
+
+SKIP, FULL, CAUSAL = 0, 1, 2
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
+
+
+def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
+    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
+
+
+def _fold(grad: torch.Tensor, heads: int) -> torch.Tensor:
+    """The gradient of :func:`_repeat`: sum over each group of repeated heads."""
+    if grad.shape[-3] == heads:
+        return grad
+    shape = grad.shape
+    return grad.reshape(*shape[:-3], heads, shape[-3] // heads, *shape[-2:]).sum(-3)
+
+
+def _math_scores(q, k, mask, causal, scale):
+    scores = (q.to(_lse_dtype(q)) @ _repeat(k, q.shape[-3]).to(_lse_dtype(q)).transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(),
+                                    float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
+def attend(q, k, v, mask, causal: bool, scale: float, math: bool = False):
+    """One pair's ``(output, logsumexp)``; rows that see no key get logsumexp ``-inf`` (and output 0)."""
+    if q.device.type == "cpu" and not math:
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
+                                                                    attn_mask=_bias(mask, q.dtype), scale=scale)
+    else:
+        scores = _math_scores(q, k, mask, causal, scale)
+        lse = torch.logsumexp(scores, -1)
+        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])
+        out = (weights @ _repeat(v, q.shape[-3]).to(weights.dtype)).to(q.dtype)
+    if mask is not None:  # the CPU kernel reports logsumexp 0 for a row that sees nothing
+        lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
+    return out, lse
+
+
+def attend_backward(grad, q, k, v, mask, out, lse, causal: bool, scale: float, math: bool = False):
+    """One pair's ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` of its rows."""
+    lse = lse.masked_fill(lse == float("-inf"), 0)  # rows that see nothing anywhere: every weight is 0 anyway
+    if q.device.type == "cpu" and not math:
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+    wide = _lse_dtype(q)
+    heads = k.shape[-3]
+    weights = torch.exp(_math_scores(q, k, mask, causal, scale) - lse[..., None])
+    g = grad.to(wide)
+    dv = weights.transpose(-1, -2) @ g
+    dp = g @ _repeat(v, q.shape[-3]).to(wide).transpose(-1, -2)
+    ds = weights * (dp - (g * out.to(wide)).sum(-1, keepdim=True))
+    dq = (ds @ _repeat(k, q.shape[-3]).to(wide)) * scale
+    dk = (ds.transpose(-1, -2) @ q.to(wide)) * scale
+    return dq.to(q.dtype), _fold(dk, heads).to(k.dtype), _fold(dv, heads).to(v.dtype)
+
+
+def _span(flags: torch.Tensor) -> tuple[int, int] | None:
+    """``[first, last + 1)`` of the True entries of a 1-D boolean tensor, None if there are none."""
+    where = flags.nonzero()
+    return None if where.numel() == 0 else (int(where[0]), int(where[-1]) + 1)
+
+
+def _pairs(q, mask, q_bounds, k_bounds, kinds):
+    """Every pair to compute: ``(rows, keys, mask block, causal)``, rows and keys as slices of the tensors."""
+    nk = len(k_bounds) - 1
+    for i in range(len(q_bounds) - 1):
+        for j in range(nk):
+            kind = kinds[i * nk + j]
+            if kind == SKIP:
+                continue
+            rows, keys = slice(q_bounds[i], q_bounds[i + 1]), slice(k_bounds[j], k_bounds[j + 1])
+            if mask is None:
+                yield rows, keys, None, kind == CAUSAL
+                continue
+            block = mask[..., rows, keys]
+            flat = block.reshape(-1, *block.shape[-2:])
+            row_span, key_span = _span(flat.any(0).any(-1)), _span(flat.any(0).any(0))
+            if row_span is None:
+                continue
+            rows = slice(rows.start + row_span[0], rows.start + row_span[1])
+            keys = slice(keys.start + key_span[0], keys.start + key_span[1])
+            yield rows, keys, mask[..., rows, keys], False
+
+
+def _merge(acc_out, acc_lse, out, lse, rows):
+    """Fold one pair's rows into the running output and logsumexp (in place)."""
+    old_lse, old_out = acc_lse[..., rows], acc_out[..., rows, :]
+    new = torch.logaddexp(old_lse, lse)
+    finite = new != float("-inf")
+    keep = torch.where(finite, torch.exp(old_lse - new.masked_fill(~finite, 0)), 0)
+    take = torch.where(finite, torch.exp(lse - new.masked_fill(~finite, 0)), 0)
+    acc_out[..., rows, :] = old_out * keep[..., None] + out.to(acc_out.dtype) * take[..., None]
+    acc_lse[..., rows] = new
+
+
+@torch.library.custom_op("cp_passes::block_attention", mutates_args=())
+def block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                       q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
+                       math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    wide = _lse_dtype(q)
+    acc_out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=wide)
+    acc_lse = q.new_full(q.shape[:-1], float("-inf"), dtype=wide)
+    for rows, keys, block, causal in _pairs(q, mask, q_bounds, k_bounds, kinds):
+        out, lse = attend(q[..., rows, :], k[..., keys, :], v[..., keys, :], block, causal, scale, math)
+        _merge(acc_out, acc_lse, out, lse, rows)
+    return acc_out.to(q.dtype), acc_lse
+
+
+@block_attention_op.register_fake
+def _(q, k, v, mask, q_bounds, k_bounds, kinds, scale, math=False):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+
+
+@torch.library.custom_op("cp_passes::block_attention_backward", mutates_args=())
+def block_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
+                                q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
+                                math: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    wide = _lse_dtype(q)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
+    for rows, keys, block, causal in _pairs(q, mask, q_bounds, k_bounds, kinds):
+        pq, pk, pv = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
+                                     out[..., rows, :], lse[..., rows], causal, scale, math)
+        dq[..., rows, :] += pq
+        dk[..., keys, :] += pk
+        dv[..., keys, :] += pv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@block_attention_backward_op.register_fake
+def _(grad, q, k, v, mask, out, lse, q_bounds, k_bounds, kinds, scale, math=False):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernel's
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, mask, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, mask, *output)
+
+
+def _backward(ctx, grad, _grad_lse):
+    q, k, v, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv = block_attention_backward_op(grad.contiguous(), q, k, v, mask, out, lse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+block_attention_op.register_autograd(_backward, setup_context=_setup_context)
