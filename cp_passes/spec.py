@@ -168,10 +168,11 @@ class CPSpec:
     """Declared attention semantics per module glob, checked against the graph (first match wins).
     Undeclared attention is read from the graph alone: ``is_causal`` or a window mask the model builds."""
 
-    gathered_keys: str = "save"
-    """What the backward does with keys and values all-gathered for attention: "save" (autograd keeps the
-    gathered copy: S positions per rank and layer, one gather) or "regather" (it keeps this rank's slice and
-    the backward gathers again: the K/V saved stay S/P, the forward's bytes move twice)."""
+    gathered_keys: str = "regather"
+    """What the backward does with keys and values all-gathered for attention: "regather" (autograd keeps this
+    rank's slice and the backward gathers again: the K/V saved stay S/P, the forward's bytes move twice; 1.01x
+    the step time of "save" at P = 2 on CPU, benchmarks/attention_step_time.py) or "save" (autograd keeps the
+    gathered copy: S positions per rank and layer, one gather)."""
 
     window_transport: str = "halo"
     """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, the lower bound)

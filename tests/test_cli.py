@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -83,7 +84,7 @@ def test_halo_benchmark_reports_the_lower_bound():
 
 def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     out = run("-m", "cp_passes", "explain", "toy-llama", "--world-size", "8", "--seq-len", "4096", "--rank", "3",
-              "--ranks", "0", "3", "7", "--dump", str(tmp_path))
+              "--ranks", "0", "3", "7", "--dtype", "float32", "--dump", str(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "rank 3 of 8, local length 512" in text
@@ -92,7 +93,14 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     row = next(line for line in table.splitlines() if line.startswith("layers.1.attn"))
     assert row.split()[2:] == ["896.0", "KiB", "/", "0", "B", "896.0", "KiB", "/", "384.0", "KiB",
                                "896.0", "KiB", "/", "896.0", "KiB"]
-    assert "activations <=" in text and "parameters 417.2 KiB" in text
+    assert "parameters 417.2 KiB and their gradients 417.2 KiB" in text
+    # what a training step of rank 3 keeps for the backward: about one device's divided by P, by module
+    saved = re.search(r"saved for backward +([\d.]+) MiB; one device at 4096 tokens saves [\d.]+ MiB, / 8 = "
+                      r"([\d.]+) MiB \(ratio ([\d.]+)\)", text)
+    assert saved and float(saved[3]) <= 1.0, text
+    assert re.search(r"\n    layers\.\*\.attn +[\d.]+ KiB in \d+ tensors", text)
+    assert "largest collective buffer  1.0 MiB (cp_passes.sequence_gather.default" in text  # K+V of 8 ranks
+    assert "largest [sequence x sequence] tensor  0 B (none)" in text
     folder = tmp_path / "rank3" / "graph0"
     index = (folder / "index.txt").read_text().split()
     assert index[:9] == ["00_exported_torch_export_fake_tensors.py", "01_aten_pre_dispatch.py",

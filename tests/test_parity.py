@@ -131,13 +131,14 @@ HALO_CASES = [
 
 @pytest.mark.parametrize("P,backend", [(2, "aot_eager"), pytest.param(4, "aot_eager", marks=pytest.mark.full),
                                        pytest.param(2, "inductor", marks=pytest.mark.full)])
-def test_regathered_keys_parity(pool, parity_report, P, backend):
-    """CPSpec(gathered_keys="regather"): the backward gathers K/V again instead of reading a saved copy."""
+def test_saved_keys_parity(pool, parity_report, P, backend):
+    """CPSpec(gathered_keys="save"): the backward reads the gathered K/V autograd kept (the default gathers them
+    again)."""
     seq_lens = [16, 13]
     per_rank = pool.run("toy_parity", P, backend=backend, config={}, seq_lens=seq_lens, pass_positions=False,
-                        spec={"gathered_keys": "regather"})
+                        spec={"gathered_keys": "save"})
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"ToyLlama-regather-{backend}", [r[i] for r in per_rank], *_toy_reference({}, seq_len, False),
+        _compare(f"ToyLlama-saved-keys-{backend}", [r[i] for r in per_rank], *_toy_reference({}, seq_len, False),
                  seq_len, parity_report)
 
 

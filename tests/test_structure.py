@@ -38,11 +38,12 @@ def compile_toy(group, seq=16, spec=None, **config):
 
 @pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
 def test_one_gather_per_layer_forward_one_reduce_scatter_backward(fake_world, kv_repeat):
+    """By default the backward gathers each layer's K/V again (the forward's gathered copy is not saved)."""
     record = compile_toy(fake_world, kv_repeat=kv_repeat, n_layers=3)
     assert record.aot_ops["forward"][GATHER] == 3
     assert record.aot_ops["forward"][REDUCE_SCATTER] == 0
     assert record.aot_ops["backward"][REDUCE_SCATTER] == 3
-    assert record.aot_ops["backward"][GATHER] == 0
+    assert record.aot_ops["backward"][GATHER] == 3
     gathers = [r for r in record.records if r.transport == "sequence_gather"]
     assert [r.module for r in gathers] == [f"layers.{i}.attn" for i in range(3)]
 
@@ -166,9 +167,9 @@ def test_created_nodes_name_their_pass_and_rule(fake_world):
 def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world):
     """Blocks under torch.utils.checkpoint: the rewrite happens inside the regions, and the backward's
     recomputation issues each layer's K/V gather and conv halo again (the forward ops appear in the backward
-    graph), where the plain model saves what they brought."""
+    graph), where the plain model saves what they brought (with gathered_keys="save")."""
     checkpointed = compile_toy(fake_world, checkpoint=True, conv_kernel=(0, 4), n_layers=2)
-    plain = compile_toy(fake_world, conv_kernel=(0, 4), n_layers=2)
+    plain = compile_toy(fake_world, conv_kernel=(0, 4), n_layers=2, spec=dict(gathered_keys="save"))
     assert any(label.startswith("checkpointed regions inlined (2)") for label, _ in checkpointed.history)
     moved = [r for r in checkpointed.records if r.transport in ("sequence_gather", "halo")]
     assert [(r.rule, r.backward) for r in moved] == [("sdpa_causal", "repeated in backward"),
@@ -192,10 +193,10 @@ def _saved_slope(saved_at) -> int:
 
 
 def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
-    """The saved-for-backward estimate (AOTAutograd's partition, fake tensors): with checkpointed blocks a
-    rank keeps what one device keeps divided by P, up to the rank-offset causal mask CP builds for its key
-    block (the single-device model uses is_causal), and checkpointing cuts it by the factor it does on one
-    device. Without checkpointing a rank also keeps the gathered K/V (memory that scales as S/P is issue 15)."""
+    """The saved-for-backward estimate (AOTAutograd's partition, fake tensors): a rank keeps what one device
+    keeps divided by P, with checkpointed blocks or without (measured: 1.00x and 0.94x; the local K/V are kept
+    before the head repeat), and checkpointing cuts it by the factor it does on one device. No gathered K/V
+    and no [queries, keys] mask are saved."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
 
@@ -232,7 +233,8 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
     one, one_checkpointed = _saved_slope(one_device(False)) / WORLD, _saved_slope(one_device(True)) / WORLD
     assert cp_checkpointed < 0.2 * cp and one_checkpointed < 0.2 * one
     assert cp_checkpointed / cp <= 1.1 * one_checkpointed / one
-    assert one_checkpointed <= cp_checkpointed <= 1.25 * one_checkpointed
+    assert one_checkpointed <= cp_checkpointed <= 1.05 * one_checkpointed
+    assert cp <= one
 
 
 def test_inlined_regions_keep_nesting_outputs_and_the_model_s_in_place_ops():

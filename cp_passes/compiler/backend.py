@@ -111,14 +111,18 @@ def _first_rank() -> bool:
 
 
 def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: CompileRecord):
+    forwards = []
+
     def keep(kind):
         def capture(graph: torch.fx.GraphModule):
             name = kind if kind not in record.aot_graphs else f"{kind}_{len(record.aot_graphs)}"
             record.aot_graphs[name] = format_graph(graph)
             record.aot_ops[name] = collections.Counter(
                 str(n.target) for n in graph.graph.nodes if n.op == "call_function")
-            if kind == "backward":
-                record.saved.extend(saved_for_backward(graph))
+            if kind == "forward":
+                forwards.append(graph)
+            else:
+                record.saved.extend(saved_for_backward(graph, forwards[-1] if forwards else None))
 
         return capture
 

@@ -3,11 +3,17 @@
 The backward graph's inputs are the incoming gradients (``tangents_*``) and everything the forward saved for
 it; the saved tensors' sizes at the compiled length are this rank's saved activations (parameters the
 backward reads are among them: they are the forward's inputs, not extra memory, and are counted apart).
+
+:class:`MemoryEstimate` puts a rank's figures beside the single-device model's divided by P: saved tensors
+by module, the largest collective buffer, and the largest tensor that grows with the square of the sequence
+(a mask, say), which CP must keep at ``local x keys brought``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import collections
+import re
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -21,20 +27,168 @@ class Saved:
     shape: str
     bytes: int
     primal: bool
-    """An input of the forward (a parameter, a batch tensor): read by the backward, not kept by it."""
+    """An input of the forward (a parameter, a batch tensor) or a view of one (a weight's transpose): read by
+    the backward, not kept by it."""
+    module: str = ""
+    """The module whose forward computed it (``layers.3.attn``), where the forward graph says."""
 
 
-def saved_for_backward(backward: torch.fx.GraphModule) -> list[Saved]:
-    saved = []
+def _views_of_inputs(forward: torch.fx.GraphModule | None) -> set[str]:
+    """The forward's nodes that are views of its inputs (``t(primals_3)``): no memory of their own."""
+    if forward is None:
+        return set()
+    found = set()
+    for node in forward.graph.nodes:
+        base = node
+        while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view
+               and isinstance(base.args[0], torch.fx.Node)):
+            base = base.args[0]
+        if base is not node and base.op == "placeholder":
+            found.add(node.name)
+    return found
+
+
+def _module_paths(forward: torch.fx.GraphModule | None) -> dict[str, str]:
+    if forward is None:
+        return {}
+    paths = {}
+    for node in forward.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            path = list(stack.values())[-1][0]
+            paths[node.name] = re.sub(r"^L\['self'\]\.?", "", str(path))
+    return paths
+
+
+def _bytes(val: torch.Tensor, length) -> int:
+    """``val``'s bytes at its compile-time sizes, or with ``length = (symbol, value)`` substituted."""
+    if length is None:
+        return numel_hint(val) * val.element_size()
+    sym, value = length
+    n = 1
+    for size in val.shape:
+        n *= int(size.node.expr.subs(sym, value)) if isinstance(size, torch.SymInt) else int(size)
+    return n * val.element_size()
+
+
+def saved_for_backward(backward: torch.fx.GraphModule, forward: torch.fx.GraphModule | None = None,
+                       length=None) -> list[Saved]:
+    """The backward's inputs other than gradients; named by module when the ``forward`` graph is given, sized
+    at ``length = (symbol, value)`` when given (else at the compile-time hint)."""
+    paths, views, saved = _module_paths(forward), _views_of_inputs(forward), []
     for node in backward.graph.find_nodes(op="placeholder"):
         val = meta_val(node)
         if node.name.startswith("tangents") or not isinstance(val, torch.Tensor):
             continue
-        saved.append(Saved(node.name, str(tuple(val.shape)), numel_hint(node) * val.element_size(),
-                           node.name.startswith("primals")))
+        saved.append(Saved(node.name, str(tuple(val.shape)), _bytes(val, length),
+                           node.name.startswith("primals") or node.name in views, paths.get(node.name, "")))
     return saved
 
 
 def saved_activation_bytes(saved: list[Saved]) -> int:
     """The bytes the forward kept for the backward beyond its own inputs."""
     return sum(s.bytes for s in saved if not s.primal)
+
+
+def by_module(saved: list[Saved]) -> list[tuple[str, int, int]]:
+    """Saved activations grouped by module path with layer indices folded (``layers.*.attn``): ``(path,
+    tensors, bytes)``, largest first."""
+    groups: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for s in saved:
+        if not s.primal:
+            group = groups[re.sub(r"(?<=\.)\d+(?=\.|$)", "*", s.module) or "(model)"]
+            group[0] += 1
+            group[1] += s.bytes
+    return sorted(((path, n, b) for path, (n, b) in groups.items()), key=lambda g: -g[2])
+
+
+@dataclass(frozen=True)
+class Largest:
+    bytes: int = 0
+    what: str = ""
+
+
+def largest(graphs: list[torch.fx.GraphModule], keep, length=None) -> Largest:
+    """The largest tensor value of a node ``keep(node, val)`` accepts, in any of ``graphs``."""
+    best = Largest()
+    for graph in graphs:
+        paths = _module_paths(graph)
+        for node in graph.graph.nodes:
+            val = meta_val(node)
+            if isinstance(val, torch.Tensor) and node.op == "call_function" and keep(node, val):
+                size = _bytes(val, length)
+                if size > best.bytes:
+                    where = paths.get(node.name)
+                    best = Largest(size, f"{node.target} {tuple(val.shape)}" + (f" in {where}" if where else ""))
+    return best
+
+
+def quadratic(sym):
+    """``keep`` for :func:`largest`: a value with two or more dims that grow with the sequence (``sym``)."""
+
+    def keep(node, val):
+        return sum(isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols for s in val.shape) >= 2
+
+    return keep
+
+
+def collective_output(ops):
+    """``keep`` for :func:`largest`: the result of a collective (``ops``), forward or backward."""
+
+    def keep(node, val):
+        return node.target in ops
+
+    return keep
+
+
+@dataclass
+class MemoryEstimate:
+    """One rank's memory beside the single-device model's divided by P, from AOTAutograd's partitions."""
+
+    world: int
+    saved: list[Saved]
+    single_saved: list[Saved]
+    collective: Largest = field(default_factory=Largest)
+    quadratic: Largest = field(default_factory=Largest)
+    single_quadratic: Largest = field(default_factory=Largest)
+    parameter_bytes: int = 0
+
+    @property
+    def saved_bytes(self) -> int:
+        return saved_activation_bytes(self.saved)
+
+    @property
+    def single_share(self) -> float:
+        """The single-device model's saved activations divided by P."""
+        return saved_activation_bytes(self.single_saved) / self.world
+
+    @property
+    def ratio(self) -> float:
+        return self.saved_bytes / self.single_share if self.single_share else float("nan")
+
+
+def format_memory(estimate: MemoryEstimate, rank: int, local_len: int, fmt, groups: int = 6) -> list[str]:
+    """The memory lines of the CLI's plan; ``fmt`` formats bytes."""
+    world, saved = estimate.world, estimate.saved_bytes
+    lines = [f"memory of rank {rank} at {local_len} tokens (AOTAutograd's min-cut partition of the rewritten graph "
+             f"on fake tensors, as cp_compile lowers it):",
+             f"  saved for backward   {fmt(saved)}; one device at {world * local_len} tokens saves "
+             f"{fmt(world * estimate.single_share)}, / {world} = {fmt(estimate.single_share)} "
+             f"(ratio {estimate.ratio:.2f})"]
+    table = by_module(estimate.saved)
+    for path, n, size in table[:groups]:
+        lines.append(f"    {path:<32} {fmt(size):>10} in {n} tensors")
+    if len(table) > groups:
+        lines.append(f"    {'(the rest)':<32} {fmt(sum(g[2] for g in table[groups:])):>10}")
+    lines.append(f"  largest collective buffer  {fmt(estimate.collective.bytes)} ({estimate.collective.what or 'none'}): "
+                 f"held while it is used")
+    single = estimate.single_quadratic
+    lines.append(f"  largest [sequence x sequence] tensor  {fmt(estimate.quadratic.bytes)} "
+                 f"({estimate.quadratic.what or 'none'}); one device: {fmt(single.bytes)} ({single.what or 'none'})")
+    params = estimate.parameter_bytes
+    lines.append(f"  parameters {fmt(params)} and their gradients {fmt(params)} on every CP rank; AdamW adds two "
+                 f"copies more (shard all three over data x context parallel ranks with FSDP2)")
+    lines.append(f"  at least {fmt(saved + estimate.collective.bytes + 2 * params)} on this rank at the start of the "
+                 f"backward (saved + the collective buffer + parameters and gradients), before optimizer state "
+                 f"and the backward's own transients")
+    return lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def _demo(args) -> int:
@@ -22,6 +23,7 @@ def _explain(args) -> int:
     from .dryrun import dry_run, fake_group
     from ..report.dump import write_dump
     from ..report.explain import format_bytes, format_record
+    from ..report.memory import format_memory
     from .models import EXAMPLES, ToyLlama
     from ..spec import CPSpec, load_spec
 
@@ -36,13 +38,20 @@ def _explain(args) -> int:
     local = seq_len // world
     columns = sorted({0, 1, world // 4, world // 2, (3 * world) // 4, world - 1} if args.ranks is None
                      else set(args.ranks)) if world > 1 else [0]
+    dtype = getattr(torch, args.dtype)
+    inputs = {"input_ids": ((args.batch, local), torch.long), "labels": ((args.batch, local), torch.long)}
+    if args.packed:
+        inputs["doc_ids"] = ((args.batch, local), torch.long)
+    print(f"cp_passes: planning {args.model} and partitioning its backward on fake tensors (about a minute for "
+          f"llama-8b)...", file=sys.stderr, flush=True)
     with fake_group(world, rank) as group:
-        run = dry_run(lambda: ToyLlama(config), {"input_ids": ((args.batch, local), torch.long)}, spec, mesh=group,
-                      plan_ranks=[r for r in columns if r != rank])
+        run = dry_run(lambda: _built_in(ToyLlama, config, dtype), inputs, spec, mesh=group,
+                      plan_ranks=[r for r in columns if r != rank], memory=True)
     run.per_rank[rank] = run.record.records
     print(f"cp_passes plan: {args.model} ({description}), spec {spec.name}")
-    print(f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, fp32; a dry run with fake "
-          f"tensors and a fake process group (nothing allocated, no processes)\n")
+    print(f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, {args.dtype}"
+          f"{', packed documents (doc_ids)' if args.packed else ''}, with labels (a training step); a dry run with "
+          f"fake tensors and a fake process group (nothing allocated, no processes)\n")
     print(format_record(run.record))
     moved = [r for r in run.record.records if r.collective]
     if moved and len(columns) > 1:
@@ -56,13 +65,24 @@ def _explain(args) -> int:
                 for rec in moved]
         rows.append(["total", ""] + [cell(run.per_rank[c]) for c in columns])
         print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in columns]))
-    print(f"\nmemory per rank (estimate): parameters {format_bytes(run.parameter_bytes)} (every CP rank holds all of "
-          f"them; add gradients and optimizer state), activations <= {format_bytes(run.activation_bytes)} (every "
-          f"tensor the rewritten forward of rank {rank} materializes at {local} tokens; autograd keeps at most this)")
+    print()
+    print("\n".join(format_memory(run.memory, rank, local, format_bytes)))
     if args.dump:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
     return 0
+
+
+def _built_in(cls, config, dtype):
+    """``cls(config)`` with parameters created in ``dtype`` (``.to()`` cannot swap fake parameters)."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return cls(config)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _specs(args) -> int:
@@ -105,14 +125,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan a built-in example for any world size and sequence length, without processes or memory",
         description="Trace a built-in example with fake tensors on a fake process group of --world-size ranks, run "
                     "cp_passes' analysis, planning and transport passes as cp_compile would, and print the rewrite "
-                    "table for --rank, the bytes each of several ranks receives per layer, and a per-rank memory "
-                    "estimate. Examples: " + "; ".join(f"{k}: {v[0]}" for k, v in EXAMPLES.items()) + ".",
+                    "table for --rank, the bytes each of several ranks receives per layer, and --rank's memory: "
+                    "what its training step saves for the backward (AOTAutograd's partition, by module) against "
+                    "one device's divided by P, its largest collective buffer and [sequence x sequence] tensor, "
+                    "and the parameters. Examples: " + "; ".join(f"{k}: {v[0]}" for k, v in EXAMPLES.items()) + ".",
     )
     explain.add_argument("model", choices=sorted(EXAMPLES), help="built-in example to plan")
     explain.add_argument("--world-size", type=int, default=8, help="CP ranks (default: 8)")
     explain.add_argument("--seq-len", type=int, default=131072,
                          help="global sequence length, a multiple of --world-size (default: 131072)")
     explain.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
+    explain.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
+                         help="parameter and activation dtype (default: bfloat16)")
+    explain.add_argument("--packed", action="store_true",
+                         help="pass doc_ids: packed documents, attention within each (the mask reads them)")
     explain.add_argument("--rank", type=int, default=None,
                          help="rank whose rewrite table, graphs and memory are shown (default: the last rank, which "
                               "receives the most)")

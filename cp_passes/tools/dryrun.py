@@ -2,7 +2,9 @@
 
 The model is built and exported under a FakeTensorMode (torch.export, non-strict, the sequence dim a
 named Dim), then the same analysis, planning and transport passes as ``cp_compile`` run on the
-exported ATen graph. The record holds the rewrite table and every graph, as a compiled one does.
+exported ATen graph. The record holds the rewrite table and every graph, as a compiled one does. With
+``memory=True`` AOTAutograd then partitions the rewritten graph and the single-device one (min-cut, as
+``cp_compile`` lowers) on the same fake inputs, for :class:`~cp_passes.report.memory.MemoryEstimate`.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ from ..graph.analysis import INPUT_NAME
 from ..compiler.pipeline import CompileRecord, rewrite_graph
 from ..compiler.planner import plan_graph
 from ..graph.analysis import meta_val, numel_hint, sequence_symbol
+from ..graph.provenance import format_graph
 from ..group import resolve_group
 from ..kernels import install
+from ..report.memory import MemoryEstimate, collective_output, largest, quadratic, saved_for_backward
+from ..transports import collective_ops
 from ..spec import CPSpec
 
 
@@ -44,12 +49,13 @@ def _export(build_model, inputs, spec: CPSpec):
 
 
 def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-            spec: CPSpec | None = None, *, mesh, plan_ranks: Iterable[int] = ()) -> DryRun:
+            spec: CPSpec | None = None, *, mesh, plan_ranks: Iterable[int] = (), memory: bool = False) -> DryRun:
     """Rewrite ``build_model()`` for the CP group ``mesh`` as ``cp_compile`` would, with fake tensors only.
 
     ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)``. The rewrite (every graph,
-    the table, an activation estimate) is for ``mesh``'s rank; ``plan_ranks`` are only planned, for their
-    byte counts.
+    the table) is for ``mesh``'s rank; ``plan_ranks`` are only planned, for their
+    byte counts. ``memory`` adds the estimate from AOTAutograd's partitions (tens of seconds for a large
+    model).
     """
     spec = spec if spec is not None else CPSpec()
     cp = resolve_group(mesh)
@@ -66,32 +72,61 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
             per_rank[rank] = plan_graph(gm, sym, spec, dataclasses.replace(cp, rank=rank)).records
     record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
     record.history.append(("exported (torch.export, fake tensors)", gm.print_readable(print_output=False)))
-    rewrite_graph(gm, [meta_val(n) for n in placeholders], spec, cp, record)
-    return DryRun(record, per_rank, activation_bytes(gm), parameter_bytes)
+    fakes = [meta_val(n) for n in placeholders]
+    rewrite_graph(gm, fakes, spec, cp, record)
+    estimate = None
+    if memory and sym is not None:
+        forward, backward = partition(gm, fakes)
+        record.aot_graphs.update(forward=format_graph(forward), backward=format_graph(backward))
+        single_gm = _export(build_model, inputs, spec)[0]
+        single_forward, single_backward = partition(single_gm, [meta_val(n) for n in
+                                                                single_gm.graph.find_nodes(op="placeholder")])
+        whole = (sym, cp.layout.global_len(seq_len))
+        estimate = MemoryEstimate(
+            cp.size, saved_for_backward(backward, forward), saved_for_backward(single_backward, single_forward, whole),
+            largest([forward, backward], collective_output(collective_ops())),
+            largest([forward], quadratic(sym)),
+            largest([single_forward], quadratic(_symbol(single_gm)), (_symbol(single_gm), whole[1])),
+            parameter_bytes)
+        record.saved = estimate.saved
+    return DryRun(record, per_rank, parameter_bytes, estimate)
 
 
-_VIEWS = {"view", "_unsafe_view", "transpose", "permute", "expand", "unsqueeze", "squeeze", "t", "alias", "detach",
-          "slice", "select", "narrow", "split", "split_with_sizes", "chunk", "unbind", "as_strided", "movedim"}
+def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
+    """AOTAutograd's forward and backward graphs of ``gm`` on its fake inputs, partitioned by min-cut as
+    ``cp_compile`` lowers: the backward runs on fake tensors from the sum of the floating-point outputs."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    graphs = {}
+
+    def keep(kind):
+        def compiler(graph, _):
+            graphs[kind] = graph
+            return make_boxed_func(graph.forward)
+        return compiler
+
+    with torch._guards.detect_fake_mode(fakes):
+        compiled = aot_module_simplified(gm, fakes, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                                         partition_fn=min_cut_rematerialization_partition)
+        outputs = [o for o in compiled(*fakes) if isinstance(o, torch.Tensor) and o.requires_grad]
+        sum(o.float().sum() for o in outputs).backward()
+    return graphs["forward"], graphs["backward"]
 
 
-def activation_bytes(gm: torch.fx.GraphModule) -> int:
-    """Bytes of every tensor the forward graph materializes (views excluded): an upper estimate of the
-    activations autograd keeps for the backward at this rank's local length."""
-    total = 0
-    for node in gm.graph.nodes:
-        val = meta_val(node)
-        packet = getattr(getattr(node.target, "overloadpacket", None), "__name__", "")
-        if node.op == "call_function" and isinstance(val, torch.Tensor) and packet not in _VIEWS:
-            total += numel_hint(node) * val.element_size()
-    return total
+def _symbol(gm: torch.fx.GraphModule):
+    (sym,) = sequence_symbol(list(gm.graph.find_nodes(op="placeholder")))
+    return sym
+
+
 
 
 @dataclass
 class DryRun:
     record: CompileRecord
     per_rank: dict[int, list]
-    activation_bytes: int
     parameter_bytes: int
+    memory: MemoryEstimate | None = None
 
 
 @contextlib.contextmanager
