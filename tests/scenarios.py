@@ -516,6 +516,33 @@ def mixer_error(group, mix: str, seq_len: int) -> str:
     return _error(lambda: compiled(**local))
 
 
+class MarkedKeyAttention(torch.nn.Module):
+    """SDPA over token embeddings with a mask read from the token ids: causal, and every query also sees token
+    31 wherever it stands, later keys included. For one document without that token it is causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)[:, None]
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = (pos[:, None] >= pos[None, :]) | (input_ids[:, None, :] == 31)
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None])[:, 0].square().sum()
+
+
+def marked_key_error(group, seq_len: int, at: int | None) -> str:
+    """The error of one step of MarkedKeyAttention under CP when token 31 stands at position ``at`` only (or
+    nowhere): only the rank holding that key finds the queries before it that see it."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(MarkedKeyAttention(), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.arange(seq_len).remainder(30).expand(2, seq_len).clone()
+    if at is not None:
+        ids[:, at] = 31
+    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
+    return _error(lambda: compiled(**local).backward())
+
+
 def envelope_violation(group, layout: list | None = None) -> str:
     """A doc-id mask that reaches further back than the spec's declared window must fail the first step, on
     every rank, even when only some ranks' rows leave the window."""

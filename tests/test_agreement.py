@@ -68,11 +68,22 @@ def test_a_mask_leaving_the_window_in_some_ranks_rows_fails_on_every_rank(pool, 
 
 
 def test_a_mask_from_activations_that_shows_later_keys_fails_on_every_rank(pool):
-    """A boolean mask computed from activations carries no gradient, so it is evaluated over the whole sequence
-    from the gathered activations; SDPA then brings the causal prefix, and this mask lets queries see later
-    keys: every rank's check over the whole mask stops it."""
+    """A boolean mask computed from activations carries no gradient, so it is evaluated from the gathered
+    activations at this rank's rows; SDPA then brings the causal prefix, and this mask lets queries see later
+    keys. Each rank counts the later keys its transposed block allows; the all-reduced count stops every rank."""
     for error in pool.run("mixer_error", 2, timeout=HANG_S, mix="both_ways_activation_mask", seq_len=8):
-        assert "allows a key outside the causal window that the spec declares" in error, error
+        assert "the model's attention mask lets a query see a later key in this batch" in error, error
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_later_key_only_the_last_rank_holds_fails_on_every_rank(pool, world):
+    """SDPA's mask lets every query see token 31, which stands only in the last rank's shard. Each rank
+    evaluates the mask at its own rows and checks the transposed block (the keys it holds against the queries
+    before them); only the last rank finds the later key, and the all-reduced count stops every rank. Without
+    the token the same model runs."""
+    for error in pool.run("marked_key_error", world, timeout=HANG_S, seq_len=16, at=15):
+        assert "the model's attention mask lets a query see a later key in this batch" in error, error
+    assert pool.run("marked_key_error", world, timeout=HANG_S, seq_len=16, at=None) == ["no error"] * world
 
 
 def test_a_mask_that_shows_later_keys_for_some_data_fails_on_every_rank(pool):

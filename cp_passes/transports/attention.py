@@ -22,7 +22,10 @@ from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
 from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
-from .masks import MetadataMask, causal_mask, global_shaped, mask_block, visible_keys
+from ..graph.selection import Selector
+from .masks import (MetadataMask, causal_mask, global_shaped, mask_block, query_positions,
+                    visible_key_positions, visible_keys)
+from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
 aten = torch.ops.aten
 
@@ -125,8 +128,7 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
         keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
         values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")
     if request.mask is not None:
-        mask = edit.insert(mask_block, (global_mask(edit, request.mask), q, rank, world, None, False),
-                           name="cp_mask_block")
+        mask = local_mask(edit, request.mask, q)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
     both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale),
                        name="cp_block_attention")
@@ -188,13 +190,54 @@ def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale):
                               kinds, scale)
 
 
-def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
-    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
-    activations, for a mask computed without gradient), global lengths and the parameters it reads."""
+def local_mask(edit, found: MetadataMask, q: torch.fx.Node) -> torch.fx.Node:
+    """The model's mask at this rank's query rows and the keys a causal gather brings, ``[.., L, keys]``, its
+    rows and keys picked where the mask's terms are still per position (:mod:`~cp_passes.graph.selection`).
+    No rank evaluates a future key for its own queries, so each checks the transposed block instead: the
+    queries of the keys it brings against its own keys, where a key after its query must be masked. Every
+    causal violation falls in one rank's block; the ranks add their counts (one all-reduce) and all fail
+    together. Masks whose sizes depend on data take the whole-sequence path (:func:`global_mask`)."""
+    if any(free_unbacked_symbols(meta_val(n)) for n in found.nodes):
+        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, None, False),
+                           name="cp_mask_block")
+    leaves, graph, env = _mask_leaves(edit, found), torch.fx.Graph(), {}
+    for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
+        env[leaf] = graph.placeholder(leaf.name)
+    rows, keys = graph.placeholder("query_positions"), graph.placeholder("key_positions")
+    for n in found.nodes:
+        env[n] = graph.node_copy(n, env.__getitem__)
+    rank_of = meta_val(found.mask).dim()
+    graph.output(Selector(graph)(env[found.mask], ((rank_of - 2, rows), (rank_of - 1, keys))))
+    graph.eliminate_dead_code()  # the whole-sequence nodes the picks went around
+    name = f"cp_mask_fn_{edit.origin.name}"
+    module = torch.fx.GraphModule(edit.gm, graph)
+    positions = edit.insert(query_positions, (q, edit.rank, edit.world), name="cp_query_positions")
+    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world), name="cp_key_positions")
+    mask = edit.call_module(name, module, leaves + [positions, brought])
+    transposed = edit.call_module(name, module, leaves + [brought, positions])
+    count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
+    total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")
+    edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_causal"),
+                                                   CAUSAL_VIOLATION), name="cp_mask_check")
+    return mask
+
+
+CAUSAL_VIOLATION = ("cp_passes: the model's attention mask lets a query see a later key in this batch (for one "
+                    "document it showed causal when compiling, so each query is brought only the keys before it); "
+                    "fix: build the mask so that no query sees a later key")
+
+
+def future_keys_allowed(transposed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+    """How many (query, key) pairs of ``transposed`` (``[.., queries, keys]``) the mask allows with the key
+    after the query."""
+    return (transposed & (key_pos[None, :] > query_pos[:, None])).sum()
+
+
+def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
+    """The mask's inputs over the whole sequence: gathered metadata (and activations, for a mask computed
+    without gradient, detached), global lengths, and the parameters it reads."""
 
     def detached(leaf):
-        """This rank's ``leaf`` as the rewritten graph computes it (a scan's, say, after its carry), without
-        its autograd edge (the graph's fake values do not say which tensors require grad: any float may)."""
         now = edit.current(leaf)
         if not meta_val(leaf).is_floating_point():
             return now
@@ -208,7 +251,13 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
     leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")
                for leaf in found.size_leaves]
-    leaves += [detached(leaf) for leaf in found.inputs]
+    return leaves + [detached(leaf) for leaf in found.inputs]
+
+
+def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
+    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
+    activations, for a mask computed without gradient), global lengths and the parameters it reads."""
+    leaves = _mask_leaves(edit, found)
     if any(free_unbacked_symbols(meta_val(n)) for n in found.nodes):
         # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
         env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))

@@ -12,6 +12,7 @@ import torch.fx
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, reduce_scatter
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum: a mask's causal check)
 
 
 @torch.library.custom_op("cp_passes::sequence_gather", mutates_args=())
@@ -49,7 +50,8 @@ gradient_by(sequence_gather_op, sequence_reduce_scatter_op)
 class SequenceGather(Transport):
     name = "sequence_gather"
     order = 30
-    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default)
+    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
+               torch.ops.cp_passes.global_sum.default)
     gathers_keys = True
 
     def insert(self, edit, x: torch.fx.Node, dim: int, name: str) -> torch.fx.Node:

@@ -105,6 +105,16 @@ def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, 
     return visible if window is None else visible & (distance < window)
 
 
+def query_positions(query: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The global position of every local query row."""
+    return Layout(world).positions(rank, query.shape[-2], query.device)
+
+
+def visible_key_positions(query: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The global positions of the gathered keys a causal query on ``rank`` can see, in gather order."""
+    return key_positions(query.shape[-2], rank, world, None, query.device)
+
+
 def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, query: torch.Tensor) -> torch.Tensor:
     """The gathered keys (or values) a causal query on ``rank`` can see."""
     return keys.narrow(dim, 0, Layout(world).visible_prefix(rank, query.shape[-2]))
