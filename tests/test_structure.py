@@ -303,3 +303,20 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
     assert rows == ["gathered again in backward, not saved"] * 2
     text = format_record(regathered)
     assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text
+
+
+def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world):
+    """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: the
+    largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is [64, 4 * 64],
+    this rank's rows by its causal prefix, where one device builds [512, 512]; what the rank saves for the backward is at most one device's divided by P, and
+    no gathered K/V is among it."""
+    from cp_passes.tools.dryrun import dry_run
+
+    local = 64
+    inputs = {name: ((1, local), torch.long) for name in ("input_ids", "labels", "doc_ids")}
+    memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, mesh=fake_world, memory=True).memory
+    assert memory.quadratic.elements == local * (RANK + 1) * local, memory.quadratic
+    assert memory.single_quadratic.elements >= (WORLD * local) ** 2, memory.single_quadratic
+    assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
+    assert not [s for s in memory.saved if re.search(r"\d+\*s\d+", s.shape)], memory.saved  # k * s: gathered
+    assert memory.collective.what.startswith("cp_passes.sequence_gather.default (1, 2, 8*s")

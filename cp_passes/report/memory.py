@@ -106,6 +106,7 @@ def by_module(saved: list[Saved]) -> list[tuple[str, int, int]]:
 class Largest:
     bytes: int = 0
     what: str = ""
+    elements: int = 0
 
 
 def largest(graphs: list[torch.fx.GraphModule], keep, length=None) -> Largest:
@@ -119,7 +120,8 @@ def largest(graphs: list[torch.fx.GraphModule], keep, length=None) -> Largest:
                 size = _bytes(val, length)
                 if size > best.bytes:
                     where = paths.get(node.name)
-                    best = Largest(size, f"{node.target} {tuple(val.shape)}" + (f" in {where}" if where else ""))
+                    best = Largest(size, f"{node.target} {tuple(val.shape)} {str(val.dtype).removeprefix('torch.')}"
+                                   + (f" in {where}" if where else ""), size // val.element_size())
     return best
 
 

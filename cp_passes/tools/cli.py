@@ -24,7 +24,7 @@ def _explain(args) -> int:
     from ..report.dump import write_dump
     from ..report.explain import format_bytes, format_record
     from ..report.memory import format_memory
-    from .models import EXAMPLES, ToyLlama
+    from .models import EXAMPLES, built_in
     from ..spec import CPSpec, load_spec
 
     world, seq_len = args.world_size, args.seq_len
@@ -45,7 +45,7 @@ def _explain(args) -> int:
     print(f"cp_passes: planning {args.model} and partitioning its backward on fake tensors (about a minute for "
           f"llama-8b)...", file=sys.stderr, flush=True)
     with fake_group(world, rank) as group:
-        run = dry_run(lambda: _built_in(ToyLlama, config, dtype), inputs, spec, mesh=group,
+        run = dry_run(lambda: built_in(config, dtype), inputs, spec, mesh=group,
                       plan_ranks=[r for r in columns if r != rank], memory=True)
     run.per_rank[rank] = run.record.records
     print(f"cp_passes plan: {args.model} ({description}), spec {spec.name}")
@@ -71,18 +71,6 @@ def _explain(args) -> int:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
     return 0
-
-
-def _built_in(cls, config, dtype):
-    """``cls(config)`` with parameters created in ``dtype`` (``.to()`` cannot swap fake parameters)."""
-    import torch
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        return cls(config)
-    finally:
-        torch.set_default_dtype(default)
 
 
 def _specs(args) -> int:

@@ -170,6 +170,17 @@ class ToyLlama(nn.Module):
         return loss, logits
 
 
+def built_in(config: ToyLlamaConfig, dtype: torch.dtype = torch.float32) -> ToyLlama:
+    """``ToyLlama(config)`` with its parameters created in ``dtype`` (under a FakeTensorMode ``.to()`` cannot
+    swap parameters)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return ToyLlama(config)
+    finally:
+        torch.set_default_dtype(default)
+
+
 EXAMPLES = {
     "toy-llama": ("the demo's ToyLlama: 2 layers, dim 64, GQA 4/2 heads", ToyLlamaConfig()),
     "toy-llama-swa": ("ToyLlama with sliding-window attention (window 4096) and a causal conv (kernel 4)",

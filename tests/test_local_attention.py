@@ -1,0 +1,135 @@
+"""Attention at one rank's rows, without processes: the block attention op against SDPA, and masks evaluated
+at picked rows and keys against the whole mask cut afterwards."""
+
+import itertools
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from cp_passes.graph.selection import Selector
+from cp_passes.transports.attention import attention_pieces
+from cp_passes.transports.block_attention import CAUSAL, FULL, SKIP, block_attention_op
+from cp_passes.layout import Layout
+
+
+def _documents(positions: torch.Tensor) -> torch.Tensor:
+    """Documents of 5, 4, 7, 2, ... tokens (the pattern repeats), one spanning three of the key pieces."""
+    return torch.bucketize(positions, torch.tensor([5, 9, 16, 18, 23, 27, 34]), right=True)
+
+
+@pytest.mark.parametrize("math,gqa,masked", list(itertools.product([False, True], repeat=3)))
+def test_block_attention_matches_sdpa_forward_and_gradients(math, gqa, masked):
+    """Rank 2 of 3 (6 queries, 18 keys): earlier keys whole and its own causally, or a document mask cut into
+    three key pieces (a document spans all three; the first query of a document sees one key). fp64, so the
+    only difference is summation order."""
+    torch.manual_seed(0)
+    batch, heads, local, dim, rank = 2, 4, 6, 8, 2
+    kv_heads = 2 if gqa else heads
+    q = torch.randn(batch, heads, local, dim, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, (rank + 1) * local, dim, dtype=torch.float64, requires_grad=True)
+            for _ in range(2))
+    q_pos, k_pos = torch.arange(rank * local, (rank + 1) * local), torch.arange((rank + 1) * local)
+    allowed = q_pos[:, None] >= k_pos[None, :]
+    if masked:
+        allowed = allowed & (_documents(q_pos)[:, None] == _documents(k_pos)[None, :])
+        mask, k_bounds, kinds = allowed[None, None].expand(batch, 1, -1, -1), [0, 6, 12, 18], [FULL] * 3
+    else:
+        mask, k_bounds, kinds = None, [0, 12, 18], [FULL, CAUSAL]
+    out, lse = block_attention_op(q, k, v, mask, [0, local], k_bounds, kinds, dim ** -0.5, math)
+    rep = heads // kv_heads
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          attn_mask=allowed)
+    grad = torch.randn_like(want)
+    got_grads = torch.autograd.grad(out, (q, k, v), grad)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp((q @ k.repeat_interleave(rep, 1).transpose(-1, -2) * dim ** -0.5)
+                                                    .masked_fill(~allowed, float("-inf")), -1), rtol=0, atol=1e-12)
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_rows_that_see_no_key_are_zero_and_carry_no_gradient():
+    """A row the mask hides everywhere gets output 0 and no gradient (SDPA's flash kernel on CPU does the
+    same); a key piece no row sees is skipped."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mask = torch.ones(4, 4, dtype=torch.bool).tril()
+    mask[1] = False
+    mask[:, 2:] = False
+    out, lse = block_attention_op(q, k, v, mask, [0, 4], [0, 2, 4], [FULL, FULL], 8 ** -0.5)
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 2, 8, dtype=torch.float64))
+    assert bool(torch.isneginf(lse[:, :, 1]).all()) and not out.isnan().any()
+    out.sum().backward()
+    assert torch.equal(q.grad[:, :, 1], torch.zeros(1, 2, 8, dtype=torch.float64))
+    assert torch.equal(k.grad[:, :, 2:], torch.zeros(1, 2, 2, 8, dtype=torch.float64))
+    assert not any(t.grad.isnan().any() for t in (q, k, v))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_causal_pieces_of_the_contiguous_layout(world):
+    """Rank r of a contiguous layout: one call over the earlier ranks' keys and one causal call over its own
+    (rank 0 only the causal one); with a mask, one piece per rank, the mask deciding; full attention: one."""
+    layout = Layout(world)
+    for rank in range(world):
+        q_bounds, k_bounds, kinds = attention_pieces(layout, rank, causal=True, masked=False)
+        assert q_bounds == [0, 1]
+        assert (k_bounds, kinds) == (([0, 1], [CAUSAL]) if rank == 0 else ([0, rank, rank + 1], [FULL, CAUSAL]))
+        assert attention_pieces(layout, rank, causal=True, masked=True) == (
+            [0, 1], list(range(rank + 2)), [FULL] * (rank + 1))
+        assert attention_pieces(layout, rank, causal=False, masked=False) == ([0, 1], [0, world], [FULL])
+    assert SKIP not in attention_pieces(layout, world - 1, causal=True, masked=True)[2]
+
+
+def _hf_like_mask(position_ids, length: int):
+    """transformers' packed-sequence mask: documents from position resets, indexed by query and key
+    positions, causal, expanded over the batch."""
+    first = position_ids[:, :1] - 1
+    documents = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    batch = torch.arange(position_ids.shape[0])[:, None, None, None]
+    q_idx = torch.arange(length)[None, None, :, None]
+    kv_idx = torch.arange(length)[None, None, None, :]
+    causal = kv_idx <= q_idx
+    same = documents[batch, q_idx] == documents[batch, kv_idx]
+    return (torch.ones((), dtype=torch.bool) & causal & same).expand(position_ids.shape[0], -1, length, length)
+
+
+def _toy_mask(doc_ids, length: int):
+    pos = torch.arange(length)
+    distance = pos[:, None] - pos[None, :]
+    return ((distance >= 0) & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None]
+
+
+class _Shapes(torch.fx.Interpreter):
+    """Runs a graph and records every tensor shape it computes."""
+
+    def run_node(self, n):
+        value = super().run_node(n)
+        if isinstance(value, torch.Tensor):
+            self.shapes.append(tuple(value.shape))
+        return value
+
+
+@pytest.mark.parametrize("build", [_hf_like_mask, _toy_mask])
+def test_picked_mask_equals_the_whole_mask_cut_and_computes_nothing_square(build):
+    """The picks move back to the per-position terms: the picked graph's value is the whole mask's rows and
+    keys, and nothing it computes is larger than that (2 x 3 x 8 here; the whole mask is 2 x 12 x 12)."""
+    length = 12
+    position_ids = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2]])
+    data = position_ids if build is _hf_like_mask else torch.cumsum(position_ids == 0, -1)
+    rows, keys = torch.tensor([6, 7, 8]), torch.arange(8)
+    gm = make_fx(lambda x, picked_rows, picked_keys: build(x, length))(data, rows, keys)
+    (output,) = gm.graph.find_nodes(op="output")
+    _, row_node, key_node = gm.graph.find_nodes(op="placeholder")
+    with gm.graph.inserting_before(output):
+        output.args = (Selector(gm.graph)(output.args[0], ((2, row_node), (3, key_node))),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    run = _Shapes(gm)
+    run.shapes = []
+    got = run.run(data, rows, keys)
+    assert torch.equal(got, build(data, length)[:, :, rows][:, :, :, keys])
+    assert max(math.prod(shape) for shape in run.shapes) == 2 * 3 * 8, run.shapes  # batch x rows x keys
