@@ -133,3 +133,55 @@ def test_picked_mask_equals_the_whole_mask_cut_and_computes_nothing_square(build
     got = run.run(data, rows, keys)
     assert torch.equal(got, build(data, length)[:, :, rows][:, :, :, keys])
     assert max(math.prod(shape) for shape in run.shapes) == 2 * 3 * 8, run.shapes  # batch x rows x keys
+
+
+def test_document_mask_computes_only_the_rectangles_its_documents_reach(monkeypatch):
+    """Rank 2 of 3 at 6 tokens (queries 12..17, keys 0..17), documents [0, 10), [10, 14), [14, 18): no local
+    query sees keys 0..5, so that key piece costs nothing; of 6..11 only keys 10..11 for queries 12..13; of its
+    own piece the rows all, keys 12..17."""
+    from cp_passes.transports import block_attention
+
+    calls = []
+    attend = block_attention.attend
+
+    def counted(q, k, v, mask, causal, scale, math=False):
+        calls.append((q.shape[-2], k.shape[-2]))
+        return attend(q, k, v, mask, causal, scale, math)
+
+    monkeypatch.setattr(block_attention, "attend", counted)
+    q_pos, k_pos = torch.arange(12, 18), torch.arange(18)
+    doc = torch.bucketize(torch.arange(18), torch.tensor([10, 14]), right=True)
+    mask = (q_pos[:, None] >= k_pos[None, :]) & (doc[q_pos][:, None] == doc[k_pos][None, :])
+    q, k, v = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 18, 8), torch.randn(1, 2, 18, 8)
+    block_attention_op(q, k, v, mask, [0, 6], [0, 6, 12, 18], [FULL] * 3, 8 ** -0.5)
+    assert calls == [(2, 2), (6, 6)]
+
+
+@pytest.mark.parametrize("three_dims", [False, True])
+def test_values_wider_than_keys_and_3d_inputs_take_the_math_path_in_row_blocks(monkeypatch, three_dims):
+    """The CPU flash kernel takes [batch, heads, seq, dim] with values as wide as keys; MLA-style values (12
+    wide against keys of 8) and 3-D inputs go through the matmul-softmax path, here in blocks of one or two
+    query rows (a causal pair's triangle shifted with each block)."""
+    from cp_passes.transports import block_attention
+
+    monkeypatch.setattr(block_attention, "MATH_BLOCK", 50)
+    torch.manual_seed(0)
+    lead = (2,) if three_dims else (2, 4)
+    q = torch.randn(*lead, 6, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(*lead, 18, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(*lead, 18, 12, dtype=torch.float64, requires_grad=True)
+    out, _ = block_attention_op(q, k, v, None, [0, 6], [0, 12, 18], [FULL, CAUSAL], 8 ** -0.5)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=torch.arange(12, 18)[:, None] >= torch.arange(18))
+    grad = torch.randn_like(want)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    for got, expected in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(want, (q, k, v), grad)):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_a_mask_broadcast_over_queries_is_read_for_every_row():
+    """A mask of shape [.., 1, keys] stands for every query row: each pair computes all of its rows."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
+    keys = torch.tensor([True, False, True, True])
+    out, _ = block_attention_op(q, k, v, keys[None, :], [0, 4], [0, 4], [FULL], 8 ** -0.5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :]), rtol=0, atol=1e-12)

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.report.explain import format_record
@@ -320,3 +321,28 @@ def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world):
     assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
     assert not [s for s in memory.saved if re.search(r"\d+\*s\d+", s.shape)], memory.saved  # k * s: gathered
     assert memory.collective.what.startswith("cp_passes.sequence_gather.default (1, 2, 8*s")
+
+
+class _PaddedDocuments(torch.nn.Module):
+    """SDPA with a doc-id mask that also reads the doc ids directly in a pointwise op (padding as -1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids, doc_ids):
+        x = self.embed(input_ids)[:, None]
+        pos = torch.arange(input_ids.shape[1])
+        mask = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids != -1)[:, None, :]
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None]).square().sum()
+
+
+def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
+    """The mask's inputs keep their shapes in the picked subgraph, so a pointwise op on the doc ids themselves
+    takes the picks too: the mask is [2, 1, 16, 4 * 16] at rank 3, and nothing [S, S] is computed."""
+    compiled = cp_passes.cp_compile(_PaddedDocuments(), mesh=fake_world, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 16)), torch.zeros(2, 16, dtype=torch.long)).backward()
+    forward = compiled.compile_records[-1].aot_graphs["forward"]
+    assert "cp_passes.block_attention.default" in forward
+    assert not re.search(r"\[2, 1, 8\*s\d+, 8\*s\d+\]|\[8\*s\d+, 8\*s\d+\]", forward)
+    assert re.search(r"b8\[2, 1, s\d+, 4\*s\d+\]", forward)

@@ -3,7 +3,8 @@
 ``scaled_dot_product_attention`` over sharded K/V is causal (``is_causal``, or a causal mask the model
 builds), a causal sliding window (a band mask the model builds, or an ``AttentionRule`` in the spec),
 or full. A window takes the halo transport (``spec.window_transport``); the rest a sequence gather.
-Masks the model builds from metadata (doc ids) are re-evaluated over the whole sequence.
+Masks the model builds from metadata (doc ids) are evaluated at the rank's query rows and the keys brought
+(over the whole sequence where a window or sizes that depend on data need it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 from ..errors import module_path
 from ..graph.analysis import meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
-from ..transports.attention import AttentionKV
+from ..transports.attention import AttentionKV, evaluated_locally
 from ..transports.masks import band
 from .registry import Rewrite, RuleContext, register_rule
 
@@ -178,8 +179,9 @@ def sdpa_rule(ctx: RuleContext):
         names = ", ".join(leaf.name for leaf in metadata.tensor_leaves)
         envelope = (f"window {window} (spec)" if declared and declared.window else
                     f"window {window} read from the model's mask for one document" if window else "causal envelope")
-        notes.append(f"the model's mask from {names}, evaluated over the whole sequence; {envelope}, checked at run "
-                     f"time")
+        where = ("at this rank's rows and the keys brought" if evaluated_locally(metadata, window, halo, ctx.arg("dropout_p"))
+                 else "over the whole sequence")
+        notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}, checked at run time")
     elif window:
         notes.append(f"window {window} read from the model's mask")
     left_padding = declared.left_padding if declared is not None and halo else 0

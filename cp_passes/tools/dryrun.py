@@ -81,12 +81,13 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         single_gm = _export(build_model, inputs, spec)[0]
         single_forward, single_backward = partition(single_gm, [meta_val(n) for n in
                                                                 single_gm.graph.find_nodes(op="placeholder")])
-        whole = (sym, cp.layout.global_len(seq_len))
+        single_sym = _symbol(single_gm)
+        whole = (single_sym, cp.layout.global_len(seq_len))
         estimate = MemoryEstimate(
             cp.size, saved_for_backward(backward, forward), saved_for_backward(single_backward, single_forward, whole),
             largest([forward, backward], collective_output(collective_ops())),
             largest([forward], quadratic(sym)),
-            largest([single_forward], quadratic(_symbol(single_gm)), (_symbol(single_gm), whole[1])),
+            largest([single_forward], quadratic(single_sym), whole),
             parameter_bytes)
         record.saved = estimate.saved
     return DryRun(record, per_rank, parameter_bytes, estimate)

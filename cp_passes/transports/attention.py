@@ -93,7 +93,7 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     else:
         keys, values = move(k, "cp_k"), move(v, "cp_v")
     mask = None
-    if not halo and request.window is None and _no_dropout(request.dropout_p):
+    if blockwise(request.window, halo, request.dropout_p):
         _attend_blocks(edit, request, q, keys, values)
         return
     if request.mask is not None:
@@ -115,8 +115,16 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     edit.changed(node)
 
 
-def _no_dropout(p) -> bool:
-    return p is None or (isinstance(p, (int, float)) and p == 0)
+def blockwise(window, halo: bool, dropout_p) -> bool:
+    """Whether gathered attention runs as :func:`block_attention_op`: no window, no dropout."""
+    return not halo and window is None and (dropout_p is None or (isinstance(dropout_p, (int, float)) and
+                                                                    dropout_p == 0))
+
+
+def evaluated_locally(found: MetadataMask, window, halo: bool, dropout_p) -> bool:
+    """Whether a model-built mask is evaluated only at this rank's rows and the keys brought (:func:`local_mask`)
+    rather than over the whole sequence."""
+    return blockwise(window, halo, dropout_p) and not any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
 
 def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
@@ -197,12 +205,13 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node) -> torch.fx.Node:
     queries of the keys it brings against its own keys, where a key after its query must be masked. Every
     causal violation falls in one rank's block; the ranks add their counts (one all-reduce) and all fail
     together. Masks whose sizes depend on data take the whole-sequence path (:func:`global_mask`)."""
-    if any(free_unbacked_symbols(meta_val(n)) for n in found.nodes):
+    if not evaluated_locally(found, None, False, 0):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, None, False),
                            name="cp_mask_block")
     leaves, graph, env = _mask_leaves(edit, found), torch.fx.Graph(), {}
     for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
         env[leaf] = graph.placeholder(leaf.name)
+        env[leaf].meta["val"] = meta_val(leaf)  # the Selector reads ranks and size-1 dims (the same globally)
     rows, keys = graph.placeholder("query_positions"), graph.placeholder("key_positions")
     for n in found.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)

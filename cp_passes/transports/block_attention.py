@@ -15,8 +15,9 @@ before a key block costs nothing there).
 Autograd saves the inputs, the output and the logsumexp (``[.., queries]``): nothing ``[queries, keys]``.
 The backward calls each pair's attention backward with the merged output and logsumexp, which is exactly
 that pair's share of the gradient (what ring attention does). On CPU each pair is
-``aten._scaled_dot_product_flash_attention_for_cpu`` (grouped-query heads included); elsewhere an exact
-matmul-softmax of the pair.
+``aten._scaled_dot_product_flash_attention_for_cpu`` (grouped-query heads included) where it applies
+(``[batch, heads, seq, dim]``, values as wide as keys); elsewhere, and on other devices, an exact
+matmul-softmax of the pair in blocks of query rows, so that no more than ``MATH_BLOCK`` scores exist at once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ import torch
 aten = torch.ops.aten
 
 SKIP, FULL, CAUSAL = 0, 1, 2
+
+MATH_BLOCK = 1 << 26
+"""Most scores (fp32 or fp64 elements) the matmul-softmax path holds at once: a pair is split into blocks of
+query rows below this."""
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -52,47 +57,76 @@ def _fold(grad: torch.Tensor, heads: int) -> torch.Tensor:
     return grad.reshape(*shape[:-3], heads, shape[-3] // heads, *shape[-2:]).sum(-3)
 
 
-def _math_scores(q, k, mask, causal, scale):
+def _math_scores(q, k, mask, causal, scale, first_row: int = 0):
+    """Scores of rows ``first_row..`` of a pair (causal: key ``j`` visible to row ``i`` iff ``j <= i``)."""
     scores = (q.to(_lse_dtype(q)) @ _repeat(k, q.shape[-3]).to(_lse_dtype(q)).transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(),
-                                    float("-inf"))
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(first_row)
+        scores = scores.masked_fill(~visible, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return scores
 
 
+def _flash(q, k, v, math: bool) -> bool:
+    """Whether the CPU flash kernel takes this pair (4-D, values as wide as keys)."""
+    return not math and q.device.type == "cpu" and q.dim() == 4 and q.shape[-1] == k.shape[-1] == v.shape[-1]
+
+
+def _row_blocks(q, k):
+    """Query-row ranges for the matmul-softmax path: ``(start, stop)`` with at most ``MATH_BLOCK`` scores each."""
+    rows = q.shape[-2]
+    per_row = max(1, q[..., :1, :1].numel() * k.shape[-2])  # a score per (batch, head) and key
+    step = max(1, min(rows, MATH_BLOCK // per_row))
+    return [(start, min(rows, start + step)) for start in range(0, rows, step)]
+
+
+def _math_forward(q, k, v, mask, causal, scale, first_row):
+    scores = _math_scores(q, k, mask, causal, scale, first_row)
+    lse = torch.logsumexp(scores, -1)
+    weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])
+    return (weights @ _repeat(v, q.shape[-3]).to(weights.dtype)).to(q.dtype), lse
+
+
 def attend(q, k, v, mask, causal: bool, scale: float, math: bool = False):
     """One pair's ``(output, logsumexp)``; rows that see no key get logsumexp ``-inf`` (and output 0)."""
-    if q.device.type == "cpu" and not math:
+    if _flash(q, k, v, math):
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
                                                                     attn_mask=_bias(mask, q.dtype), scale=scale)
     else:
-        scores = _math_scores(q, k, mask, causal, scale)
-        lse = torch.logsumexp(scores, -1)
-        weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])
-        out = (weights @ _repeat(v, q.shape[-3]).to(weights.dtype)).to(q.dtype)
+        parts = [_math_forward(q[..., a:b, :], k, v, None if mask is None else mask[..., a:b, :], causal, scale, a)
+                 for a, b in _row_blocks(q, k)]
+        out, lse = torch.cat([p[0] for p in parts], -2), torch.cat([p[1] for p in parts], -1)
     if mask is not None:  # the CPU kernel reports logsumexp 0 for a row that sees nothing
         lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
     return out, lse
 
 
-def attend_backward(grad, q, k, v, mask, out, lse, causal: bool, scale: float, math: bool = False):
-    """One pair's ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` of its rows."""
-    lse = lse.masked_fill(lse == float("-inf"), 0)  # rows that see nothing anywhere: every weight is 0 anyway
-    if q.device.type == "cpu" and not math:
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+def _math_backward(grad, q, k, v, mask, out, lse, causal, scale, first_row):
     wide = _lse_dtype(q)
-    heads = k.shape[-3]
-    weights = torch.exp(_math_scores(q, k, mask, causal, scale) - lse[..., None])
+    weights = torch.exp(_math_scores(q, k, mask, causal, scale, first_row) - lse[..., None])
     g = grad.to(wide)
     dv = weights.transpose(-1, -2) @ g
     dp = g @ _repeat(v, q.shape[-3]).to(wide).transpose(-1, -2)
     ds = weights * (dp - (g * out.to(wide)).sum(-1, keepdim=True))
     dq = (ds @ _repeat(k, q.shape[-3]).to(wide)) * scale
     dk = (ds.transpose(-1, -2) @ q.to(wide)) * scale
-    return dq.to(q.dtype), _fold(dk, heads).to(k.dtype), _fold(dv, heads).to(v.dtype)
+    return dq, dk, dv
+
+
+def attend_backward(grad, q, k, v, mask, out, lse, causal: bool, scale: float, math: bool = False):
+    """One pair's ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` of its rows."""
+    lse = lse.masked_fill(lse == float("-inf"), 0)  # rows that see nothing anywhere: every weight is 0 anyway
+    if _flash(q, k, v, math):
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+    heads, dq, dk, dv = k.shape[-3], [], 0, 0
+    for a, b in _row_blocks(q, k):
+        part = _math_backward(grad[..., a:b, :], q[..., a:b, :], k, v, None if mask is None else mask[..., a:b, :],
+                              out[..., a:b, :], lse[..., a:b], causal, scale, a)
+        dq.append(part[0])
+        dk, dv = dk + part[1], dv + part[2]
+    return torch.cat(dq, -2).to(q.dtype), _fold(dk, heads).to(k.dtype), _fold(dv, heads).to(v.dtype)
 
 
 def _span(flags: torch.Tensor) -> tuple[int, int] | None:
@@ -113,14 +147,15 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds):
             if mask is None:
                 yield rows, keys, None, kind == CAUSAL
                 continue
-            block = mask[..., rows, keys]
+            # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
+            block = mask[..., rows, keys].expand(*mask.shape[:-2], rows.stop - rows.start, keys.stop - keys.start)
             flat = block.reshape(-1, *block.shape[-2:])
             row_span, key_span = _span(flat.any(0).any(-1)), _span(flat.any(0).any(0))
             if row_span is None:
                 continue
             rows = slice(rows.start + row_span[0], rows.start + row_span[1])
             keys = slice(keys.start + key_span[0], keys.start + key_span[1])
-            yield rows, keys, mask[..., rows, keys], False
+            yield rows, keys, block[..., row_span[0]:row_span[1], key_span[0]:key_span[1]], False
 
 
 def _merge(acc_out, acc_lse, out, lse, rows):
