@@ -126,9 +126,10 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     of the suite's and twice the model's one-device floor (:func:`_split_floor`): computing as CP does moves
     the indexed layer's hyper-connection scale gradient, which cancels to a small total, by up to 7.9e-4 of
     its size. (In fp64, where only the KDA fallback's own fp32 rounding remains, CP at P = 4 differs from one
-    device by 3.80e-4, and one device computing as CP does by 3.76e-4.) Every KDA layer's short conv goes by halo and its recurrence by the affine carry; the indexed
-    layer receives the other ranks' rows of what its indexer reads besides its own nodes (the layer input,
-    64 wide, and q's low-rank input, 16) and of K and V (2 heads x 16 each): batch 2, fp32."""
+    device by 3.80e-4, and one device computing as CP does by 3.76e-4.) Every KDA layer's short conv goes by
+    halo and its recurrence by the affine carry; the indexed layer receives the other ranks' rows of what its
+    indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and of K and V
+    (2 heads x 16 each): batch 2, fp32."""
     model = hf_glm5_next(layer_types=GLM5_LAYERS)
     out = model(**batch).last_hidden_state
     loss = out.pow(2).sum()
