@@ -346,3 +346,30 @@ def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
     assert "cp_passes.block_attention.default" in forward
     assert not re.search(r"\[2, 1, 8\*s\d+, 8\*s\d+\]|\[8\*s\d+, 8\*s\d+\]", forward)
     assert re.search(r"b8\[2, 1, s\d+, 4\*s\d+\]", forward)
+
+
+@pytest.mark.parametrize("autocast,packed", [(False, True), (True, False)])
+def test_every_rank_s_backward_issues_the_same_collectives(fake_world, monkeypatch, autocast, packed):
+    """The ranks' graphs differ (rank 0 attends to its own keys only, the others to earlier ranks' too), so
+    the partitioner must not be free to keep a gathered copy on some ranks and gather again on others: every
+    node between a gather and the attention is a transport's, tagged for recomputation. The backward's
+    collectives, in order, are the same on ranks 0, 1, 3 and 7 of 8 (the agreement check covers the forward
+    only). Under bf16 autocast K and V are gathered apart (fp32 keys after the rotation, bf16 values), which
+    once let the later ranks keep their cast keys and hung the backward at P = 4."""
+    schedules = []
+    for rank in (0, 1, 3, WORLD - 1):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        torch.manual_seed(0)
+        model = ToyLlama(ToyLlamaConfig(n_layers=2))
+        compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
+        ids = torch.randint(0, 256, (2, 16))
+        extra = {"doc_ids": torch.zeros(2, 16, dtype=torch.long)} if packed else {}
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, _ = compiled(ids, labels=ids, **extra)
+        loss.backward()
+        record = compiled.compile_records[-1]
+        assert record.rank == rank
+        schedules.append([re.sub(r"\(.*", "", line.split(" = ", 1)[1]) for line in
+                          record.aot_graphs["backward"].splitlines()
+                          if " = torch.ops.cp_passes." in line and ("gather" in line or "scatter" in line)])
+    assert schedules[0] and all(s == schedules[0] for s in schedules), schedules

@@ -138,6 +138,10 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
     if request.mask is not None:
         mask = local_mask(edit, request.mask, q)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
+    # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
+    # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
+    q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
+                       for x, name in ((q, "q"), (keys, "k"), (values, "v")))
     both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale),
                        name="cp_block_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
@@ -188,6 +192,13 @@ def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[lis
                 m.append(c)
         k_bounds, kinds = merged_bounds, [c for m in merged for c in m]
     return q_bounds, k_bounds, kinds
+
+
+def autocast_like_sdpa(x: torch.Tensor) -> torch.Tensor:
+    """``x`` cast as SDPA's inputs are under autocast (to the autocast dtype; unchanged without autocast):
+    :func:`block_attention_op` has no autocast rule of its own."""
+    device = x.device.type
+    return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
 def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale):
