@@ -60,7 +60,8 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
         assert r.lower_bound_bytes == RANK * local_kv * 4  # causal: rank 3 needs ranks 0..2
     after = record.history[-1][1]
     assert "torch.ops.cp_passes.sequence_gather.default(cp_kv" in after
-    assert "gathered_attention(add, cp_k_visible, cp_v_visible, None" in after  # K/V at kv_heads
+    assert "autocast_like_sdpa(cp_k_visible)" in after and "autocast_like_sdpa(cp_v_visible)" in after
+    assert "gathered_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, None" in after
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
