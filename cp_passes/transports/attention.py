@@ -21,8 +21,8 @@ from ..errors import CPCompileError
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
-from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from ..graph.selection import Selector
+from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from .masks import (MetadataMask, causal_mask, global_shaped, mask_block, query_positions,
                     visible_key_positions, visible_keys)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
@@ -124,7 +124,12 @@ def blockwise(window, halo: bool, dropout_p) -> bool:
 def evaluated_locally(found: MetadataMask, window, halo: bool, dropout_p) -> bool:
     """Whether a model-built mask is evaluated only at this rank's rows and the keys brought (:func:`local_mask`)
     rather than over the whole sequence."""
-    return blockwise(window, halo, dropout_p) and not any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
+    return blockwise(window, halo, dropout_p) and not _sized_by_data(found)
+
+
+def _sized_by_data(found: MetadataMask) -> bool:
+    """Whether the mask's sizes depend on data (an indexer's top-k width): it is then inlined node by node."""
+    return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
 
 def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
@@ -166,6 +171,7 @@ def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[lis
     k_bounds = [0]
     for start, stop in k_ranges:
         k_bounds.append(k_bounds[-1] + stop - start)
+
     def kind(q_range, k_range):
         if not causal:
             return FULL
@@ -216,21 +222,11 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node) -> torch.fx.Node:
     queries of the keys it brings against its own keys, where a key after its query must be masked. Every
     causal violation falls in one rank's block; the ranks add their counts (one all-reduce) and all fail
     together. Masks whose sizes depend on data take the whole-sequence path (:func:`global_mask`)."""
-    if not evaluated_locally(found, None, False, 0):
+    if _sized_by_data(found):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, None, False),
                            name="cp_mask_block")
-    leaves, graph, env = _mask_leaves(edit, found), torch.fx.Graph(), {}
-    for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
-        env[leaf] = graph.placeholder(leaf.name)
-        env[leaf].meta["val"] = meta_val(leaf)  # the Selector reads ranks and size-1 dims (the same globally)
-    rows, keys = graph.placeholder("query_positions"), graph.placeholder("key_positions")
-    for n in found.nodes:
-        env[n] = graph.node_copy(n, env.__getitem__)
-    rank_of = meta_val(found.mask).dim()
-    graph.output(Selector(graph)(env[found.mask], ((rank_of - 2, rows), (rank_of - 1, keys))))
-    graph.eliminate_dead_code()  # the whole-sequence nodes the picks went around
-    name = f"cp_mask_fn_{edit.origin.name}"
-    module = torch.fx.GraphModule(edit.gm, graph)
+    leaves = _mask_leaves(edit, found)
+    name, module = f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world), name="cp_query_positions")
     brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world), name="cp_key_positions")
     mask = edit.call_module(name, module, leaves + [positions, brought])
@@ -258,6 +254,8 @@ def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
     without gradient, detached), global lengths, and the parameters it reads."""
 
     def detached(leaf):
+        """This rank's ``leaf`` as the rewritten graph computes it (a scan's, say, after its carry), without
+        its autograd edge (the graph's fake values do not say which tensors require grad: any float may)."""
         now = edit.current(leaf)
         if not meta_val(leaf).is_floating_point():
             return now
@@ -278,15 +276,29 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
     activations, for a mask computed without gradient), global lengths and the parameters it reads."""
     leaves = _mask_leaves(edit, found)
-    if any(free_unbacked_symbols(meta_val(n)) for n in found.nodes):
+    if _sized_by_data(found):
         # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
         env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))
         for n in found.nodes:
             env[n] = edit.copy(n, env, name=f"cp_mask_{n.name}")
         return env[found.mask]
-    graph = torch.fx.Graph()
-    env = {leaf: graph.placeholder(leaf.name) for leaf in found.tensor_leaves + found.size_leaves + found.inputs}
+    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=False), leaves)
+
+
+def _mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule:
+    """The mask's subgraph as a module of its leaves (:func:`_mask_leaves`' order); ``picked`` adds two inputs,
+    the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`)."""
+    graph, env = torch.fx.Graph(), {}
+    for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
+        env[leaf] = graph.placeholder(leaf.name)
+        env[leaf].meta["val"] = meta_val(leaf)  # the Selector reads ranks and size-1 dims (the same globally)
+    picks = (graph.placeholder("query_positions"), graph.placeholder("key_positions")) if picked else ()
     for n in found.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)
-    graph.output(env[found.mask])
-    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", torch.fx.GraphModule(edit.gm, graph), leaves)
+    out = env[found.mask]
+    if picked:
+        rank = meta_val(found.mask).dim()
+        out = Selector(graph)(out, ((rank - 2, picks[0]), (rank - 1, picks[1])))
+    graph.output(out)
+    graph.eliminate_dead_code()  # the whole-sequence nodes the picks went around
+    return torch.fx.GraphModule(edit.gm, graph)
