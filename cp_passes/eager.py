@@ -6,26 +6,34 @@ import torch
 import torch.distributed as dist
 
 from .group import resolve_group
+from .layout import CONTIGUOUS
 from .transports.gather import sequence_gather_op
 from .transports.halo import halo_op
 
 
-def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0) -> torch.Tensor:
-    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``."""
+def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0, layout=None) -> torch.Tensor:
+    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``,
+    for each of the rank's ranges of ``layout`` (the ``ShardLayout`` from :func:`cp_passes.shard_batch`;
+    contiguous shards without it)."""
     cp = resolve_group(mesh)
-    return halo_op(x, dim, halo, left_padding, cp.rank, cp.size, cp.name)
+    kind = layout.layout.kind if layout is not None else CONTIGUOUS
+    return halo_op(x, dim, halo, left_padding, cp.rank, cp.size, cp.name, kind)
 
 
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> torch.Tensor:
-    """Reassemble a sequence-sharded tensor on every rank (differentiable).
+    """Reassemble a sequence-sharded tensor on every rank (differentiable), in global order.
 
-    With the ``ShardLayout`` from :func:`cp_passes.shard_batch`, the padding is cut off again.
+    ``layout`` is the ``ShardLayout`` from :func:`cp_passes.shard_batch`: it says which positions each rank
+    holds (a balanced layout's rows are reordered), and the padding is cut off again.
     """
     cp = resolve_group(mesh)
+    if layout is None:
+        if cp.size > 1:
+            raise ValueError("gather_sequence needs layout=, the ShardLayout shard_batch returned: it says which "
+                             "positions each rank holds (a balanced layout's are not in rank order)")
+        return local
     full = local if cp.size == 1 else sequence_gather_op(local, dim, cp.size, cp.name)
-    if layout is not None:
-        full = full.narrow(dim, 0, layout.seq_len)
-    return full
+    return layout.in_global_order(full, dim)
 
 
 def all_reduce_gradients(module: torch.nn.Module, mesh) -> None:

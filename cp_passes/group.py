@@ -6,25 +6,28 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import CONTIGUOUS, Layout, resolve_layout
 
 
 @dataclass(frozen=True)
 class CPGroup:
-    """The CP group: its name (what functional collectives address), this rank, the size and the layout."""
+    """The CP group: its name (what functional collectives address), this rank, the size and the layout kind
+    (:func:`cp_passes.layout.resolve_layout` from the spec)."""
 
     group: dist.ProcessGroup
     name: str
     rank: int
     size: int
+    kind: str = CONTIGUOUS
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.size)
+        return Layout(self.size, self.kind)
 
 
-def resolve_group(mesh) -> CPGroup:
-    """Accept a 1-D ``DeviceMesh`` or a ``ProcessGroup`` for the CP dimension."""
+def resolve_group(mesh, spec=None) -> CPGroup:
+    """Accept a 1-D ``DeviceMesh`` or a ``ProcessGroup`` for the CP dimension; the layout is the one ``spec``
+    resolves to (contiguous without a spec)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(mesh, DeviceMesh):
@@ -38,4 +41,6 @@ def resolve_group(mesh) -> CPGroup:
         group = mesh
     else:
         raise TypeError(f"mesh must be a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
-    return CPGroup(group, group.group_name, dist.get_rank(group), dist.get_world_size(group))
+    size = dist.get_world_size(group)
+    kind = CONTIGUOUS if spec is None else resolve_layout(spec, size)[0].kind
+    return CPGroup(group, group.group_name, dist.get_rank(group), size, kind)

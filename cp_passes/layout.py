@@ -2,13 +2,19 @@
 
 Every question of the form "where is position p" is answered here and nowhere else: the batch side
 (:func:`cp_passes.shard_batch`) slices with it, the graph side (positions, masks, halos, gathers and
-their byte counts) computes with it. The local length may be a ``SymInt``: the contiguous layout's
-arithmetic adds no guards, so one compiled graph serves every length.
+their byte counts) computes with it. The local length may be a ``SymInt``: the arithmetic adds no guards,
+so one compiled graph serves every length.
 
-A rank holds one or more global ranges ``[start, stop)``, concatenated in local order; a gather
-concatenates every rank's rows in rank order. ``CONTIGUOUS`` (rank ``r`` holds ``[r * L, (r + 1) * L)``)
-is the only kind today; a balanced layout (a head and a tail range per rank) adds a kind here, and the
-transports that need contiguous shards say so (see :mod:`cp_passes.transports`).
+A rank holds ``chunks`` equal ranges of the sequence, concatenated in local order; a gather concatenates
+every rank's rows in rank order. Two kinds:
+
+- ``CONTIGUOUS``: rank ``r`` holds ``[r * L, (r + 1) * L)``. A causal query on the last rank sees every
+  key, on the first only its own: the last rank does ``P`` times the first's attention work.
+- ``BALANCED``: the sequence is cut into ``2P`` chunks of ``L / 2`` and rank ``r`` holds chunks ``r`` and
+  ``2P - 1 - r`` (head and tail, "zigzag"): every rank's causal queries see ``2P + 1`` chunks of keys.
+
+Which kind a model gets is :func:`resolve_layout`'s decision, from the spec, so that
+:func:`~cp_passes.shard_batch` and :func:`~cp_passes.cp_compile` agree before any graph exists.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from dataclasses import dataclass
 import torch
 
 CONTIGUOUS = "contiguous"
-KINDS = (CONTIGUOUS,)
+BALANCED = "balanced"
+KINDS = (CONTIGUOUS, BALANCED)
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -35,12 +43,39 @@ class Layout:
             raise ValueError(f"Layout.kind must be one of {KINDS}, got {self.kind!r}")
 
     # -- rank <-> global position -----------------------------------------------------------
+    @property
+    def chunks(self) -> int:
+        """How many ranges each rank holds (the local length is a multiple of it)."""
+        return 2 if self.kind == BALANCED else 1
+
     def global_len(self, local_len):
         return self.world * local_len
 
+    def chunk_len(self, local_len):
+        """The length of each of a rank's ranges. A symbolic local length is checked to divide (a guard and a
+        run-time assert), which also lets the shape arithmetic see that ``chunks * chunk_len`` is the local
+        length."""
+        if self.chunks > 1:
+            torch._check(local_len % self.chunks == 0, lambda: (
+                f"cp_passes: a {self.kind} layout needs a local length divisible by {self.chunks}, got {local_len}; "
+                f"shard the batch with cp_passes.shard_batch and the same spec (it pads to a multiple of "
+                f"{self.chunks * self.world})"))
+        return local_len // self.chunks
+
+    def chunk_indices(self, rank: int) -> tuple[int, ...]:
+        """The global chunk index (chunks of ``local_len / chunks`` positions) of each range of ``rank``."""
+        if self.kind == BALANCED:
+            return rank, 2 * self.world - 1 - rank
+        return (rank,)
+
+    def gather_chunks(self) -> list[int]:
+        """The global chunk index of every range of a gather (every rank's ranges in rank order)."""
+        return [c for rank in range(self.world) for c in self.chunk_indices(rank)]
+
     def ranges(self, rank: int, local_len) -> tuple[tuple[object, object], ...]:
         """The global ``[start, stop)`` ranges rank ``rank`` holds, in local order."""
-        return ((rank * local_len, (rank + 1) * local_len),)
+        size = self.chunk_len(local_len)
+        return tuple((c * size, (c + 1) * size) for c in self.chunk_indices(rank))
 
     def start(self, rank: int, local_len):
         """The global position of rank ``rank``'s first local row."""
@@ -63,28 +98,35 @@ class Layout:
                 offset += stop - start
         raise AssertionError("unreachable: the ranges cover the sequence")
 
+    def sources(self, start: int, stop: int, local_len: int) -> list[tuple[int | None, int, int]]:
+        """Where the global positions ``[start, stop)`` are held: ``(owner rank, owner's first local row,
+        rows)`` pieces in order, owner ``None`` for positions outside the sequence. ``local_len`` is
+        concrete."""
+        total, pieces, cur = self.global_len(local_len), [], start
+        while cur < stop:
+            if cur < 0 or cur >= total:
+                rows = min(stop, 0) - cur if cur < 0 else stop - cur
+                pieces.append((None, 0, rows))
+            else:
+                owner, row, left = self._locate(cur, local_len)
+                rows = min(stop - cur, left)
+                pieces.append((owner, row, rows))
+            cur += rows
+        return pieces
+
     def shifted_sources(self, offset: int, rank: int, local_len: int) -> list[tuple[int | None, int, int]]:
         """Where rank ``rank``'s rows come from when every local row reads global position ``p + offset``:
-        ``(owner rank, owner's first local row, rows)`` pieces in local order, owner ``None`` for positions
-        outside the sequence. ``local_len`` is concrete."""
-        total, pieces = self.global_len(local_len), []
-        for start, stop in self.ranges(rank, local_len):
-            cur, end = start + offset, stop + offset
-            while cur < end:
-                if cur < 0 or cur >= total:
-                    rows = min(end, 0) - cur if cur < 0 else end - cur
-                    pieces.append((None, 0, rows))
-                else:
-                    owner, row, left = self._locate(cur, local_len)
-                    rows = min(end - cur, left)
-                    pieces.append((owner, row, rows))
-                cur += rows
-        return pieces
+        :meth:`sources` pieces in local order. ``local_len`` is concrete."""
+        return [piece for start, stop in self.ranges(rank, local_len)
+                for piece in self.sources(start + offset, stop + offset, local_len)]
 
     def positions(self, rank: int, local_len, device=None) -> torch.Tensor:
         """The global position of every local row of rank ``rank`` (``[local_len]`` int64)."""
-        pieces = [torch.arange(start, stop, device=device) for start, stop in self.ranges(rank, local_len)]
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        rows = torch.arange(local_len, device=device)
+        if self.kind != BALANCED:
+            return rows + rank * local_len
+        size = self.chunk_len(local_len)  # the tail's rows move from local row `size` to chunk 2P - 1 - r
+        return torch.where(rows < size, rows + rank * size, rows + (2 * self.world - 2 - rank) * size)
 
     def gathered_positions(self, local_len, device=None) -> torch.Tensor:
         """The global position of every row of a gather (every rank's rows in rank order)."""
@@ -93,41 +135,111 @@ class Layout:
     def shard(self, tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
         """Rank ``rank``'s rows of a global tensor along ``dim``."""
         local = tensor.shape[dim] // self.world
-        return torch.cat([tensor.narrow(dim, start, stop - start) for start, stop in self.ranges(rank, local)], dim)
+        pieces = [tensor.narrow(dim, start, stop - start) for start, stop in self.ranges(rank, local)]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim)
+
+    def unshard(self, gathered: torch.Tensor, dim: int) -> torch.Tensor:
+        """A gather (every rank's rows in rank order along ``dim``) in global order."""
+        if self.kind == CONTIGUOUS:
+            return gathered
+        local = gathered.shape[dim] // self.world
+        order = torch.argsort(self.gathered_positions(local, gathered.device))
+        return gathered.index_select(dim, order)
 
     # -- what a transport moves -------------------------------------------------------------
     def visible_prefix(self, rank: int, local_len):
         """How many leading rows of a gather a causal query on ``rank`` can see: the rows of every rank
         whose positions all precede (or are) this rank's last position."""
+        if self.kind == BALANCED:
+            return self.global_len(local_len)  # rank 0's tail is the sequence's last chunk
         return (rank + 1) * local_len
 
+    def seen_before(self, rank: int, local_len):
+        """How many rows of other ranks causal queries on ``rank`` see: those of every range before its last
+        one that it does not hold (the lower bound of what a causal gather brings it)."""
+        mine = self.chunk_indices(rank)
+        return (max(mine) + 1 - len(mine)) * self.chunk_len(local_len)
+
     def preceding_ranks(self, rank: int) -> list[int]:
-        """The ranks all of whose positions precede all of rank ``rank``'s (a scan's carry comes from them)."""
+        """The ranks all of whose positions precede all of rank ``rank``'s (a recurrent carry comes from them:
+        contiguous shards only)."""
+        if self.kind != CONTIGUOUS:
+            raise ValueError(f"a {self.kind} layout has no ranks that precede a rank as a whole")
         return list(range(rank))
+
+    def preceding_chunks(self, rank: int) -> list[list[bool]]:
+        """For each of rank ``rank``'s ranges, which ranges of a gather (:meth:`gather_chunks` order) precede
+        it in the sequence."""
+        order = self.gather_chunks()
+        return [[c < mine for c in order] for mine in self.chunk_indices(rank)]
 
     def first_is_local(self, rank: int) -> bool:
         """Whether causal attention over the keys a gather lets rank ``rank`` see is plain causal attention
         over its own rows (it holds the sequence's first positions and sees nothing else)."""
-        return rank == 0
+        return rank == 0 and self.chunks == 1
+
+    def halo_sources(self, halo: int, rank: int, local_len: int) -> list[list[tuple[int | None, int, int]]]:
+        """For each of rank ``rank``'s ranges, where the ``halo`` positions before it are held
+        (:meth:`sources` pieces: owner ``None`` before the sequence start, owner ``rank`` for rows it holds
+        itself). ``local_len`` is concrete."""
+        return [self.sources(start - halo, start, local_len) if halo > 0 else []
+                for start, _ in self.ranges(rank, local_len)]
 
     def halo_counts(self, halo: int, rank: int, local_len: int) -> tuple[list[int], list[int], int]:
-        """Rows rank ``rank`` sends to and receives from every rank for a halo of the ``halo`` positions
-        before its shard, and how many of those precede the sequence start (zeros). Exactly the rows
-        needed move, from as many preceding ranks as the halo spans. ``local_len`` is concrete."""
-        if halo <= 0:
-            return [0] * self.world, [0] * self.world, 0
-
-        def rows(k):  # rows rank r needs from rank r - 1 - k
-            return max(0, min(local_len, halo - k * local_len))
-
-        send = [rows(r - rank - 1) if r > rank else 0 for r in range(self.world)]
-        recv = [rows(rank - q - 1) if q < rank else 0 for q in range(self.world)]
-        return send, recv, self.leading_zeros(halo, rank, local_len)
+        """Rows rank ``rank`` sends to and receives from every other rank for a halo of the ``halo``
+        positions before each of its ranges, and how many of those precede the sequence start (zeros).
+        Exactly the needed rows move; rows it holds itself are copied. ``local_len`` is concrete."""
+        send, recv, zeros = [0] * self.world, [0] * self.world, 0
+        for other in range(self.world):
+            for pieces in self.halo_sources(halo, other, local_len):
+                for owner, _, rows in pieces:
+                    if other == rank and owner is None:
+                        zeros += rows
+                    elif other == rank and owner != rank:
+                        recv[owner] += rows
+                    elif other != rank and owner == rank:
+                        send[other] += rows
+        return send, recv, zeros
 
     def leading_zeros(self, halo: int, rank: int, local_len: int) -> int:
-        """How many of the ``halo`` positions before rank ``rank``'s shard precede the sequence start."""
-        return max(0, halo - rank * local_len) if halo > 0 else 0
+        """How many of the ``halo`` positions before rank ``rank``'s ranges precede the sequence start."""
+        return sum(rows for pieces in self.halo_sources(halo, rank, local_len)
+                   for owner, _, rows in pieces if owner is None)
 
-    def halo_positions(self, halo: int, rank: int, local_len, device=None) -> torch.Tensor:
-        """Global positions of the rows of ``[halo rows, local rows]`` (negative before the sequence)."""
-        return torch.arange(halo + local_len, device=device) + (self.start(rank, local_len) - halo)
+    def halo_positions(self, halo: int, rank: int, local_len, device=None, left_padding: int = 0) -> torch.Tensor:
+        """Global positions of the rows of a halo: for each range, ``[left_padding rows (-1), halo rows,
+        the range's rows]`` (positions before the sequence start are negative)."""
+        pieces = []
+        for start, stop in self.ranges(rank, local_len):
+            if left_padding:
+                pieces.append(torch.full((left_padding,), -1, device=device))
+            pieces.append(torch.arange(stop - start + halo, device=device) + (start - halo))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def halo_segments(self, halo: int, local_len, device=None, left_padding: int = 0) -> torch.Tensor:
+        """Which range each row of a halo (:meth:`halo_positions`) belongs to (``[rows]`` int64)."""
+        size = self.chunk_len(local_len) + halo + left_padding
+        return torch.arange(self.chunks * size, device=device) // size
+
+    def query_segments(self, local_len, device=None) -> torch.Tensor:
+        """Which range each local row belongs to (``[local_len]`` int64)."""
+        return torch.arange(local_len, device=device) // self.chunk_len(local_len)
+
+
+def resolve_layout(spec, world: int) -> tuple[Layout, str]:
+    """The layout a spec asks for at ``world`` ranks, and why. ``auto`` is balanced unless the spec declares
+    something whose rows must stay in sequence order on each rank: a :class:`~cp_passes.spec.Recurrence`
+    (its state flows from rank to rank) or an eager module (hand-written CP code for contiguous shards).
+    Decided from the spec alone, so the batch and the graph agree before the model runs."""
+    asked = getattr(spec, "layout", AUTO)
+    if world == 1:
+        return Layout(1), "one rank holds the whole sequence"
+    if asked == CONTIGUOUS:
+        return Layout(world), "the spec asks for it (CPSpec(layout='contiguous'))"
+    if asked == BALANCED:
+        return Layout(world, BALANCED), "the spec asks for it (CPSpec(layout='balanced'))"
+    needs = [f"Recurrence {r.kernel!r} (its state flows from rank to rank)" for r in spec.recurrences]
+    needs += [f"eager module {m!r} (hand-written for contiguous shards)" for m in spec.eager_modules]
+    if needs:
+        return Layout(world), f"auto: {'; '.join(needs)} needs contiguous shards"
+    return Layout(world, BALANCED), "auto: every transport this spec can use supports it"

@@ -16,6 +16,10 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
+from .layout import AUTO, KINDS
+
+LAYOUTS = (AUTO,) + KINDS
+
 
 def _check_names(field: str, value) -> None:
     if value is None:
@@ -184,6 +188,13 @@ class CPSpec:
     prefix; checked at run time against the masks the data gives) or "all" (every key: for masks that let a
     query see later keys only for some data, such as a prefix-LM's prompt)."""
 
+    layout: str = "auto"
+    """Which positions each rank holds (:mod:`cp_passes.layout`): "balanced" (the sequence in ``2P`` chunks, rank
+    ``r`` holds chunks ``r`` and ``2P - 1 - r``: every rank does the same causal attention work), "contiguous"
+    (rank ``r`` holds the ``r``-th ``1/P``), or "auto": balanced unless the spec declares a recurrence or an
+    eager module, which need contiguous shards (:func:`cp_passes.layout.resolve_layout`). Batches sharded by
+    :func:`cp_passes.shard_batch` with the same spec follow it."""
+
     recurrences: tuple[Recurrence, ...] = ()
     """Recurrent kernels whose state flows from rank to rank (see :class:`Recurrence`)."""
 
@@ -234,6 +245,8 @@ class CPSpec:
             raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
         if self.attention_keys not in ("visible", "all"):
             raise ValueError(f"CPSpec.attention_keys must be 'visible' or 'all', got {self.attention_keys!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"CPSpec.layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.recurrences, tuple) or not all(isinstance(r, Recurrence) for r in self.recurrences):
             raise ValueError(f"CPSpec.recurrences must be a tuple of Recurrence, got {self.recurrences!r}")
         if not isinstance(self.attention, tuple) or not all(isinstance(a, AttentionRule) for a in self.attention):

@@ -20,6 +20,13 @@ def toy_batch(seq_len: int, batch: int = 2, vocab: int = 256, seed: int = 1) -> 
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(batch, seq_len).clone(), "labels": labels}
 
 
+def in_global_order(results: list[dict], key: str, dim: int = 1) -> torch.Tensor:
+    """Every rank's ``key`` concatenated along ``dim`` and put in the order of the global sequence: each
+    result names its local rows' global positions (``"positions"``, from ``ShardLayout.positions``)."""
+    positions = torch.cat([r["positions"] for r in results])
+    return torch.cat([r[key] for r in results], dim).index_select(dim, torch.argsort(positions))
+
+
 def toy_model(seed: int = 0, **config) -> ToyLlama:
     torch.manual_seed(seed)
     return ToyLlama(ToyLlamaConfig(**config))
@@ -44,7 +51,8 @@ def toy_parity(group, backend: str, config: dict, seq_lens: list[int], pass_posi
         loss, logits = compiled(**local)
         loss.backward()
         results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": _grads(model),
-                        "valid": layout.valid, "start": layout.start, "compiles": len(compiled.compile_records),
+                        "valid": layout.valid, "positions": layout.positions,
+                        "compiles": len(compiled.compile_records),
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
                                     for r in compiled.compile_records[-1].records]})
     return results
@@ -165,7 +173,7 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
             out = compiled(**local, labels=local["shift_labels"], **extra, **call)
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
-                        "valid": layout.valid, "compiles": len(compiled.compile_records),
+                        "valid": layout.valid, "positions": layout.positions, "compiles": len(compiled.compile_records),
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
                                     for r in compiled.compile_records[-1].records]})
     return results
@@ -259,7 +267,7 @@ def scan_parity(group, backend: str, seq_lens: list[int], model: str) -> list[di
         loss, logits = compiled(**local)
         loss.backward()
         results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": _grads(model),
-                        "valid": layout.valid, "records": [(r.rule, r.transport)
+                        "valid": layout.valid, "positions": layout.positions, "records": [(r.rule, r.transport)
                                                            for r in compiled.compile_records[-1].records]})
     return results
 
@@ -356,6 +364,7 @@ def mixer_batch(seq_len: int) -> dict:
 def _step(model, compiled, loss, out, layout) -> dict:
     """One step's results on this rank: loss, outputs, gradients, which rows are real, the rewrite table."""
     return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+            "positions": layout.positions,
             "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes) for r in compiled.compile_records[-1].records]}
 
 
@@ -426,31 +435,33 @@ def running_extremes(group, ids: torch.Tensor) -> list:
     return [(r.values, r.indices) for r in compiled(**local)]
 
 
-def shift_roundtrip(group, seq_len: int, offsets: list[int]) -> list[dict]:
+def shift_roundtrip(group, seq_len: int, offsets: list[int], kind: str = "contiguous") -> list[dict]:
     """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
     from cp_passes.group import resolve_group
     from cp_passes.transports.shift import shift_op
 
     cp = resolve_group(group)
     x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    local, _ = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",)))
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
     results = []
     for offset in offsets:
         x = local["x"].clone().requires_grad_()
-        out = shift_op(x, 1, offset, -1.0, cp.rank, cp.size, cp.name)
+        out = shift_op(x, 1, offset, -1.0, cp.rank, cp.size, cp.name, shard.layout.kind)
         (out * torch.arange(1, out.shape[1] + 1, dtype=torch.float32)[None, :, None]).sum().backward()
-        results.append({"out": out.detach(), "grad": x.grad})
+        results.append({"out": out.detach(), "grad": x.grad, "positions": shard.positions,
+                        "padded": shard.padded_len})
     return results
 
 
-def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int) -> dict:
+def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str = "contiguous") -> dict:
     """gather_halo against slicing the global tensor; gradients go back to the owners."""
     x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    local, _ = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",)))
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
     x = local["x"].requires_grad_()
-    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding)
+    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding, layout=shard)
     (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
-    return {"out": out.detach(), "grad": x.grad}
+    return {"out": out.detach(), "grad": x.grad, "ranges": shard.slices[shard.rank], "positions": shard.positions,
+            "padded": shard.padded_len}
 
 
 def packed_batch(seq_len: int, layout: list, vocab: int, seed: int = 3) -> dict:
@@ -495,6 +506,7 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
         loss, logits = (out.loss, out.logits) if hf else out
         loss.backward()
         results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": _grads(net), "valid": shard.valid,
+                        "positions": shard.positions,
                         "rules": [r.rule for r in compiled.compile_records[-1].records]})
     return results
 
@@ -1288,4 +1300,4 @@ def bf16_parity(group, mode: str, seq_len: int, config: dict, backend: str = "ao
     local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)
     local.pop("position_ids")
     loss, logits, grads = bf16_step(model, mode, local, compiled)
-    return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid}
+    return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid, "positions": layout.positions}

@@ -19,10 +19,11 @@ def refusal(batch, spec=None, error=ValueError, **kwargs) -> str:
 
 
 def whole(batch, spec=None, world=2, **kwargs) -> dict:
-    """Every rank's shard, concatenated back along the sequence."""
-    shards = [shard_for_rank(batch, rank, world, spec, **kwargs)[0] for rank in range(world)]
-    return {key: torch.cat([s[key] for s in shards], dim=1) for key in shards[0]
-            if isinstance(shards[0][key], torch.Tensor)}
+    """Every rank's shard, put back in the global order of the spec's layout."""
+    shards = [shard_for_rank(batch, rank, world, spec, **kwargs) for rank in range(world)]
+    layout = shards[0][1].layout
+    return {key: layout.unshard(torch.cat([s[key] for s, _ in shards], dim=1), 1) for key in shards[0][0]
+            if isinstance(shards[0][0][key], torch.Tensor)}
 
 
 # cu_seqlens: integer offsets from 0, non-decreasing, ending at the row length
@@ -172,7 +173,7 @@ def test_keys_that_packing_adds_are_sharded_whatever_the_spec_lists():
     omits them used to hand every rank the whole [B, S] tensor."""
     batch = {"input_ids": torch.arange(10, 18)[None], "labels": torch.arange(10, 18)[None],
              "cu_seqlens": torch.tensor([0, 3, 8])}
-    out, _ = shard_for_rank(batch, 1, 2, CPSpec(seq_inputs=("input_ids", "labels")))
+    out, _ = shard_for_rank(batch, 1, 2, CPSpec(seq_inputs=("input_ids", "labels"), layout="contiguous"))
     for key in ("doc_ids", "position_ids", "shift_labels"):
         assert out[key].shape == (1, 4), (key, out[key].shape)
     assert out["doc_ids"].tolist() == [[1, 1, 1, 1]] and out["position_ids"].tolist() == [[1, 2, 3, 4]]

@@ -25,41 +25,68 @@ def test_every_rank_receives_exactly_the_halo(halo, local, world):
             assert sends[q][r] == recvs[r][q]
 
 
+@pytest.mark.parametrize("halo,local,world", [(1, 4, 2), (2, 4, 2), (5, 4, 4), (9, 2, 4), (3, 8, 8)])
+def test_balanced_halos_move_exactly_the_rows_other_ranks_hold(halo, local, world):
+    """Two ranges per rank, each with its own halo: rows held by another rank move, a row the rank holds
+    itself (the middle rank's tail follows its head) is copied, and send matches receive."""
+    layout = Layout(world, "balanced")
+    counts = [layout.halo_counts(halo, rank, local) for rank in range(world)]
+    for rank, (send, recv, zeros) in enumerate(counts):
+        before = [p for start, _ in layout.ranges(rank, local) for p in range(start - halo, start)]
+        owned = set(layout.positions(rank, local).tolist())
+        assert zeros == sum(p < 0 for p in before)
+        assert sum(recv) == sum(p >= 0 and p not in owned for p in before)
+        assert recv[rank] == send[rank] == 0
+        for q in range(world):
+            assert counts[q][0][rank] == recv[q]
+
+
+def _padded(seq_len: int, padded: int) -> torch.Tensor:
+    """The scenarios' global ``x`` as shard_batch pads it (zeros)."""
+    x = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    return torch.cat([x, x.new_zeros(2, padded - seq_len, 3)], 1)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
 @pytest.mark.parametrize("P,halo,left_padding", [(2, 2, 0), (2, 6, 2), (4, 9, 0), (4, 10, 1)])
-def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, left_padding):
-    seq_len = 12
-    local = seq_len // P
-    per_rank = pool.run("halo_roundtrip", P, seq_len=seq_len, halo=halo, left_padding=left_padding)
-    x = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    expected_grad = torch.zeros(seq_len)
-    for rank, r in enumerate(per_rank):
-        start = rank * local
-        rows = [torch.zeros(2, 3) if p < 0 else x[:, p] for p in range(start - halo, start + local)]
-        expected = torch.cat([torch.zeros(2, left_padding, 3), torch.stack(rows, dim=1)], dim=1)
-        assert torch.equal(r["out"], expected)
-        for i, p in enumerate(range(start - halo, start + local)):
-            if p >= 0:
-                expected_grad[p] += left_padding + i
-    for rank, r in enumerate(per_rank):
-        want = expected_grad[rank * local:(rank + 1) * local][None, :, None].expand(2, local, 3)
-        assert torch.equal(r["grad"], want)
+def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, left_padding, kind):
+    """Each of a rank's ranges gets its own halo (a balanced layout's two: rows from several ranks, and on the
+    middle rank the tail's halo from its own head)."""
+    per_rank = pool.run("halo_roundtrip", P, seq_len=12, halo=halo, left_padding=left_padding, kind=kind)
+    x = _padded(12, per_rank[0]["padded"])
+    expected_grad = torch.zeros(x.shape[1])
+    for r in per_rank:
+        pieces, at = [], 0
+        for start, stop in r["ranges"]:
+            pieces.append(torch.zeros(2, left_padding, 3))
+            at += left_padding
+            for p in range(start - halo, stop):
+                pieces.append(torch.zeros(2, 1, 3) if p < 0 else x[:, p:p + 1])
+                if p >= 0:
+                    expected_grad[p] += at
+                at += 1
+        assert torch.equal(r["out"], torch.cat(pieces, 1)), (kind, r["ranges"])
+    for r in per_rank:
+        assert torch.equal(r["grad"], expected_grad[r["positions"]][None, :, None].expand_as(r["grad"]))
 
 
-def test_shift_reads_position_t_plus_offset_across_ranks_and_returns_gradients(pool):
-    """cp_passes::shift at P = 4, 3 rows per rank: offsets within a rank, spanning two ranks, past the end."""
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
+def test_shift_reads_position_t_plus_offset_across_ranks_and_returns_gradients(pool, kind):
+    """cp_passes::shift at P = 4: offsets within a rank, spanning two ranks, past the end; a balanced layout's
+    ranges read across its head and tail too."""
     seq_len, P, offsets = 12, 4, [1, -1, 3, 5, -7, 13, 0]
-    local = seq_len // P
-    per_rank = pool.run("shift_roundtrip", P, seq_len=seq_len, offsets=offsets)
-    x = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    per_rank = pool.run("shift_roundtrip", P, seq_len=seq_len, offsets=offsets, kind=kind)
+    x = _padded(seq_len, per_rank[0][0]["padded"])
+    total = x.shape[1]
     for k, offset in enumerate(offsets):
-        expected_grad = torch.zeros(seq_len)
-        for rank, results in enumerate(per_rank):
-            rows = [x[:, p] if 0 <= p < seq_len else torch.full((2, 3), -1.0)
-                    for p in range(rank * local + offset, (rank + 1) * local + offset)]
-            assert torch.equal(results[k]["out"], torch.stack(rows, dim=1)), (offset, rank)
-            for i, p in enumerate(range(rank * local + offset, (rank + 1) * local + offset)):
-                if 0 <= p < seq_len:
-                    expected_grad[p] += i + 1
-        for rank, results in enumerate(per_rank):
-            want = expected_grad[rank * local:(rank + 1) * local][None, :, None].expand(2, local, 3)
-            assert torch.equal(results[k]["grad"], want), (offset, rank)
+        expected_grad = torch.zeros(total)
+        for results in per_rank:
+            positions = results[k]["positions"].tolist()
+            rows = [x[:, p + offset] if 0 <= p + offset < total else torch.full((2, 3), -1.0) for p in positions]
+            assert torch.equal(results[k]["out"], torch.stack(rows, dim=1)), (offset, positions)
+            for i, p in enumerate(positions):
+                if 0 <= p + offset < total:
+                    expected_grad[p + offset] += i + 1
+        for results in per_rank:
+            want = expected_grad[results[k]["positions"]][None, :, None].expand(2, -1, 3)
+            assert torch.equal(results[k]["grad"], want), (offset, kind)

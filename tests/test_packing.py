@@ -60,10 +60,12 @@ def reference(seq_len, layout, labels):
 
 
 def reassemble(batch, world, **kwargs):
+    """Every rank's shard, put back in the global order of the spec's layout."""
     shards = [shard_for_rank(batch, rank, world, **kwargs) for rank in range(world)]
-    full = {key: torch.cat([s[0][key] for s in shards], dim=1) for key in shards[0][0]
+    layout = shards[0][1].layout
+    full = {key: layout.unshard(torch.cat([s[0][key] for s in shards], dim=1), 1) for key in shards[0][0]
             if isinstance(shards[0][0][key], torch.Tensor) and shards[0][0][key].dim() == 2}
-    full["valid"] = torch.cat([s[1].valid for s in shards], dim=1)
+    full["valid"] = layout.unshard(torch.cat([s[1].valid for s in shards], dim=1), 1)
     return full, shards[0][1]
 
 
@@ -77,7 +79,8 @@ def test_packed_shards_reassemble_to_the_reference(packed, world, with_positions
     full, layout_info = reassemble(batch, world)
     ref = reference(seq_len, layout, batch["labels"])
     padded = layout_info.padded_len
-    assert padded % world == 0 and padded - seq_len < world
+    multiple = world * layout_info.layout.chunks  # a balanced layout holds 2P equal ranges
+    assert padded % multiple == 0 and padded - seq_len < multiple
     for key in ("doc_ids", "position_ids", "shift_labels"):
         assert torch.equal(full[key][:, :seq_len], ref[key]), key
     assert torch.equal(full["valid"][:, :seq_len], ref["valid"]) and not full["valid"][:, seq_len:].any()

@@ -12,16 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, mixer_batch, scan_batch, toy_batch,
-                       toy_model)
+from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, in_global_order, mixer_batch,
+                       scan_batch, toy_batch, toy_model)
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
 
 
 def _compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, grad_rtol=GRAD_RTOL):
-    logits = torch.cat([r["logits"] for r in results_by_rank], dim=1)
-    valid = torch.cat([r["valid"] for r in results_by_rank], dim=1)
+    logits = in_global_order(results_by_rank, "logits")
+    valid = in_global_order(results_by_rank, "valid")
     assert valid.shape[1] >= seq_len and bool(valid[:, :seq_len].all()) and not bool(valid[:, seq_len:].any())
     out_err = (logits[:, :seq_len] - ref_logits).abs().max().item()
     loss = sum(r["loss"] for r in results_by_rank)

@@ -46,19 +46,21 @@ def fake_rank(rank, world):
         dist.destroy_process_group()
 
 
-def run_lengths(group, lengths, spec=None, doc_ids=False, backward=True, **config):
+def run_lengths(group, lengths, spec=None, doc_ids=False, backward=True, layout="contiguous", **config):
     """Call a ToyLlama compiled on ``group`` at each local length (one document per row with ``doc_ids``);
     return the module."""
     torch.manual_seed(0)
     model = ToyLlama(ToyLlamaConfig(n_layers=1, **config))
+    spec = (spec or cp_passes.CPSpec()).replace(layout=layout)
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     last = dist.get_rank(group) == dist.get_world_size(group) - 1
     for length in lengths:
         ids = torch.randint(0, 256, (2, length))
         inputs = dict(labels=ids, doc_ids=torch.zeros_like(ids)) if doc_ids else dict(labels=ids)
-        if last:
+        if last and layout == "contiguous":
             # The fake group cannot run an all_to_all with nothing to send (the last rank's halo forward):
-            # the graph compiles, then the fake collective refuses to run.
+            # the graph compiles, then the fake collective refuses to run. In a balanced layout every rank
+            # sends rows of one of its ranges.
             with pytest.raises(RuntimeError, match="inputBuffer is empty"):
                 compiled(ids, **inputs)
         else:
@@ -71,17 +73,21 @@ def run_lengths(group, lengths, spec=None, doc_ids=False, backward=True, **confi
 WINDOW5 = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=5),))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("rank", [1, 3])
 @pytest.mark.parametrize("config,lengths", [
     (dict(window=5, conv_kernel=4), range(2, 17)),  # halos 4 (attention) and 3 (conv), shorter shards too
     (dict(window=10), range(3, 15)),  # halo 9 (at local length 2 the global 8 cannot show the window)
     (dict(window=5, spec=WINDOW5, doc_ids=True), range(2, 9)),  # a mask from doc ids, cut to the halo's keys
 ], ids=["window5_conv4", "window10", "doc_mask_window5"])
-def test_one_graph_for_every_length(rank, config, lengths):
+def test_one_graph_for_every_length(rank, config, lengths, layout):
     """The halo's row counts are computed at run time inside cp_passes::halo and the masks from the layout's
-    positions, so no length guard is added: shards shorter than the halo (spanning several ranks) included."""
+    positions, so no length guard is added: shards shorter than the halo (spanning several ranks) included.
+    A balanced layout's guard is that the local length is even (shard_batch pads to a multiple of 2P), and its
+    ranges, like a contiguous shard, are at least 2 long (a length of 1 specializes as every size 1 does)."""
+    lengths = [n for n in lengths if layout == "contiguous" or (n % 2 == 0 and n >= 4)]
     with fake_rank(rank, WORLD) as group:
-        compiled = run_lengths(group, lengths, **config)
+        compiled = run_lengths(group, lengths, layout=layout, **config)
         assert [r.local_len for r in compiled.compile_records] == [lengths[0]]
         assert "cp_passes: 1 graph compiled\n  graph 0: local length " in cp_passes.explain(compiled, print_table=False)
 
@@ -104,14 +110,15 @@ def test_explain_counts_graphs_and_says_why_a_length_recompiled():
     dict(window=6, spec=cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=6),)),
          doc_ids=True),
 ], ids=["window6", "window10_conv4", "doc_mask_window6"])
-def test_every_rank_compiles_a_new_graph_at_the_same_lengths(config):
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
+def test_every_rank_compiles_a_new_graph_at_the_same_lengths(config, layout):
     """A rank that reuses its graph while another compiles a new one would run its collectives alone: every
     rank's guards must fail at the same lengths, shards shorter than the halo included (rank-specific hop
     counts used to give each rank its own guards: P = 4 packed parity hung at local lengths 4 then 2)."""
-    lengths = [4, 2, 2, 3, 8, 5, 12, 4]
+    lengths = [4, 2, 2, 3, 8, 5, 12, 4] if layout == "contiguous" else [4, 2, 2, 6, 8, 10, 12, 4]
     compiled_at = []
     for rank in range(WORLD):
         with fake_rank(rank, WORLD) as group:
-            compiled = run_lengths(group, lengths, backward=False, **config)
+            compiled = run_lengths(group, lengths, backward=False, layout=layout, **config)
         compiled_at.append([r.local_len for r in compiled.compile_records])
     assert all(c == compiled_at[0] for c in compiled_at), compiled_at

@@ -155,9 +155,11 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
 
 
 class CPModule(torch.nn.Module):
-    """A model compiled for context parallelism. Call it with this rank's contiguous slice of every
-    sequence input; it returns this rank's slice of every sequence output (and, for sums over the
-    sequence such as a summed loss, this rank's share: add the ranks' values up for the total)."""
+    """A model compiled for context parallelism. Call it with this rank's positions of every sequence input,
+    as :func:`cp_passes.shard_batch` with the same spec lays them out (the spec's layout); it returns this
+    rank's rows of every sequence output in the same local order (``ShardLayout.positions`` names them) and,
+    for sums over the sequence such as a summed loss, this rank's share: add the ranks' values up for the
+    total."""
 
     def __init__(self, model: torch.nn.Module, spec: CPSpec, cp: CPGroup, backend: str, dump_dir, verbose: bool,
                  explain_ranks=None):
@@ -326,4 +328,4 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     spec = resolve_spec(spec)
     spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
-    return CPModule(model, spec, resolve_group(mesh), backend, dump_dir, verbose, _explain_ranks(explain))
+    return CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))

@@ -20,6 +20,7 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
+from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
 from .planner import Plan, RewriteRecord, plan_graph
 
@@ -41,6 +42,8 @@ class CompileRecord:
     saved: list = field(default_factory=list)
     """What the forward saves for the backward (``report.memory.Saved``), once the backward is compiled."""
     seconds: float = 0.0
+    layout: str = ""
+    """Which layout the graph was rewritten for, and why (:func:`~cp_passes.layout.resolve_layout`)."""
     recompile_reasons: list[str] = field(default_factory=list)
     """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
     recompile reasons, with the source line that added the guard)."""
@@ -77,6 +80,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
     record.records = plan.records
+    record.layout = describe_layout(spec, cp, plan)
     record.partial_outputs = plan.partial_outputs
     done = run_transports(aten_gm, plan, cp, record.history)
     verify(aten_gm, plan, [edit for edit, _ in done], fakes, before)
@@ -84,6 +88,16 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
         rewrite.backward = tag_transport(edit, regather and TRANSPORTS[edit.pass_name].gathers_keys)
     return plan
+
+
+def describe_layout(spec, cp, plan: Plan) -> str:
+    """The layout in use and why; for an automatic choice of contiguous shards, the nodes that need them."""
+    layout, why = resolve_layout(spec, cp.size)
+    needs = [f"{r.node} ({r.transport})" for r in plan.records
+             if r.transport in TRANSPORTS and BALANCED not in TRANSPORTS[r.transport].layouts]
+    if spec.layout == AUTO and layout.kind == CONTIGUOUS and needs:
+        why += f"; nodes whose transport needs it: {', '.join(needs)}"
+    return f"{layout.kind} ({why})"
 
 
 def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,

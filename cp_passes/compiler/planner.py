@@ -176,8 +176,9 @@ def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
             f"register it with cp_passes.transports.register_transport"
         )
     if ctx.layout.kind not in transport.layouts:
-        ctx.refuse(f"its transport {transport.name!r} supports the layouts {transport.layouts}, not "
-                   f"{ctx.layout.kind!r}", "use a layout this transport supports")
+        ctx.refuse(f"its transport {transport.name!r} supports the layouts {transport.layouts}, not the "
+                   f"{ctx.layout.kind!r} layout the spec gives ({ctx.spec.layout!r})",
+                   f"set CPSpec(layout={transport.layouts[0]!r}) (shard_batch with the same spec follows it)")
 
 
 def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:

@@ -1,4 +1,4 @@
-"""Batch side: pad global [batch, seq] tensors to equal shards and keep this rank's contiguous slice."""
+"""Batch side: pad global [batch, seq] tensors to equal shards and keep this rank's positions of the layout."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..group import resolve_group
-from ..layout import Layout
+from ..layout import Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
 from .packing import pack
@@ -22,11 +22,12 @@ class ShardLayout:
     seq_len: int
     """Global length before padding."""
     padded_len: int
-    """Global length after padding to a multiple of world_size * pad_multiple."""
+    """Global length after padding to a multiple of world_size * pad_multiple (times 2 for a balanced layout)."""
     world_size: int
     rank: int
     slices: tuple[tuple[tuple[int, int], ...], ...]
-    """Every rank's ``[start, stop)`` ranges in the padded sequence (in local order), in rank order."""
+    """Every rank's ``[start, stop)`` ranges in the padded sequence (in local order), in rank order: one per rank
+    for a contiguous layout, a head and a tail for a balanced one."""
     valid: torch.Tensor
     """This rank's validity mask ``[batch, local_len]``: False on padding."""
     layout: Layout
@@ -45,11 +46,25 @@ class ShardLayout:
         """The global position of this rank's first local row."""
         return self.slices[self.rank][0][0]
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """The global position of every local row (``[local_len]``): local rows follow the layout, so a
+        balanced layout's tail range comes after its head."""
+        return self.layout.positions(self.rank, self.local_len, self.valid.device)
+
+    def in_global_order(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's local rows concatenated in rank order along ``dim`` (an all-gather's result), put in
+        the order of the global sequence, padding cut off."""
+        return self.layout.unshard(gathered, dim % gathered.dim()).narrow(dim, 0, self.seq_len)
+
 
 def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_multiple: int = 1,
                 packed_alignment: int = 1,
                 mask_keys: tuple[str, ...] = ()) -> tuple[dict, ShardLayout]:
-    """Pad every sequence tensor of ``batch`` to a multiple of ``P * pad_multiple`` and keep this rank's slice.
+    """Pad every sequence tensor of ``batch`` to a multiple of ``P * pad_multiple`` (``2P * pad_multiple`` for a
+    balanced layout) and keep this rank's positions of the spec's layout (:func:`cp_passes.layout.resolve_layout`):
+    the ``r``-th ``1/P`` of the sequence (contiguous), or its ``r``-th and ``(2P - 1 - r)``-th ``1/2P``,
+    concatenated (balanced). The :class:`ShardLayout` says which, and puts gathered rows back in order.
 
     ``pad_multiple`` and ``packed_alignment`` combine with the spec's own (their least common multiple), so
     a family whose model groups the sequence into windows needs no argument here.
@@ -97,8 +112,8 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
         batch = pack(checked, packed_alignment)
         packed_valid = batch.pop("valid")
         seq_len = packed_valid.shape[1]
-    layout = Layout(world_size)
-    multiple = world_size * pad_multiple
+    layout = resolve_layout(spec, world_size)[0]
+    multiple = world_size * layout.chunks * pad_multiple
     padded = -(-seq_len // multiple) * multiple
     local = padded // world_size
     out = {}

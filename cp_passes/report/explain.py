@@ -33,7 +33,7 @@ def table_rows(records) -> list[tuple]:
 
 def format_record(record) -> str:
     head = (f"cp_passes rewrites: rank {record.rank} of {record.world_size}, local length {record.local_len}, "
-            f"backend {record.backend}")
+            f"backend {record.backend}" + (f"\nlayout: {record.layout}" if record.layout else ""))
     if not record.records:
         return "\n".join([head, "(no node touches the sequence in a way that needs a transport)"] + _memory(record))
     total = sum(r.bytes for r in record.records)

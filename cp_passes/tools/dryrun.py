@@ -58,7 +58,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     model).
     """
     spec = spec if spec is not None else CPSpec()
-    cp = resolve_group(mesh)
+    cp = resolve_group(mesh, spec)
     install(spec.recurrences)
     gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))

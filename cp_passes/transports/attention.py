@@ -23,7 +23,8 @@ from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
 from ..graph.selection import Selector
 from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
-from .masks import (MetadataMask, causal_mask, global_shaped, mask_block, query_positions,
+from ..layout import CONTIGUOUS
+from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, query_positions,
                     visible_key_positions, visible_keys)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
@@ -80,7 +81,7 @@ class AttentionKV:
 def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node, str], torch.fx.Node]) -> None:
     """Replace the attention's K/V with moved ones (``move(x, name)``) and its mask with one at this rank's
     global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
-    node, q, rank, world = request.node, edit.current(request.query), edit.rank, edit.world
+    node, q, rank, world, kind = request.node, edit.current(request.query), edit.rank, edit.world, edit.layout.kind
     halo = edit.pass_name == "halo"
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
@@ -98,16 +99,16 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         return
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
-        mask = edit.insert(mask_block, (whole, q, rank, world, request.window, halo, request.left_padding),
+        mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding),
                            name="cp_mask_block")
     elif halo:
-        mask = edit.insert(causal_mask, (q, rank, world, request.window, True, request.left_padding),
+        mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding),
                            name="cp_window_mask")
     if request.causal and not halo:
-        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
-        values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")
+        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
+        values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")
         if mask is None and (request.window or not edit.layout.first_is_local(rank)):
-            mask = edit.insert(causal_mask, (q, rank, world, request.window, False), name="cp_causal_mask")
+            mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, False), name="cp_causal_mask")
     # Where the visible keys are only this rank's own, causal attention needs no mask.
     node.args = (q, keys, values, mask, request.dropout_p)
     node.kwargs = {"is_causal": mask is None and request.causal, "scale": request.scale,
@@ -135,11 +136,11 @@ def _sized_by_data(found: MetadataMask) -> bool:
 def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
     """Causal (or full) attention over gathered keys as :func:`block_attention_op`: the SDPA call's uses read
     its output. The keys are cut to those a causal query can see; a model-built mask is cut to them too."""
-    node, rank, world = request.node, edit.rank, edit.world
+    node, rank, world, kind = request.node, edit.rank, edit.world, edit.layout.kind
     mask = None
     if request.causal:
-        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, q), name="cp_k_visible")
-        values = edit.insert(visible_keys, (values, request.dim, rank, world, q), name="cp_v_visible")
+        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
+        values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")
     if request.mask is not None:
         mask = local_mask(edit, request.mask, q)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
@@ -147,7 +148,8 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
     q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
                        for x, name in ((q, "q"), (keys, "k"), (values, "v")))
-    both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale),
+    both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale,
+                                            edit.layout.chunks),
                        name="cp_block_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
@@ -157,14 +159,16 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
 
 def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[list[int], list[int], list[int]]:
     """How :func:`block_attention_op` splits rank ``rank``'s queries and the keys it attends to, in units of
-    the local length: query pieces (the layout's ranges, in local order), key pieces (every rank's ranges in
-    gather order, up to the visible prefix when causal), and each pair's kind. Causal pairs are ``FULL`` when
-    the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP`` after; adjacent ``FULL`` key pieces are
-    one call unless a mask is cut per piece (``masked``: it then decides, and may skip a piece)."""
-    q_ranges = layout.ranges(rank, 1)
-    k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, 1)]
+    one range (``1 / layout.chunks`` of the local length): query pieces (the layout's ranges, in local order),
+    key pieces (every rank's ranges in gather order, up to the visible prefix when causal), and each pair's
+    kind. Causal pairs are ``FULL`` when the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP``
+    after (computed not at all); adjacent ``FULL`` key pieces are one call unless a mask is cut per piece
+    (``masked``: it then decides, and may skip a piece)."""
+    units = layout.chunks
+    q_ranges = layout.ranges(rank, units)
+    k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, units)]
     if causal:
-        k_ranges = k_ranges[:layout.visible_prefix(rank, 1)]
+        k_ranges = k_ranges[:layout.visible_prefix(rank, units)]
     q_bounds = [0]
     for start, stop in q_ranges:
         q_bounds.append(q_bounds[-1] + stop - start)
@@ -207,9 +211,10 @@ def autocast_like_sdpa(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
-def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale):
-    """:func:`block_attention_op` with its piece bounds at this call's local length: ``(output, logsumexp)``."""
-    length = q.shape[-2]
+def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, chunks: int = 1):
+    """:func:`block_attention_op` with its piece bounds (units of one of the rank's ``chunks`` ranges) at this
+    call's local length: ``(output, logsumexp)``."""
+    length = q.shape[-2] // chunks
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
                               kinds, scale)
@@ -222,13 +227,14 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node) -> torch.fx.Node:
     queries of the keys it brings against its own keys, where a key after its query must be masked. Every
     causal violation falls in one rank's block; the ranks add their counts (one all-reduce) and all fail
     together. Masks whose sizes depend on data take the whole-sequence path (:func:`global_mask`)."""
+    kind = edit.layout.kind
     if _sized_by_data(found):
-        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, None, False),
+        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False),
                            name="cp_mask_block")
     leaves = _mask_leaves(edit, found)
     name, module = f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=True)
-    positions = edit.insert(query_positions, (q, edit.rank, edit.world), name="cp_query_positions")
-    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world), name="cp_key_positions")
+    positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
+    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind), name="cp_key_positions")
     mask = edit.call_module(name, module, leaves + [positions, brought])
     transposed = edit.call_module(name, module, leaves + [brought, positions])
     count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
@@ -250,8 +256,8 @@ def future_keys_allowed(transposed: torch.Tensor, query_pos: torch.Tensor, key_p
 
 
 def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
-    """The mask's inputs over the whole sequence: gathered metadata (and activations, for a mask computed
-    without gradient, detached), global lengths, and the parameters it reads."""
+    """The mask's inputs over the whole sequence, in global order: gathered metadata (and activations, for a
+    mask computed without gradient, detached), global lengths, and the parameters it reads."""
 
     def detached(leaf):
         """This rank's ``leaf`` as the rewritten graph computes it (a scan's, say, after its carry), without
@@ -261,10 +267,16 @@ def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
             return now
         return edit.insert(aten.detach.default, (now,), name=f"cp_{leaf.name}_detached")
 
+    def gathered(leaf, d):
+        rows = edit.insert(torch.ops.cp_passes.metadata_gather.default,
+                           (detached(leaf), d, edit.world, edit.group_name), name=f"cp_{leaf.name}_gathered")
+        if edit.layout.kind == CONTIGUOUS:
+            return rows
+        return edit.insert(in_global_order, (rows, d, edit.world, edit.layout.kind),
+                           name=f"cp_{leaf.name}_in_order")
+
     leaves = [edit.insert(global_shaped, (edit.current(leaf), d, edit.world), name=f"cp_{leaf.name}_shape")
-              if found.shape_only(leaf) else
-              edit.insert(torch.ops.cp_passes.metadata_gather.default, (detached(leaf), d, edit.world, edit.group_name),
-                          name=f"cp_{leaf.name}_gathered")
+              if found.shape_only(leaf) else gathered(leaf, d)
               for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
     leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..layout import KINDS
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, reduce_scatter
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
@@ -50,6 +51,7 @@ gradient_by(sequence_gather_op, sequence_reduce_scatter_op)
 class SequenceGather(Transport):
     name = "sequence_gather"
     order = 30
+    layouts = KINDS
     runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
                torch.ops.cp_passes.global_sum.default)
     gathers_keys = True
@@ -67,9 +69,9 @@ class SequenceGather(Transport):
         total = request.elements
         row = request.row_bytes(local_len)
         if request.window:
-            needed = (request.window - 1 - layout.leading_zeros(request.window - 1, rank, local_len)) * row
+            needed = sum(layout.halo_counts(request.window - 1, rank, local_len)[1]) * row
         elif request.causal:
-            needed = (layout.visible_prefix(rank, local_len) - local_len) * row
+            needed = layout.seen_before(rank, local_len) * row
         else:
             needed = (layout.global_len(local_len) - local_len) * row
         moved = (layout.world - 1) * total * request.itemsize

@@ -1,87 +1,147 @@
-"""Halo: the positions just before this rank's shard, from as many preceding ranks as they span.
+"""Halo: the positions just before each of this rank's ranges, from as many ranks as they span.
 
 Serves causal convolutions (``(k - 1) * dilation`` rows replace the left pad) and sliding-window
 attention (``window - 1`` rows of K/V). Exactly the needed rows move, in one ``all_to_all`` with exact
-split sizes (:meth:`Layout.halo_counts`); positions before the sequence start are zeros. The counts are
-computed at run time from the concrete local length, so one graph serves every length.
+split sizes (:meth:`Layout.halo_sources`); rows a rank holds itself (a balanced layout's tail range follows
+its head on the middle rank) are copied, and positions before the sequence start are zeros. The counts are
+computed at run time from the concrete local length, so one graph serves every length. With two ranges per
+rank the halo is ``[halo, head, halo, tail]``: a convolution then drops the outputs that straddle the
+two (:func:`drop_seams`) and attention masks every key outside a query's own range.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
-from ..layout import Layout
+from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
+aten = torch.ops.aten
 
-def _halo_rows(x: torch.Tensor, dim: int, halo: int, rank: int, world: int, group_name: str) -> list[torch.Tensor]:
-    local_len = x.shape[dim]
-    send, recv, zeros = Layout(world).halo_counts(halo, rank, local_len)
-    pieces = []
-    if zeros:
-        shape = list(x.shape)
-        shape[dim] = zeros
-        pieces.append(x.new_zeros(shape))
-    if world > 1 and halo > 0:  # every rank takes part: each sends or receives something
-        rows = x.movedim(dim, 0)
-        buffer = torch.cat([rows.narrow(0, local_len - c, c) for c in send], dim=0)
-        pieces.append(all_to_all(buffer, recv, send, group_name).movedim(0, dim))
-    return pieces
+
+@functools.lru_cache(maxsize=256)
+def _plans(world: int, kind: str, halo: int, local_len: int) -> tuple:
+    """Every rank's :meth:`Layout.halo_sources`: the same on every rank, computed once per length."""
+    layout = Layout(world, kind)
+    return tuple(tuple(tuple(pieces) for pieces in layout.halo_sources(halo, r, local_len)) for r in range(world))
+
+
+def _counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], bool]:
+    """Rows this rank sends to and receives from every other rank, and whether any rank receives any."""
+    send = [sum(n for pieces in plans[d] for owner, _, n in pieces if owner == rank) if d != rank else 0
+            for d in range(world)]
+    recv = [sum(n for pieces in plans[rank] for owner, _, n in pieces if owner == q) if q != rank else 0
+            for q in range(world)]
+    moves = any(owner not in (None, r) for r, plan in enumerate(plans) for pieces in plan for owner, _, _ in pieces)
+    return send, recv, moves
+
+
+def _split(rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    out, start = [], 0
+    for n in counts:
+        out.append(rows.narrow(0, start, n))
+        start += n
+    return out
 
 
 @torch.library.custom_op("cp_passes::halo", mutates_args=())
 def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, world: int,
-            group_name: str) -> torch.Tensor:
-    """``[left_padding zeros, the halo positions before this shard, x]`` along ``dim``."""
+            group_name: str, kind: str = CONTIGUOUS) -> torch.Tensor:
+    """For each of this rank's ranges (one, or two in a balanced layout), ``[left_padding zeros, the halo
+    positions before it, its rows]`` along ``dim``; positions before the sequence start are zeros."""
     dim = dim % x.dim()
-    pieces = _halo_rows(x, dim, halo, rank, world, group_name)
-    if left_padding:
-        shape = list(x.shape)
-        shape[dim] = left_padding
-        pieces.insert(0, x.new_zeros(shape))
-    return torch.cat(pieces + [x], dim=dim)
+    rows = x.movedim(dim, 0)
+    local_len = rows.shape[0]
+    plans = _plans(world, kind, halo, local_len)
+    send, recv, moves = _counts(plans, rank, world)
+    received = {}
+    if moves:  # the same on every rank: all take part
+        outgoing = [rows.narrow(0, row, n) for d in range(world) if d != rank
+                    for pieces in plans[d] for owner, row, n in pieces if owner == rank]
+        buffer = torch.cat(outgoing) if outgoing else rows.narrow(0, 0, 0)
+        received = dict(enumerate(_split(all_to_all(buffer, recv, send, group_name), recv)))
+    taken, pieces = dict.fromkeys(range(world), 0), []
+    size = local_len // len(plans[rank])
+    for i, sources in enumerate(plans[rank]):
+        if left_padding:
+            pieces.append(rows.new_zeros((left_padding, *rows.shape[1:])))
+        for owner, row, n in sources:
+            if owner is None:
+                pieces.append(rows.new_zeros((n, *rows.shape[1:])))
+            elif owner == rank:
+                pieces.append(rows.narrow(0, row, n))
+            else:
+                pieces.append(received[owner].narrow(0, taken[owner], n))
+                taken[owner] += n
+        pieces.append(rows.narrow(0, i * size, size))
+    return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
 @halo_op.register_fake
-def _(x, dim, halo, left_padding, rank, world, group_name):
+def _(x, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS):
     shape = list(x.shape)
-    shape[dim % x.dim()] += left_padding + halo
+    shape[dim % x.dim()] += Layout(world, kind).chunks * (left_padding + halo)
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("cp_passes::halo_backward", mutates_args=())
 def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, world: int,
-                     group_name: str) -> torch.Tensor:
-    """The gradient of :func:`halo_op`: each halo row's gradient returns to the rank that sent the row."""
+                     group_name: str, kind: str = CONTIGUOUS) -> torch.Tensor:
+    """The gradient of :func:`halo_op`: each halo row's gradient returns to the rank that holds the row."""
     dim = dim % grad.dim()
-    local_len = grad.shape[dim] - left_padding - halo
-    out = grad.narrow(dim, left_padding + halo, local_len).clone()
-    if world > 1 and halo > 0:
-        send, recv, zeros = Layout(world).halo_counts(halo, rank, local_len)
-        rows = grad.movedim(dim, 0)
-        back = rows.narrow(0, left_padding + zeros, sum(recv))  # the rows this rank received, in rank order
-        returned = all_to_all(back, send, recv, group_name)  # the gradient of the rows this rank sent
-        target, offset = out.movedim(dim, 0), 0
-        for count in send:
-            target.narrow(0, local_len - count, count).add_(returned.narrow(0, offset, count))
-            offset += count
-    return out
+    rows = grad.movedim(dim, 0)
+    chunks = Layout(world, kind).chunks
+    local_len = rows.shape[0] - chunks * (left_padding + halo)
+    size = local_len // chunks
+    plans = _plans(world, kind, halo, local_len)
+    send, recv, moves = _counts(plans, rank, world)
+    segment = left_padding + halo + size
+    out = torch.cat([rows.narrow(0, i * segment + left_padding + halo, size) for i in range(chunks)])
+    back = {q: [] for q in range(world)}
+    for i, sources in enumerate(plans[rank]):
+        at = i * segment + left_padding
+        for owner, row, n in sources:
+            if owner == rank:
+                out.narrow(0, row, n).add_(rows.narrow(0, at, n))
+            elif owner is not None:
+                back[owner].append(rows.narrow(0, at, n))
+            at += n
+    if moves:
+        returning = [piece for q in range(world) for piece in back[q]]
+        buffer = torch.cat(returning) if returning else rows.narrow(0, 0, 0)
+        returned = _split(all_to_all(buffer, send, recv, group_name), send)  # the rows this rank sent
+        for d in range(world):
+            offset = 0
+            for pieces in (plans[d] if d != rank else ()):
+                for owner, row, n in pieces:
+                    if owner == rank:
+                        out.narrow(0, row, n).add_(returned[d].narrow(0, offset, n))
+                        offset += n
+    return out.movedim(0, dim).contiguous()
 
 
 @halo_backward_op.register_fake
-def _(grad, dim, halo, left_padding, rank, world, group_name):
+def _(grad, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS):
     shape = list(grad.shape)
-    shape[dim % grad.dim()] -= left_padding + halo
+    shape[dim % grad.dim()] -= Layout(world, kind).chunks * (left_padding + halo)
     return grad.new_empty(shape)
 
 
 gradient_by(halo_op, halo_backward_op)
+
+
+def drop_seams(out: torch.Tensor, dim: int, halo: int, chunks: int) -> torch.Tensor:
+    """A stencil's output over a halo of several ranges (``[halo, range, halo, range]``, each output reading
+    ``halo`` rows before it) without the ``halo`` outputs that straddle two ranges."""
+    size = (out.shape[dim] - (chunks - 1) * halo) // chunks
+    return torch.cat([out.narrow(dim, i * (size + halo), size) for i in range(chunks)], dim)
 
 
 @dataclass
@@ -106,6 +166,7 @@ def row_bytes(node: torch.fx.Node, local_len: int) -> int:
 class Halo(Transport):
     name = "halo"
     order = 20
+    layouts = KINDS
     runtime = (torch.ops.cp_passes.halo.default, torch.ops.cp_passes.metadata_gather.default)
 
     def apply(self, edit, request) -> None:
@@ -119,20 +180,27 @@ class Halo(Transport):
 
     def insert(self, edit, x, dim: int, halo: int, name: str, before=None, left_padding: int = 0) -> torch.fx.Node:
         return edit.insert(torch.ops.cp_passes.halo.default,
-                           (x, dim, halo, left_padding, edit.rank, edit.world, edit.group_name), name=name,
-                           before=before)
+                           (x, dim, halo, left_padding, edit.rank, edit.world, edit.group_name, edit.layout.kind),
+                           name=name, before=before)
 
     def _conv(self, edit, match: ConvHalo) -> None:
         node = match.conv
         halo = self.insert(edit, edit.current(match.source), match.dim, match.halo, "cp_conv_halo",
                            before=match.pad or node)
+        chunks = edit.layout.chunks
         if match.pad is not None:  # its users are the pattern's own (the conv, or slices before an unfold)
+            if chunks > 1 and node.target is aten.unfold.default:  # the slices between keep every position
+                node.args = (halo, *node.args[1:])
             edit.replace_uses(match.pad, halo, keep_claimed=False)
         else:
             args = bind_args(node)
             args["input"], args["padding"] = halo, [0]
             node.args, node.kwargs = (), args
             edit.replace_uses(match.slice, node)
+        if chunks > 1:  # each range read its own halo: the outputs between ranges go
+            seamless = edit.insert(drop_seams, (node, match.dim, match.halo, chunks), name="cp_conv_seams",
+                                   before=node.next)
+            edit.replace_uses(node, seamless)
         edit.changed(node)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
@@ -144,7 +212,7 @@ class Halo(Transport):
             row, itemsize = request.row_bytes(local_len), request.itemsize
         send, recv, _ = layout.halo_counts(halo, rank, local_len)
         cost = Cost(f"all_to_all {what} | bw all_to_all", sum(recv) * row // itemsize, sum(recv) * row,
-                    (halo - layout.leading_zeros(halo, rank, local_len)) * row, sum(send) * row)
+                    sum(recv) * row, sum(send) * row)
         return cost if isinstance(request, ConvHalo) else cost + request.metadata_cost(layout.world)
 
 

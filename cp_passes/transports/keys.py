@@ -22,12 +22,12 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
-from ..layout import Layout
+from ..layout import KINDS, Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
-from .masks import MetadataMask, band, key_positions, metadata_gather_op  # noqa: F401  (registers metadata_gather)
+from .masks import MetadataMask, band, key_positions, metadata_gather_op, own_segment  # noqa: F401  (registers metadata_gather)
 
 aten = torch.ops.aten
 
@@ -91,10 +91,10 @@ class KeyMask:
     """The block ops that read the mask with these keys."""
 
 
-def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int) -> torch.Tensor:
+def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int, kind: str) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence (every key kept)."""
     local = global_mask.shape[query_dim] // world
-    return global_mask.index_select(query_dim, Layout(world).positions(rank, local, global_mask.device))
+    return global_mask.index_select(query_dim, Layout(world, kind).positions(rank, local, global_mask.device))
 
 
 def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
@@ -129,43 +129,56 @@ def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int
                         "(itself), or set CPSpec(attention_keys='all')")
 
 
-def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, halo: int | None,
-             checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None, first_part: bool) -> torch.Tensor:
+def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
+             halo: int | None, checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None,
+             first_part: bool) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
-    before the sequence start (a halo's zeros) takes the hiding value (``fill``: how this mask hides keys)
-    or, for a mask that hides none, the value of query 0 and the last key."""
+    before the sequence start (a halo's zeros), or in another of the rank's ranges' halos (a row two ranges
+    share counts once), takes the hiding value (``fill``: how this mask hides keys) or, for a mask that
+    hides none, the value of query 0 and the last key."""
     if checked:
         check_hidden(checked, hides, dims, halo, first_part)
-    rows = query_rows(global_mask, query_dim, rank, world)
-    positions = key_positions(rows.shape[query_dim], rank, world, halo, global_mask.device)
+    query_dim, key_dim = query_dim % global_mask.dim(), key_dim % global_mask.dim()
+    rows = query_rows(global_mask, query_dim, rank, world, kind)
+    local = rows.shape[query_dim]
+    positions = key_positions(local, rank, world, kind, halo, global_mask.device)
     before = positions < 0
+    own = own_segment(local, world, kind, halo, global_mask.device) if halo is not None else None
     if first_part:
         length, total = global_mask.shape[query_dim], global_mask.shape[key_dim]
         positions = torch.cat([positions, torch.arange(length, total, device=positions.device)])
         before = torch.cat([before, torch.zeros(total - length, dtype=torch.bool, device=before.device)])
+        if own is not None:
+            own = torch.cat([own, own.new_ones(local, total - length)], 1)
     cut = rows.index_select(key_dim, positions.clamp(min=0))
     if halo is None:
         return cut
     shape = [1] * cut.dim()
     shape[key_dim] = -1
+    hide = before.reshape(shape)
+    if own is not None:
+        pair = [1] * cut.dim()
+        pair[query_dim], pair[key_dim] = own.shape
+        hide = hide | ~(own if query_dim < key_dim else own.t()).reshape(pair)
     if fill == "additive":
         hiding = torch.tensor(torch.finfo(cut.dtype).min, dtype=cut.dtype, device=cut.device)
     elif fill is not None:
         hiding = torch.tensor(fill == "true", device=cut.device)
     else:
         hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
-    return torch.where(before.reshape(shape), hiding, cut)
+    return torch.where(hide, hiding, cut)
 
 
-def prefix_rows(gathered: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+def prefix_rows(gathered: torch.Tensor, dim: int, rank: int, world: int, kind: str) -> torch.Tensor:
     """The rows of a gather a causal query on ``rank`` can see."""
-    return gathered.narrow(dim, 0, Layout(world).visible_prefix(rank, gathered.shape[dim] // world))
+    return gathered.narrow(dim, 0, Layout(world, kind).visible_prefix(rank, gathered.shape[dim] // world))
 
 
 class KeyGather(Transport):
     name = "key_gather"
     order = 35
+    layouts = KINDS
     runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
                torch.ops.cp_passes.halo.default)
     gathers_keys = True
@@ -197,10 +210,12 @@ class KeyGather(Transport):
         source = edit.current(source)
         if keys is not None and keys.halo is not None:
             return edit.insert(torch.ops.cp_passes.halo.default,
-                               (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name), name=name)
+                               (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name,
+                                edit.layout.kind), name=name)
         brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
         if keys is not None:
-            brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world), name=name + "_prefix")
+            brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world, edit.layout.kind),
+                                  name=name + "_prefix")
         return brought
 
     @staticmethod
@@ -212,12 +227,13 @@ class KeyGather(Transport):
     def _mask(self, edit, request: KeyMask) -> None:
         whole = global_mask(edit, request.mask)
         if request.keys is None:
-            rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world), name="cp_mask_rows")
+            rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world, edit.layout.kind),
+                               name="cp_mask_rows")
         else:
             checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
             fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
-                                          request.keys.halo, checked, tuple(c[1] for c in request.checks),
+                                          edit.layout.kind, request.keys.halo, checked, tuple(c[1] for c in request.checks),
                                           tuple(c[2:] for c in request.checks), fill, request.keys.first_part),
                                    name="cp_mask_keys")
         for consumer in request.consumers:
@@ -241,11 +257,11 @@ class KeyGather(Transport):
         row = row_bytes(source, local_len)
         itemsize = meta_val(source).dtype.itemsize
         if keys is not None and keys.halo is not None:
-            send, recv, zeros = layout.halo_counts(keys.halo, rank, local_len)
+            send, recv, _ = layout.halo_counts(keys.halo, rank, local_len)
             return Cost(f"all_to_all {keys.halo} rows" + ("" if request.metadata else " | bw all_to_all"),
-                        sum(recv) * row // itemsize, sum(recv) * row, (keys.halo - zeros) * row, sum(send) * row)
+                        sum(recv) * row // itemsize, sum(recv) * row, sum(recv) * row, sum(send) * row)
         moved = (layout.world - 1) * local_len * row
-        needed = (layout.visible_prefix(rank, local_len) - local_len) * row if keys is not None else moved
+        needed = layout.seen_before(rank, local_len) * row if keys is not None else moved
         collective = "all_gather (no grad)" if request.metadata else "all_gather | bw reduce_scatter"
         return Cost(collective, moved // itemsize, moved, needed, moved)
 

@@ -71,21 +71,34 @@ def global_shaped(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-def key_positions(local, rank: int, world: int, halo: int | None, device=None) -> torch.Tensor:
-    """The global positions of the keys a transport brings: ``[halo rows, local rows]`` after a halo
-    (negative before the sequence start), else the gathered rows a causal query can see."""
-    layout = Layout(world)
+def key_positions(local, rank: int, world: int, kind: str, halo: int | None, device=None,
+                  left_padding: int = 0) -> torch.Tensor:
+    """The global positions of the keys a transport brings: for each of the rank's ranges ``[left_padding
+    rows, halo rows, its rows]`` after a halo (negative before the sequence start, -1 for a zero row in
+    front), else the gathered rows a causal query can see."""
+    layout = Layout(world, kind)
     if halo is not None:
-        return layout.halo_positions(halo, rank, local, device)
+        return layout.halo_positions(halo, rank, local, device, left_padding)
     return layout.gathered_positions(local, device).narrow(0, 0, layout.visible_prefix(rank, local))
 
 
-def _key_positions(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool,
+def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0):
+    """``[local, keys]``: whether each key of a halo (:func:`key_positions`) belongs to the query's own range:
+    a query sees keys of its own segment only, so a row two segments share (a window longer than the gap
+    between a rank's ranges) counts once. None when the rank holds one range."""
+    layout = Layout(world, kind)
+    if layout.chunks == 1:
+        return None
+    keys = layout.halo_segments(halo, local, device, left_padding)
+    return layout.query_segments(local, device)[:, None] == keys[None, :]
+
+
+def _key_positions(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
                    left_padding: int = 0) -> torch.Tensor:
     """The global position of every key the transport brings; -1 for a zero row in front of a halo (and, as
     ever, for a halo row before the sequence start)."""
-    positions = key_positions(query.shape[-2], rank, world, window - 1 if halo else None, query.device)
-    return torch.cat([positions.new_full((left_padding,), -1), positions]) if left_padding else positions
+    return key_positions(query.shape[-2], rank, world, kind, window - 1 if halo else None, query.device,
+                         left_padding)
 
 
 def band(size: int, window: int | None, device=None) -> torch.Tensor:
@@ -94,33 +107,42 @@ def band(size: int, window: int | None, device=None) -> torch.Tensor:
     return visible if window is None else visible.triu(1 - window)
 
 
-def causal_mask(query: torch.Tensor, rank: int, world: int, window: int | None, halo: bool,
+def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
                 left_padding: int = 0) -> torch.Tensor:
     """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
-    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding never is)."""
-    q_pos = Layout(world).positions(rank, query.shape[-2], query.device)
-    k_pos = _key_positions(query, rank, world, window, halo, left_padding)
+    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding never is), and,
+    after a halo, the key is in the query's own segment (:func:`own_segment`)."""
+    q_pos = Layout(world, kind).positions(rank, query.shape[-2], query.device)
+    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding)
     distance = q_pos[:, None] - k_pos[None, :]
     visible = (distance >= 0) & (k_pos[None, :] >= 0)
-    return visible if window is None else visible & (distance < window)
+    if window is not None:
+        visible = visible & (distance < window)
+    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding) if halo else None
+    return visible if own is None else visible & own
 
 
-def query_positions(query: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def query_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> torch.Tensor:
     """The global position of every local query row."""
-    return Layout(world).positions(rank, query.shape[-2], query.device)
+    return Layout(world, kind).positions(rank, query.shape[-2], query.device)
 
 
-def visible_key_positions(query: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def visible_key_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> torch.Tensor:
     """The global positions of the gathered keys a causal query on ``rank`` can see, in gather order."""
-    return key_positions(query.shape[-2], rank, world, None, query.device)
+    return key_positions(query.shape[-2], rank, world, kind, None, query.device)
 
 
-def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, query: torch.Tensor) -> torch.Tensor:
+def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, kind: str, query: torch.Tensor) -> torch.Tensor:
     """The gathered keys (or values) a causal query on ``rank`` can see."""
-    return keys.narrow(dim, 0, Layout(world).visible_prefix(rank, query.shape[-2]))
+    return keys.narrow(dim, 0, Layout(world, kind).visible_prefix(rank, query.shape[-2]))
 
 
-def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, window: int | None,
+def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> torch.Tensor:
+    """A gather (rank order) in the order of global positions: what a mask over the whole sequence reads."""
+    return Layout(world, kind).unshard(gathered, dim % gathered.dim())
+
+
+def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, window: int | None,
                halo: bool, left_padding: int = 0) -> torch.Tensor:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
     (columns before the sequence start are False). Fails at run time if the model allows a key outside the
@@ -132,6 +154,8 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
                         "spec declares or its mask showed for one document when compiling (or outside causal "
                         "attention); declare the window these modules really use in an AttentionRule "
                         "(window=None: every preceding key)")
-    rows = global_mask.index_select(-2, Layout(world).positions(rank, query.shape[-2], query.device))
-    k_pos = _key_positions(query, rank, world, window, halo, left_padding)
-    return rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
+    rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
+    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding)
+    block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
+    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding) if halo else None
+    return block if own is None else block & own

@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
+from ..layout import KINDS
 from .base import Cost, Transport, register_transport
 from .collectives import all_reduce_sum
 
@@ -77,6 +78,7 @@ class MaskedCount:
 class Reductions(Transport):
     name = "reductions"
     order = 40
+    layouts = KINDS  # sums over ranks: the order of positions does not matter
     runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default)
 
     def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount) -> None:

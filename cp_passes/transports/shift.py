@@ -16,22 +16,22 @@ import torch
 import torch.fx
 
 from ..graph.analysis import hint, meta_val, numel_hint
-from ..layout import Layout
+from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(world: int, offset: int, local_len: int) -> tuple:
+def _plans(world: int, kind: str, offset: int, local_len: int) -> tuple:
     """Every rank's :meth:`Layout.shifted_sources`: the same on every rank, computed once per length."""
-    layout = Layout(world)
+    layout = Layout(world, kind)
     return tuple(tuple(layout.shifted_sources(offset, r, local_len)) for r in range(world))
 
 
-def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int,
-           group_name: str) -> torch.Tensor:
+def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int, group_name: str,
+           kind: str) -> torch.Tensor:
     rows = x.movedim(dim, 0)
-    plans = _plans(world, offset, x.shape[dim])
+    plans = _plans(world, kind, offset, x.shape[dim])
     send = [sum(n for owner, _, n in plans[r] if owner == rank) if r != rank else 0 for r in range(world)]
     recv = [sum(n for owner, _, n in plans[rank] if owner == q) if q != rank else 0 for q in range(world)]
     received = {}
@@ -57,19 +57,19 @@ def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world
 
 
 @torch.library.custom_op("cp_passes::shift", mutates_args=())
-def shift_op(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int,
-             group_name: str) -> torch.Tensor:
+def shift_op(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int, group_name: str,
+             kind: str = CONTIGUOUS) -> torch.Tensor:
     """``out[t] = x[t + offset]`` along ``dim`` over the global sequence, ``fill`` outside it."""
-    return _shift(x, dim % x.dim(), offset, fill, rank, world, group_name)
+    return _shift(x, dim % x.dim(), offset, fill, rank, world, group_name, kind)
 
 
 @shift_op.register_fake
-def _(x, dim, offset, fill, rank, world, group_name):
+def _(x, dim, offset, fill, rank, world, group_name, kind=CONTIGUOUS):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-gradient_by(shift_op, shift_op,
-            lambda dim, offset, fill, rank, world, group_name: (dim, -offset, 0.0, rank, world, group_name))
+gradient_by(shift_op, shift_op, lambda dim, offset, fill, rank, world, group_name, kind=CONTIGUOUS:
+            (dim, -offset, 0.0, rank, world, group_name, kind))
 
 
 @dataclass
@@ -93,9 +93,10 @@ class Diff(Shift):
     prepend: torch.fx.Node | None = None
 
 
-def previous_rows(shifted: torch.Tensor, prepend: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+def previous_rows(shifted: torch.Tensor, prepend: torch.Tensor, dim: int, rank: int, world: int,
+                  kind: str) -> torch.Tensor:
     """Each position's previous row, ``prepend`` at the sequence's first position."""
-    positions = Layout(world).positions(rank, shifted.shape[dim], shifted.device)
+    positions = Layout(world, kind).positions(rank, shifted.shape[dim], shifted.device)
     shape = [1] * shifted.dim()
     shape[dim] = -1
     return torch.where((positions == 0).view(shape), prepend.to(shifted.dtype), shifted)
@@ -109,14 +110,17 @@ def difference(x: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
 class ShiftTransport(Transport):
     name = "shift"
     order = 15
+    layouts = KINDS
     runtime = (torch.ops.cp_passes.shift.default,)
 
     def apply(self, edit, request: Shift) -> None:
         shifted = edit.insert(torch.ops.cp_passes.shift.default,
                               (edit.current(request.source), request.dim, request.offset, float(request.fill),
-                               edit.rank, edit.world, edit.group_name), name="cp_shifted", before=request.pad)
+                               edit.rank, edit.world, edit.group_name, edit.layout.kind), name="cp_shifted",
+                              before=request.pad)
         if isinstance(request, Diff):
-            previous = edit.insert(previous_rows, (shifted, request.prepend, request.dim, edit.rank, edit.world),
+            previous = edit.insert(previous_rows, (shifted, request.prepend, request.dim, edit.rank, edit.world,
+                                                    edit.layout.kind),
                                    name="cp_previous")
             shifted = edit.insert(difference, (edit.current(request.source), previous), name="cp_diff")
         edit.replace_uses(request.node, shifted)

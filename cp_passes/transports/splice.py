@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
-from ..layout import Layout
+from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, register_transport
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
@@ -37,22 +37,24 @@ class Splice:
     source: torch.fx.Node
 
 
-def row_counts(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``[1, batch]``: how many elements of each local row the (broadcast) mask selects."""
-    return mask.expand(x.shape).reshape(x.shape[0], -1).sum(1, dtype=torch.int64).unsqueeze(0)
+def row_counts(x: torch.Tensor, mask: torch.Tensor, chunks: int = 1) -> torch.Tensor:
+    """``[chunks, batch]``: how many elements of each local row the (broadcast) mask selects in each of the
+    rank's ranges."""
+    return mask.expand(x.shape).reshape(x.shape[0], chunks, -1).sum(2, dtype=torch.int64).t()
 
 
 def spliced(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, counts: torch.Tensor, rank: int,
-            world: int) -> torch.Tensor:
-    """``masked_scatter`` on this rank's rows as on the whole sequence, given every rank's ``counts``
-    (``[world, batch]``, from :func:`row_counts`)."""
-    rows = x.shape[0]
-    selected = mask.expand(x.shape).reshape(rows, -1)
+            world: int, kind: str = CONTIGUOUS) -> torch.Tensor:
+    """``masked_scatter`` on this rank's rows as on the whole sequence, given every range's ``counts``
+    (``[ranges of the gather, batch]``, from :func:`row_counts`)."""
+    rows, layout = x.shape[0], Layout(world, kind)
+    selected = mask.expand(x.shape).reshape(rows, layout.chunks, -1)
     totals = counts.sum(0)
-    preceding = torch.zeros(world, 1, dtype=torch.bool, device=counts.device)
-    preceding[Layout(world).preceding_ranks(rank)] = True
-    first = totals.cumsum(0) - totals + torch.where(preceding, counts, 0).sum(0)
-    index = first.unsqueeze(1) + selected.cumsum(1, dtype=torch.int64) - 1
+    preceding = torch.tensor(layout.preceding_chunks(rank), dtype=torch.bool, device=counts.device)
+    before = torch.where(preceding[:, :, None], counts[None], 0).sum(1)  # [chunks, batch]
+    first = (totals.cumsum(0) - totals)[None, :] + before
+    index = (first.t().unsqueeze(2) + selected.cumsum(2, dtype=torch.int64) - 1).reshape(rows, -1)
+    selected = selected.reshape(rows, -1)
     flat = source.reshape(-1)
     torch._assert_async(totals.sum() <= flat.numel(),
                         "masked_scatter: number of elements of source < number of ones in mask")
@@ -65,24 +67,27 @@ def spliced(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, counts: t
 class SpliceTransport(Transport):
     name = "splice"
     order = 26
+    layouts = KINDS
     runtime = (torch.ops.cp_passes.metadata_gather.default,)
 
     def apply(self, edit, request: Splice) -> None:
         node, x, mask, source = request.node, edit.current(request.x), edit.current(request.mask), request.source
-        local = edit.insert(row_counts, (x, mask), name="cp_splice_counts")
+        local = edit.insert(row_counts, (x, mask, edit.layout.chunks), name="cp_splice_counts")
         counts = edit.insert(torch.ops.cp_passes.metadata_gather.default, (local, 0, edit.world, edit.group_name),
                              name="cp_splice_all_counts")
-        out = edit.insert(spliced, (x, mask, source, counts, edit.rank, edit.world), name="cp_spliced")
+        out = edit.insert(spliced, (x, mask, source, counts, edit.rank, edit.world, edit.layout.kind),
+                          name="cp_spliced")
         edit.replace_uses(node, out)
 
     def cost(self, request: Splice, layout, rank, local_len) -> Cost:
         """The bound: per row, the count over the preceding ranks (none on the first) and, after the first row,
         the count over the earlier rows."""
         rows = meta_val(request.x).shape[0]
-        moved = 8 * rows * (layout.world - 1)
-        needed = 8 * (rows - 1) * (layout.world > 1) + 8 * rows * bool(layout.preceding_ranks(rank))
-        return Cost("all_gather of per-row counts (no autograd)", rows * (layout.world - 1), moved, needed, moved,
-                    moved)
+        moved = 8 * rows * layout.chunks * (layout.world - 1)
+        before = any(any(column) for column in layout.preceding_chunks(rank))
+        needed = 8 * (rows - 1) * (layout.world > 1) + 8 * rows * before
+        return Cost("all_gather of per-range, per-row counts (no autograd)", rows * layout.chunks * (layout.world - 1),
+                    moved, needed, moved, moved)
 
 
 SPLICE = register_transport(SpliceTransport())
