@@ -4,6 +4,7 @@ fake process group), so any sequence length and world size plan in seconds on a 
 
     python benchmarks/halo_bytes.py                       # S = 32768, P = 8, window 1024, conv kernel 4
     python benchmarks/halo_bytes.py --seq-len 131072 --world-size 16 --window 4096
+    python benchmarks/halo_bytes.py --layout contiguous   # one range per rank: one halo (default: balanced)
 """
 
 import argparse
@@ -27,9 +28,11 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=1024, help="sliding-window width (default: 1024)")
     parser.add_argument("--conv-kernel", type=int, default=4, help="causal short-conv kernel (default: 4)")
     parser.add_argument("--batch", type=int, default=1, help="batch size (default: 1)")
+    parser.add_argument("--layout", choices=("auto", "balanced", "contiguous"), default="auto",
+                        help="CPSpec.layout (default: auto, which is balanced here: two ranges, a halo each)")
     args = parser.parse_args()
-    if args.seq_len % args.world_size:
-        raise SystemExit("--seq-len must be a multiple of --world-size")
+    if args.seq_len % (2 * args.world_size):
+        raise SystemExit("--seq-len must be a multiple of 2 * --world-size")
     local = args.seq_len // args.world_size
     config = ToyLlamaConfig(window=args.window, conv_kernel=args.conv_kernel, n_layers=2)
     inputs = {"input_ids": ((args.batch, local), torch.long)}
@@ -39,7 +42,7 @@ def main() -> None:
         per = {}
         for transport in ("halo", "gather"):
             with fake_group(args.world_size, rank) as group:
-                record = dry_run(lambda: ToyLlama(config), inputs, CPSpec(window_transport=transport), mesh=group).record
+                record = dry_run(lambda: ToyLlama(config), inputs, CPSpec(window_transport=transport, layout=args.layout), mesh=group).record
             per[transport] = [r for r in record.records if r.rule in ("sdpa_window", "causal_conv_slice")]
         for halo, gather in zip(per["halo"], per["gather"]):
             bound = halo.lower_bound_bytes
@@ -52,7 +55,8 @@ def main() -> None:
             totals[rank][1] += gathered if gathered else halo.bytes  # convs have no gather variant
             totals[rank][2] += bound
     print(f"S = {args.seq_len}, P = {args.world_size} ({local} tokens per rank), window {args.window}, conv kernel "
-          f"{args.conv_kernel}, batch {args.batch}, fp32; MiB received per rank per forward (backward moves the same)")
+          f"{args.conv_kernel}, batch {args.batch}, fp32, layout {record.layout}; MiB received per rank per forward "
+          f"(backward moves the same)")
     print(tabulate(rows, headers=("rank", "module", "rule", "halo MiB", "all-gather MiB", "lower bound MiB",
                                   "halo / bound", "all-gather / bound")))
     print()

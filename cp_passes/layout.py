@@ -42,6 +42,12 @@ class Layout:
         if self.kind not in KINDS:
             raise ValueError(f"Layout.kind must be one of {KINDS}, got {self.kind!r}")
 
+    def describe(self) -> str:
+        if self.kind == BALANCED:
+            return (f"balanced: the sequence in {2 * self.world} chunks, rank r holds chunks r and "
+                    f"{2 * self.world - 1} - r")
+        return f"contiguous: rank r holds the r-th of {self.world} slices"
+
     # -- rank <-> global position -----------------------------------------------------------
     @property
     def chunks(self) -> int:

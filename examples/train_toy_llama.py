@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/train_toy_llama.py     # or: python examples/train_toy_llama.py
 
 The model is written for one device. cp_compile rewrites its graph, shard_batch gives each rank its
-contiguous slice of the (padded) sequence, and all_reduce_gradients sums the ranks' gradients.
+positions of the (padded) sequence in the spec's layout (balanced: a head and a tail chunk), and
+all_reduce_gradients sums the ranks' gradients.
 """
 
 import argparse
@@ -26,7 +27,7 @@ def train(steps: int, seq_len: int, backend: str) -> None:
     for step in range(steps):
         ids = torch.randint(0, 256, (4, seq_len), generator=torch.Generator().manual_seed(step))
         labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)  # shift before sharding
-        local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": labels}, mesh)
+        local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": labels}, mesh, "llama")  # as compiled
         loss_sum, _ = compiled(**local)
         n_tokens = (labels != -100).sum()
         (loss_sum / n_tokens).backward()

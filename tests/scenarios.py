@@ -44,7 +44,7 @@ def toy_parity(group, backend: str, config: dict, seq_lens: list[int], pass_posi
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)
+        local, layout = cp_passes.shard_batch(toy_batch(seq_len), group, spec)
         if not pass_positions:
             local.pop("position_ids")
         model.zero_grad()
@@ -373,7 +373,7 @@ def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     results = []
     for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group)
+        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group, spec)
         model.zero_grad()
         loss, out = compiled(**local)
         loss.backward()
@@ -413,11 +413,11 @@ def prefix_lm(group, prompt: int, attention_keys: str) -> dict:
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
     doc_ids = (torch.arange(8) < prompt).long().expand(2, 8)
-    local, layout = cp_passes.shard_batch({"input_ids": ids, "doc_ids": doc_ids}, group)
+    local, layout = cp_passes.shard_batch({"input_ids": ids, "doc_ids": doc_ids}, group, spec)
     outputs = []
     error = _error(lambda: outputs.append(compiled(**local)[1].detach()))
     return {"error": error, "out": outputs[0] if outputs else None, "want": model(ids, doc_ids)[1].detach(),
-            "start": layout.start}
+            "positions": layout.positions}
 
 
 class RunningExtremes(torch.nn.Module):
@@ -500,7 +500,7 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len, layout in cases:
-        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group)
+        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group, spec)
         net.zero_grad()
         out = compiled(**packed_model_inputs(local, hf))
         loss, logits = (out.loss, out.logits) if hf else out
@@ -561,7 +561,7 @@ def envelope_violation(group, layout: list | None = None) -> str:
     net = toy_model()
     spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=2),))
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(packed_batch(8, layout or [[(8, 8)]], 256), group)
+    local, _ = cp_passes.shard_batch(packed_batch(8, layout or [[(8, 8)]], 256), group, spec)
     return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
 
 
@@ -733,7 +733,7 @@ def packed_scan_parity(group, form: str, documents: list[list[int]]) -> list[dic
     results = []
     for lengths in documents:
         batch = packed_scan_batch(lengths)
-        local, layout = cp_passes.shard_batch({"input_ids": batch["input_ids"]}, group)
+        local, layout = cp_passes.shard_batch({"input_ids": batch["input_ids"]}, group, scan_spec(form))
         model.zero_grad()
         loss, out = compiled(**local, cu_seqlens=batch["cu_seqlens"])
         loss.backward()
@@ -782,7 +782,7 @@ def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = 
     compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
     results = []
     for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group)
+        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
         model.zero_grad()
         out = compiled(**local).last_hidden_state
         loss = out.pow(2).sum()

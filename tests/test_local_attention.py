@@ -11,7 +11,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from cp_passes.graph.selection import Selector
 from cp_passes.transports.attention import attention_pieces
-from cp_passes.transports.block_attention import CAUSAL, FULL, SKIP, block_attention_op
+from cp_passes.transports.block_attention import CAUSAL, FULL, SKIP, TILES, block_attention_op, pair_shapes
 from cp_passes.layout import Layout
 
 
@@ -82,6 +82,94 @@ def test_causal_pieces_of_the_contiguous_layout(world):
             [0, 1], list(range(rank + 2)), [FULL] * (rank + 1))
         assert attention_pieces(layout, rank, causal=False, masked=False) == ([0, 1], [0, world], [FULL])
     assert SKIP not in attention_pieces(layout, world - 1, causal=True, masked=True)[2]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_balanced_pieces_skip_every_key_block_after_the_queries(world):
+    """Rank r of a balanced layout holds chunks r and 2P-1-r: its head sees r earlier chunks whole and itself
+    causally, its tail 2P-1-r chunks whole (its own head among them) and itself causally; every later chunk is
+    skipped, so each rank computes 2P + 1 chunk-sized pieces (counting a causal one whole)."""
+    layout = Layout(world, "balanced")
+    order = layout.gather_chunks()
+    for rank in range(world):
+        q_bounds, k_bounds, kinds = attention_pieces(layout, rank, causal=True, masked=True)
+        assert q_bounds == [0, 1, 2] and k_bounds == list(range(2 * world + 1))
+        for i, mine in enumerate(layout.chunk_indices(rank)):
+            row = kinds[i * 2 * world:(i + 1) * 2 * world]
+            assert row == [FULL if c <= mine else SKIP for c in order], (rank, i)
+        q_bounds, k_bounds, kinds = attention_pieces(layout, rank, causal=True, masked=False)
+        sizes = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
+        computed = sum(sizes[j] for i in range(2) for j in range(len(sizes)) if kinds[i * len(sizes) + j] != SKIP)
+        assert computed == 2 * world + 1, (rank, k_bounds, kinds)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_balanced_rank_attention_matches_one_device(masked):
+    """Every rank of a balanced layout at P = 4 (two chunks of 3), its keys gathered in rank order: block
+    attention over its pieces gives one device's rows at its positions, causal or with documents (one spans
+    three ranks), forward and gradients (fp64)."""
+    torch.manual_seed(0)
+    world, local, heads, dim = 4, 6, 2, 8
+    layout = Layout(world, "balanced")
+    q, k, v = (torch.randn(1, heads, world * local, dim, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    positions = torch.arange(world * local)
+    allowed = positions[:, None] >= positions[None, :]
+    if masked:
+        allowed = allowed & (_documents(positions)[:, None] == _documents(positions)[None, :])
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    grad = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad)
+    got_grads = [torch.zeros_like(t) for t in (q, k, v)]
+    gathered = layout.gathered_positions(local)
+    for rank in range(world):
+        rows = layout.positions(rank, local)
+        q_units, k_units, kinds = attention_pieces(layout, rank, True, masked)
+        mask = allowed[rows][:, gathered] if masked else None
+        size = layout.chunk_len(local)
+        out, _ = block_attention_op(q[:, :, rows], k[:, :, gathered], v[:, :, gathered], mask,
+                                    [u * size for u in q_units], [u * size for u in k_units], kinds, dim ** -0.5)
+        torch.testing.assert_close(out, want[:, :, rows], rtol=0, atol=1e-12)
+        for total, part in zip(got_grads, torch.autograd.grad(out, (q, k, v), grad[:, :, rows])):
+            total += part
+    for got, expected in zip(got_grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_a_masked_pair_computes_tiles_of_its_triangle():
+    """A document mask's causal triangle over 1024 rows is cut into tiles of query rows, each computing the
+    keys up to its last row: about half the square (not all of it), and the same values as SDPA."""
+    torch.manual_seed(0)
+    n = 1024
+    q, k, v = (torch.randn(1, 1, n, 4, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    shapes = pair_shapes(q, k, v, mask, [0, n], [0, n], [FULL])
+    computed = sum(a[2] * b[2] for a, b, _ in shapes)
+    assert len(shapes) == TILES and n * (n + 1) // 2 <= computed <= 0.57 * n * n, (len(shapes), computed / n / n)
+    out, _ = block_attention_op(q, k, v, mask, [0, n], [0, n], [FULL], 0.5)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.5),
+                               rtol=0, atol=1e-12)
+
+
+def test_flop_counter_counts_the_calls_block_attention_makes():
+    """FlopCounterMode counts cp_passes::block_attention and its backward as the attention calls they make,
+    each dense (as it counts SDPA): skipped key blocks cost nothing. Rank 3 of 4 (L queries), in units of
+    L x L: contiguous 4 (every key); balanced 2P + 1 = 9 pieces of L/2 x L/2, 2.25. One device's causal
+    pairs / P are 2."""
+    from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+    world, local, shape = 4, 8, (1, 2, 1, 16)
+    per_pair = sdpa_flop_count(shape, shape, shape) + sdpa_backward_flop_count(shape, shape, shape, shape)
+    for kind, blocks in (("contiguous", 4), ("balanced", 2.25)):
+        layout = Layout(world, kind)
+        q = torch.randn(1, 2, local, 16, requires_grad=True)
+        k, v = (torch.randn(1, 2, world * local, 16, requires_grad=True) for _ in range(2))
+        q_units, k_units, kinds = attention_pieces(layout, 3, True, False)
+        size = layout.chunk_len(local)
+        with FlopCounterMode(display=False) as counter:
+            out, _ = block_attention_op(q, k, v, None, [u * size for u in q_units], [u * size for u in k_units],
+                                        kinds, 0.25)
+            out.sum().backward()
+        assert counter.get_total_flops() == blocks * local * local * per_pair, kind
 
 
 def _hf_like_mask(position_ids, length: int):

@@ -13,6 +13,7 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
+from cp_passes.layout import resolve_layout
 from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, glm5_next_packed_batch,
                        hf_glm5_next, kda_spec, mixer_batch, packed_scan_batch, scan_spec)
 from test_parity import GRAD_RTOL, _compare
@@ -239,6 +240,32 @@ def test_reading_the_final_state_is_refused(group):
                                     verbose=False)
     with pytest.raises(CPCompileError, match="reads the final state of"):
         compiled(torch.randint(0, 32, (2, 8)))
+
+
+def test_auto_layout_keeps_a_carry_s_shards_contiguous_and_explain_names_the_node(group):
+    """A spec declaring a recurrence resolves auto to contiguous shards (the state flows from rank to rank),
+    decided from the spec so shard_batch agrees; explain says so and names the carry nodes. Without one, auto
+    is balanced (one rank: contiguous)."""
+    layout, why = resolve_layout(kda_spec(), 8)
+    assert layout.kind == "contiguous" and why.startswith(f"auto: Recurrence {KDA_KERNEL!r}")
+    assert resolve_layout(cp_passes.CPSpec(), 8)[0].kind == "balanced"
+    assert resolve_layout(cp_passes.CPSpec(), 1)[0].kind == "contiguous"
+    compiled = cp_passes.cp_compile(DeltaRule(), kda_spec(), mesh=group, backend="aot_eager", verbose=False)
+    compiled(**mixer_batch(8))
+    text = cp_passes.explain(compiled, print_table=False)
+    (line,) = [line for line in text.splitlines() if line.startswith("layout: ")]
+    assert line.startswith("layout: contiguous (auto: Recurrence") and "nodes whose transport needs it:" in line
+    assert "(carry)" in line
+
+
+def test_a_balanced_layout_with_a_carry_is_refused_naming_the_node(group):
+    compiled = cp_passes.cp_compile(DeltaRule(), kda_spec().replace(layout="balanced"), mesh=group,
+                                    backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(**mixer_batch(8))
+    text = str(info.value)
+    assert "its transport 'carry' supports the layouts ('contiguous',), not the 'balanced' layout" in text
+    assert "cp_passes.recurrence" in text and "fix: set CPSpec(layout='contiguous')" in text
 
 
 def test_a_recurrence_declaration_is_checked():

@@ -27,9 +27,12 @@ def fake_world():
 
 
 def compile_toy(group, seq=16, spec=None, **config):
+    """ToyLlama compiled for rank 3 of 8, one forward and backward at local length ``seq``; contiguous shards
+    unless ``spec`` names a layout (the balanced layout's own tests say so)."""
     torch.manual_seed(0)
     model = ToyLlama(ToyLlamaConfig(**config))
-    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(**(spec or {})), mesh=group, backend="aot_eager",
+    spec = {"layout": "contiguous", **(spec or {})}
+    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(**spec), mesh=group, backend="aot_eager",
                                     verbose=False)
     ids = torch.randint(0, 256, (2, seq))
     loss, _ = compiled(ids, labels=ids)
@@ -80,6 +83,49 @@ def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"
+
+
+def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(fake_world):
+    """Rank 3 of 8, balanced: chunks 3 and 12 of 16 (8 positions each). The gather brings every rank's K/V
+    (rank 0's tail is the last chunk), of which causal queries here see 11 chunks of other ranks (the lower
+    bound); block attention computes 2P + 1 = 17 chunk pieces and skips the rest."""
+    from cp_passes.layout import Layout
+    from cp_passes.transports.block_attention import SKIP
+
+    record = compile_toy(fake_world, spec=dict(layout="balanced"), n_layers=2)
+    layout = Layout(WORLD, "balanced")
+    assert layout.ranges(RANK, 16) == ((24, 32), (96, 104))
+    assert record.layout.startswith("balanced (the spec asks for it")
+    local_kv = 2 * 2 * 2 * 16 * 16  # K and V, batch 2, 2 KV heads, 16 positions, head dim 16
+    for r in (r for r in record.records if r.transport == "sequence_gather"):
+        assert r.bytes == (WORLD - 1) * local_kv * 4
+        assert r.lower_bound_bytes == 11 * 8 * local_kv // 16 * 4
+    after = record.history[-1][1]
+    (pieces,) = set(re.findall(r"gathered_attention\(\S+, \S+, \S+, None, (\[[^]]*\]), (\[[^]]*\]), (\[[^]]*\]), None, 2\)",
+                               after))
+    q_units, k_units, kinds = (eval(p) for p in pieces)
+    assert q_units == [0, 1, 2]
+    widths = [b - a for a, b in zip(k_units, k_units[1:])]
+    assert sum(w for i in range(2) for j, w in enumerate(widths) if kinds[i * len(widths) + j] != SKIP) == 17
+    assert re.search(r"global_positions\(s\d+, 3, 8, 'balanced', torch.int64", after)
+
+
+def test_balanced_halos_bring_each_range_its_own_window(fake_world):
+    """Rank 3 of 8, balanced, 16 positions per rank (chunks 3 and 12): a window of 5 needs the 4 positions
+    before each chunk, 4 rows from rank 2 (chunk 2) and 4 from rank 4 (chunk 11); a causal conv of kernel 4
+    needs 3 before each. Exactly those move, in one all_to_all per layer and tensor."""
+    from cp_passes.layout import Layout
+
+    record = compile_toy(fake_world, seq=16, window=5, conv_kernel=4, kv_repeat="sdpa",
+                         spec=dict(layout="balanced"))
+    send, recv, zeros = Layout(WORLD, "balanced").halo_counts(4, RANK, 16)
+    assert recv == [0, 0, 4, 0, 4, 0, 0, 0] and zeros == 0
+    kv_row, conv_row = 2 * 2 * 2 * 16, 2 * 64
+    for r in (r for r in record.records if r.transport == "halo"):
+        rows, row = (6, conv_row) if r.rule == "causal_conv_slice" else (8, kv_row)
+        assert r.elements == rows * row and r.bytes == r.lower_bound_bytes == rows * row * 4, r
+    assert record.aot_ops["forward"][HALO] == 4 and record.aot_ops["backward"][HALO_BACKWARD] == 4
+    assert "drop_seams" in record.history[-1][1]
 
 
 def test_history_labels_every_stage(fake_world):

@@ -13,6 +13,8 @@ from ..compiler.backend import cp_compile
 from ..data.batch import shard_batch
 from ..eager import all_reduce_gradients
 from ..report.explain import explain
+from ..layout import resolve_layout
+from ..spec import resolve_spec
 from .models import ToyLlama, ToyLlamaConfig
 
 TOLERANCE = 1e-4
@@ -32,17 +34,20 @@ def demo_rank(steps: int, seq_len: int, backend: str, dump_dir) -> None:
     torch.manual_seed(0)
     model = ToyLlama(ToyLlamaConfig())
     reference = copy.deepcopy(model)  # the single-device run, on every rank so all ranks agree on it
-    compiled = cp_compile(model, "llama", mesh=mesh, backend=backend, dump_dir=dump_dir)
+    spec = resolve_spec("llama")
+    compiled = cp_compile(model, spec, mesh=mesh, backend=backend, dump_dir=dump_dir)
+    layout, why = resolve_layout(spec, world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     if rank == 0:
         print(f"cp_passes demo: ToyLlama, P={world} ranks (gloo), {steps} AdamW steps, global sequence {seq_len} "
-              f"(padded to a multiple of {world}), backend {backend}", flush=True)
+              f"(padded to a multiple of {world * layout.chunks}), backend {backend}\n"
+              f"layout: {layout.describe()} ({why})", flush=True)
     worst = 0.0
     for step in range(steps):
         batch = demo_batch(step, seq_len)
         n_tokens = (batch["labels"] != -100).sum()
-        local, _layout = shard_batch(batch, mesh)
+        local, _layout = shard_batch(batch, mesh, spec)
         loss_sum, _logits = compiled(**local)  # this rank's share of the summed token loss
         (loss_sum / n_tokens).backward()
         all_reduce_gradients(model, mesh)

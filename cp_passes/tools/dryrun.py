@@ -90,7 +90,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
             largest([single_forward], quadratic(single_sym), whole),
             parameter_bytes)
         record.saved = estimate.saved
-    return DryRun(record, per_rank, parameter_bytes, estimate)
+    return DryRun(record, per_rank, parameter_bytes, estimate, gm, fakes)
 
 
 def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -128,6 +128,9 @@ class DryRun:
     per_rank: dict[int, list]
     parameter_bytes: int
     memory: MemoryEstimate | None = None
+    graph: torch.fx.GraphModule | None = None
+    """The rewritten graph (pre-dispatch ATen), which runs on ``fakes``."""
+    fakes: list | None = None
 
 
 @contextlib.contextmanager

@@ -9,8 +9,8 @@ outputs merge with weights ``exp(lse_pair - lse)``. So causal attention needs no
 this rank's own are seen whole, its own is causal), and no key block a query cannot see is computed.
 
 A mask the model builds (packed documents) is passed as booleans ``[.., queries, keys]``; each pair then
-computes only the rectangle of rows and keys its mask block lets anything through (a document that ended
-before a key block costs nothing there).
+computes, per tile of query rows, only the rectangle of rows and keys its mask block lets anything through (a
+document that ended before a key block costs nothing there, a causal triangle about half its square).
 
 Autograd saves the inputs, the output and the logsumexp (``[.., queries]``): nothing ``[queries, keys]``.
 The backward calls each pair's attention backward with the merged output and logsumexp, which is exactly
@@ -25,10 +25,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 aten = torch.ops.aten
 
 SKIP, FULL, CAUSAL = 0, 1, 2
+
+TILES, TILE_ROWS = 8, 128
+"""A masked pair is cut into at most ``TILES`` tiles of query rows (of at least ``TILE_ROWS``), and each tile
+computes the rectangle of its rows and keys the mask lets anything through: a document's causal triangle
+costs about half its square, not all of it."""
 
 MATH_BLOCK = 1 << 26
 """Most scores (fp32 or fp64 elements) the matmul-softmax path holds at once: a pair is split into blocks of
@@ -149,13 +155,16 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds):
                 continue
             # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
             block = mask[..., rows, keys].expand(*mask.shape[:-2], rows.stop - rows.start, keys.stop - keys.start)
-            flat = block.reshape(-1, *block.shape[-2:])
-            row_span, key_span = _span(flat.any(0).any(-1)), _span(flat.any(0).any(0))
-            if row_span is None:
-                continue
-            rows = slice(rows.start + row_span[0], rows.start + row_span[1])
-            keys = slice(keys.start + key_span[0], keys.start + key_span[1])
-            yield rows, keys, block[..., row_span[0]:row_span[1], key_span[0]:key_span[1]], False
+            seen = block.reshape(-1, *block.shape[-2:]).any(0)  # [rows, keys]: what any head or batch row sees
+            tile = max(TILE_ROWS, -(-seen.shape[0] // TILES))
+            for first in range(0, seen.shape[0], tile):
+                part = seen[first:first + tile]
+                row_span, key_span = _span(part.any(-1)), _span(part.any(0))
+                if row_span is None:
+                    continue
+                a, b = first + row_span[0], first + row_span[1]
+                yield (slice(rows.start + a, rows.start + b), slice(keys.start + key_span[0], keys.start + key_span[1]),
+                       block[..., a:b, key_span[0]:key_span[1]], False)
 
 
 def _merge(acc_out, acc_lse, out, lse, rows):
@@ -220,3 +229,30 @@ def _backward(ctx, grad, _grad_lse):
 
 
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds) -> list[tuple[tuple, tuple, tuple]]:
+    """The ``(query, key, value)`` shapes (4-D) of every attention call the op makes: a mask's rectangles where
+    its values are known, every unskipped piece whole where they are not (fake tensors)."""
+    known = mask is not None and not isinstance(mask, torch._subclasses.FakeTensor)
+    shapes = []
+    for rows, keys, _, _ in _pairs(q, mask if known else None, q_bounds, k_bounds, kinds):
+        lead = tuple(q.shape[:-2]) if q.dim() == 4 else (1,) * (4 - q.dim() + 1) + tuple(q.shape[:-2])
+        kv_lead = tuple(k.shape[:-2]) if k.dim() == 4 else lead[:-1] + (1,)
+        n, m = rows.stop - rows.start, keys.stop - keys.start
+        shapes.append(((*lead, n, q.shape[-1]), (*kv_lead, m, k.shape[-1]), (*kv_lead, m, v.shape[-1])))
+    return shapes
+
+
+@register_flop_formula(torch.ops.cp_passes.block_attention, get_raw=True)
+def _block_attention_flop(q, k, v, mask, q_bounds, k_bounds, kinds, *args, **kwargs) -> int:
+    """What :class:`torch.utils.flop_counter.FlopCounterMode` counts: every call the op makes, dense (as it
+    counts SDPA), so a piece the layout skips costs nothing."""
+    return sum(sdpa_flop_count(*shapes)
+               for shapes in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds))
+
+
+@register_flop_formula(torch.ops.cp_passes.block_attention_backward, get_raw=True)
+def _block_attention_backward_flop(grad, q, k, v, mask, out, lse, q_bounds, k_bounds, kinds, *args, **kwargs) -> int:
+    return sum(sdpa_backward_flop_count(s[0][:-1] + (v.shape[-1],), *s)
+               for s in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds))

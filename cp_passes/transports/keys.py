@@ -22,12 +22,12 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
-from ..layout import KINDS, Layout
+from ..layout import CONTIGUOUS, KINDS, Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
-from .masks import MetadataMask, band, key_positions, metadata_gather_op, own_segment  # noqa: F401  (registers metadata_gather)
+from .masks import MetadataMask, band, in_global_order, key_positions, metadata_gather_op, own_segment  # noqa: F401  (registers metadata_gather)
 
 aten = torch.ops.aten
 
@@ -213,9 +213,12 @@ class KeyGather(Transport):
                                (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name,
                                 edit.layout.kind), name=name)
         brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
-        if keys is not None:
-            brought = edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world, edit.layout.kind),
-                                  name=name + "_prefix")
+        if keys is not None:  # the causal prefix, in gather order, as cut_mask picks the mask's keys
+            return edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world, edit.layout.kind),
+                               name=name + "_prefix")
+        if edit.layout.kind != CONTIGUOUS:  # every key, in the mask's (global) order
+            brought = edit.insert(in_global_order, (brought, request.dim, edit.world, edit.layout.kind),
+                                  name=name + "_in_order")
         return brought
 
     @staticmethod
