@@ -1,5 +1,6 @@
 """Training-step time of CP attention on CPU ranks: gathered keys saved for the backward ("save") against
-gathered again in the backward ("regather", the default), each as a ratio to the same step on one process.
+gathered again in the backward ("regather", the default), on contiguous shards, and regathered on the
+balanced layout (the default), each as a ratio to the same step on one process.
 
 Spawns P gloo ranks (one thread each) and runs, per mode, a compiled ToyLlama forward + backward on a
 sharded sequence; the single-device step runs in this process with P threads, so every figure uses the
@@ -20,7 +21,8 @@ import cp_passes
 from cp_passes.tools.launch import launch
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
-MODES = ("save", "regather")
+MODES = (("save", "contiguous"), ("regather", "contiguous"), ("regather", "balanced"))
+"""(CPSpec.gathered_keys, CPSpec.layout)"""
 
 
 def config(args) -> ToyLlamaConfig:
@@ -43,12 +45,12 @@ def rank_main(args, results) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     ids = torch.randint(0, 1024, (1, args.seq_len))
-    local = ids.chunk(world, dim=1)[rank]
     for mode in MODES:
         torch.manual_seed(0)
         model = ToyLlama(config(args))
-        compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(gathered_keys=mode), mesh=dist.group.WORLD,
-                                        backend=args.backend, verbose=False)
+        spec = cp_passes.CPSpec(gathered_keys=mode[0], layout=mode[1])
+        compiled = cp_passes.cp_compile(model, spec, mesh=dist.group.WORLD, backend=args.backend, verbose=False)
+        local = cp_passes.shard_batch({"input_ids": ids}, dist.group.WORLD, spec)[0]["input_ids"]
 
         def step():
             loss, _ = compiled(local, labels=local)
@@ -70,8 +72,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling (default: 2)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (default: 5)")
     args = parser.parse_args()
-    if args.seq_len % args.world_size:
-        raise SystemExit("--seq-len must be a multiple of --world-size")
+    if args.seq_len % (2 * args.world_size):
+        raise SystemExit("--seq-len must be a multiple of 2 * --world-size (the balanced layout's chunks)")
 
     torch.set_num_threads(args.world_size)
     torch.manual_seed(0)
@@ -90,8 +92,11 @@ def main() -> None:
           f"{args.backend}, mean of {args.steps} steps (forward + backward)")
     print(f"one process ({args.world_size} threads): {single * 1e3:.0f} ms")
     for mode in MODES:
-        print(f"CP {mode:<9} {results[mode] * 1e3:.0f} ms per step, {results[mode] / single:.2f}x one process")
-    print(f"regather / save: {results['regather'] / results['save']:.2f}")
+        print(f"CP {mode[0]:<9} {mode[1]:<11} {results[mode] * 1e3:.0f} ms per step, "
+              f"{results[mode] / single:.2f}x one process")
+    save, regather, balanced = (results[mode] for mode in MODES)
+    print(f"regather / save (contiguous): {regather / save:.2f}; balanced / contiguous (regather): "
+          f"{balanced / regather:.2f}")
 
 
 if __name__ == "__main__":

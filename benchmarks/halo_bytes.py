@@ -42,7 +42,8 @@ def main() -> None:
         per = {}
         for transport in ("halo", "gather"):
             with fake_group(args.world_size, rank) as group:
-                record = dry_run(lambda: ToyLlama(config), inputs, CPSpec(window_transport=transport, layout=args.layout), mesh=group).record
+                spec = CPSpec(window_transport=transport, layout=args.layout)
+                record = dry_run(lambda: ToyLlama(config), inputs, spec, mesh=group).record
             per[transport] = [r for r in record.records if r.rule in ("sdpa_window", "causal_conv_slice")]
         for halo, gather in zip(per["halo"], per["gather"]):
             bound = halo.lower_bound_bytes

@@ -31,7 +31,7 @@ def measure(args, packed: bool):
     config = EXAMPLES[args.model][1]
     with fake_group(world, rank) as group:
         run = dry_run(lambda: built_in(config, getattr(torch, args.dtype)), inputs,
-                      CPSpec(gathered_keys=args.gathered_keys), mesh=group, memory=True)
+                      CPSpec(gathered_keys=args.gathered_keys, layout=args.layout), mesh=group, memory=True)
     return run.memory
 
 
@@ -44,6 +44,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--gathered-keys", choices=("regather", "save"), default="regather",
                         help="CPSpec.gathered_keys (default: regather, the default)")
+    parser.add_argument("--layout", choices=("auto", "balanced", "contiguous"), default="auto",
+                        help="CPSpec.layout (default: auto: balanced here)")
     args = parser.parse_args()
     if args.seq_len % args.world_size:
         raise SystemExit("--seq-len must be a multiple of --world-size")

@@ -22,9 +22,11 @@ def toy_batch(seq_len: int, batch: int = 2, vocab: int = 256, seed: int = 1) -> 
 
 def in_global_order(results: list[dict], key: str, dim: int = 1) -> torch.Tensor:
     """Every rank's ``key`` concatenated along ``dim`` and put in the order of the global sequence: each
-    result names its local rows' global positions (``"positions"``, from ``ShardLayout.positions``)."""
-    positions = torch.cat([r["positions"] for r in results])
-    return torch.cat([r[key] for r in results], dim).index_select(dim, torch.argsort(positions))
+    result names its local rows' global positions (``"positions"``, from ``ShardLayout.positions``). Along
+    windows of ``m`` positions (fewer rows than positions) a window's order is its first position's."""
+    rows = torch.cat([r[key] for r in results], dim)
+    positions = torch.cat([r["positions"][::r["positions"].numel() // r[key].shape[dim]] for r in results])
+    return rows.index_select(dim, torch.argsort(positions))
 
 
 def toy_model(seed: int = 0, **config) -> ToyLlama:
@@ -179,15 +181,15 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
     return results
 
 
-def gather_roundtrip(group, seq_len: int) -> dict:
+def gather_roundtrip(group, seq_len: int, kind: str = "auto") -> dict:
     """shard_batch then gather_sequence gives back the global tensor; gradients reach their owners."""
     global_batch = toy_batch(seq_len)
-    local, layout = cp_passes.shard_batch(global_batch, group)
+    local, layout = cp_passes.shard_batch(global_batch, group, cp_passes.CPSpec(layout=kind))
     x = local["input_ids"].float().requires_grad_()
     full = cp_passes.gather_sequence(x, group, layout=layout)
     (full * torch.arange(1, seq_len + 1)).sum().backward()
     return {"full": full.detach(), "grad": x.grad, "layout": (layout.seq_len, layout.padded_len, layout.slices),
-            "local": local}
+            "local": local, "positions": layout.positions}
 
 
 class RunningScans(torch.nn.Module):
@@ -429,10 +431,13 @@ class RunningExtremes(torch.nn.Module):
                 input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
 
 
-def running_extremes(group, ids: torch.Tensor) -> list:
-    compiled = cp_passes.cp_compile(RunningExtremes(), mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
-    return [(r.values, r.indices) for r in compiled(**local)]
+def running_extremes(group, ids: torch.Tensor, kind: str = "auto") -> dict:
+    spec = cp_passes.CPSpec(layout=kind)
+    compiled = cp_passes.cp_compile(RunningExtremes(), spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch({"input_ids": ids}, group, spec)
+    outputs = compiled(**local)
+    return {"positions": layout.positions,
+            **{f"{k}-{part}": getattr(r, part) for k, r in enumerate(outputs) for part in ("values", "indices")}}
 
 
 def shift_roundtrip(group, seq_len: int, offsets: list[int], kind: str = "contiguous") -> list[dict]:
@@ -492,11 +497,11 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     """One compiled model run on several packed batches (seq_len, layout)."""
     hf = model == "hf"
     config = dict(config or {})
-    left_padding = config.pop("left_padding", 0)
+    left_padding, layout = config.pop("left_padding", 0), config.pop("layout", "auto")
     net = hf_llama(use_cache=False) if hf else toy_model(**config)
-    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=config["window"],
-                                                               left_padding=left_padding),)) \
-        if config.get("window") else None
+    rules = (cp_passes.AttentionRule("layers.*.attn", window=config["window"], left_padding=left_padding),) \
+        if config.get("window") else ()
+    spec = cp_passes.CPSpec(attention=rules, layout=layout)
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len, layout in cases:

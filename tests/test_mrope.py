@@ -19,14 +19,17 @@ IMAGE = (3, 2, 4)
 
 
 def test_shard_batch_cuts_mrope_positions_on_their_last_dim():
+    """Rank 1 of 4 (balanced: chunks 1 and 6 of 8, positions 2, 3, 12, 13) cuts the [3, batch, seq] positions on
+    their last dim; the two padding positions (rank 0's tail) continue each row's count."""
     batch = mrope_batch(14, IMAGE)
     local, layout = shard_for_rank(batch, 1, 4, MROPE_SPEC)
     assert layout.padded_len == 16 and local["input_ids"].shape == (2, 4)
     assert local["position_ids"].shape == (3, 2, 4)
-    assert torch.equal(local["position_ids"], batch["position_ids"][..., 4:8])
-    last, _ = shard_for_rank(batch, 3, 4, MROPE_SPEC)
-    # the two padding positions continue each row's count
-    assert torch.equal(last["position_ids"][..., 2:], batch["position_ids"][..., -1:] + torch.tensor([1, 2]))
+    assert torch.equal(local["position_ids"], batch["position_ids"][..., [2, 3, 12, 13]])
+    shards = [shard_for_rank(batch, rank, 4, MROPE_SPEC)[0]["position_ids"] for rank in range(4)]
+    whole = layout.layout.unshard(torch.cat(shards, -1), 2)
+    assert torch.equal(whole[..., :14], batch["position_ids"])
+    assert torch.equal(whole[..., 14:], batch["position_ids"][..., -1:] + torch.tensor([1, 2]))
 
 
 def test_mrope_positions_without_their_dim_are_refused_naming_the_field():

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from cp_passes import CPSpec
 from cp_passes.data.checks import check_batch
 from cp_passes.data.packing import pack
-from scenarios import hf_llama, packed_batch, packed_model_inputs, toy_model
+from scenarios import hf_llama, in_global_order, packed_batch, packed_model_inputs, toy_model
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -44,7 +44,7 @@ def packing(draw, world: int):
 def reference(model: str, seq_len: int, layout: list, config=None):
     hf = model == "hf"
     net = hf_llama(use_cache=False) if hf else toy_model(**{k: v for k, v in (config or {}).items()
-                                                             if k != "left_padding"})
+                                                             if k not in ("left_padding", "layout")})
     batch = pack(check_batch(packed_batch(seq_len, layout, 128 if hf else 256), CPSpec(), ()))
     out = net(**packed_model_inputs(batch, hf))
     loss, logits = (out.loss, out.logits) if hf else out
@@ -55,7 +55,9 @@ def reference(model: str, seq_len: int, layout: list, config=None):
 CASES = [("toy", 2, "aot_eager", None), ("toy", 4, "aot_eager", None), ("hf", 2, "aot_eager", None),
          ("toy", 2, "inductor", None), ("toy", 4, "aot_eager", {"window": 6, "left_padding": 3}),
          ("toy", 4, "aot_eager", {"conv_kernel": 4, "conv_dilation": 2}),
-         pytest.param("toy", 4, "aot_eager", {"window": 6}, marks=pytest.mark.full)]
+         pytest.param("toy", 4, "aot_eager", {"window": 6}, marks=pytest.mark.full),
+         ("toy", 2, "aot_eager", {"layout": "contiguous"}),
+         pytest.param("toy", 4, "aot_eager", {"layout": "contiguous", "window": 6}, marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("model,P,backend,config", CASES,
@@ -70,9 +72,9 @@ def test_packed_documents_match_one_device(pool, parity_report, model, P, backen
     for i, (seq_len, layout) in enumerate(cases):
         ref_loss, ref_logits, ref_grads, ref_valid = reference(model, seq_len, layout, config)
         ranks = [r[i] for r in per_rank]
-        valid = torch.cat([r["valid"] for r in ranks], dim=1)[:, :seq_len]
+        valid = in_global_order(ranks, "valid")[:, :seq_len]
         assert torch.equal(valid, ref_valid)
-        logits = torch.cat([r["logits"] for r in ranks], dim=1)[:, :seq_len]
+        logits = in_global_order(ranks, "logits")[:, :seq_len]
         out_err = (logits - ref_logits)[valid].abs().max().item() if valid.any() else 0.0
         loss = sum(r["loss"] for r in ranks)
         loss_err = abs(loss.item() - ref_loss.item()) / max(abs(ref_loss.item()), 1e-12)

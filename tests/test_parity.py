@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cp_passes.layout import Layout
+
 from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, in_global_order, mixer_batch,
                        scan_batch, toy_batch, toy_model)
 
@@ -162,6 +164,22 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
             assert moved == bound  # a halo moves exactly what the window needs
 
 
+@pytest.mark.parametrize("P,config", [(2, {}), (2, dict(window=5, conv_kernel=4, conv_dilation=2)),
+                                      pytest.param(4, {}, marks=pytest.mark.full),
+                                      pytest.param(4, dict(window=10, conv_kernel=3), marks=pytest.mark.full)],
+                         ids=["P2-causal", "P2-window-conv", "P4-causal", "P4-window-conv"])
+def test_contiguous_layout_parity(pool, parity_report, P, config):
+    """CPSpec(layout="contiguous"): one range per rank, as before the balanced default (causal; a window and
+    a conv whose halos span ranks)."""
+    seq_lens = [16, 13]
+    per_rank = pool.run("toy_parity", P, backend="aot_eager", config=config, seq_lens=seq_lens,
+                        pass_positions=False, spec={"layout": "contiguous"})
+    for i, seq_len in enumerate(seq_lens):
+        _compare("toy-contiguous-" + ",".join(f"{k}={v}" for k, v in config.items()), [r[i] for r in per_rank],
+                 *_toy_reference(config, seq_len, False), seq_len, parity_report)
+        assert per_rank[0][i]["positions"].tolist() == list(range(per_rank[0][i]["positions"].numel()))
+
+
 def _hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama"):
     model = HF_MODELS[family]()
     if labels_in_model:
@@ -224,11 +242,13 @@ def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
     rules = [rec[0] for rec in per_rank[0][-1]["records"]]
     assert rules.count("key_operand") == 4 and rules.count("key_mask") == 2  # K, V per layer; two masks
     row = 2 * 2 * 16 * 4  # a position of K or V before the head repeat: batch 2, 2 KV heads, head_dim 16, fp32
+    layout, local = Layout(P, "balanced"), 16 // P  # the default spec's layout
     for rank, results in enumerate(per_rank):
         moved = sorted((b, bound) for rule, _, b, bound in results[0]["records"] if rule == "key_operand")
-        halo = 0 if rank == 0 else 3 * row  # rank 0's halo lies before the sequence: nothing moves
+        halo = sum(layout.halo_counts(3, rank, local)[1]) * row  # the 3 rows before each chunk, from other ranks
         assert moved[:2] == [(halo, halo)] * 2, moved  # sliding K, V: exactly the window's rows
-        assert all(b == (P - 1) * 16 // P * row and bound == rank * 16 // P * row for b, bound in moved[2:]), moved
+        assert all(b == (P - 1) * local * row and bound == layout.seen_before(rank, local) * row
+                   for b, bound in moved[2:]), moved
 
 
 @pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11], marks=pytest.mark.full)])
@@ -245,23 +265,28 @@ def test_hf_inkling2_parity(pool, parity_report, P, seq_lens):
     assert rules.count("causal_window_unfold") == 2 and rules.count("key_operand") == 4
 
 
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
 @pytest.mark.parametrize("P", [2, 4])
-def test_shard_batch_and_gather_sequence(pool, P):
+def test_shard_batch_and_gather_sequence(pool, P, kind):
+    """Each rank holds its ranges of the padded sequence (balanced: chunks r and 2P-1-r of 2P), padding at the
+    end of the sequence; gather_sequence puts the rows back in order and returns each gradient to its owner."""
     seq_len = 13
-    per_rank = pool.run("gather_roundtrip", P, seq_len=seq_len)
+    per_rank = pool.run("gather_roundtrip", P, seq_len=seq_len, kind=kind)
+    layout = Layout(P, kind)
     ids = toy_batch(seq_len)["input_ids"].float()
-    padded = -(-seq_len // P) * P
+    multiple = P * layout.chunks
+    padded = -(-seq_len // multiple) * multiple
     local = padded // P
     for rank, r in enumerate(per_rank):
-        assert r["layout"] == (seq_len, padded, tuple(((i * local, (i + 1) * local),) for i in range(P)))
+        assert r["layout"] == (seq_len, padded, tuple(layout.ranges(i, local) for i in range(P)))
         assert torch.equal(r["full"], ids)
         weights = torch.arange(1, padded + 1, dtype=torch.float32)
         weights[seq_len:] = 0
-        assert torch.equal(r["grad"], P * weights[rank * local:(rank + 1) * local].expand(2, local))
-        labels = r["local"]["labels"]
-        if (rank + 1) * local > seq_len:  # the last shard carries the padding
-            assert (labels[:, seq_len - rank * local:] == -100).all()
-            assert (r["local"]["input_ids"][:, seq_len - rank * local:] == 0).all()
+        positions = r["positions"]
+        assert torch.equal(positions, layout.positions(rank, local))
+        assert torch.equal(r["grad"], P * weights[positions].expand(2, local))
+        padding = positions >= seq_len
+        assert (r["local"]["labels"][:, padding] == -100).all() and (r["local"]["input_ids"][:, padding] == 0).all()
 
 
 def _scan_reference(model: str, seq_len: int):
@@ -319,15 +344,18 @@ def test_hand_written_attention_parity(pool, parity_report, mix):
                  parity_report)
 
 
-def test_running_max_and_min_of_integers_booleans_and_nan(pool):
-    """Rank 0 holds the minimum 0, rank 1 a larger one: ranks 2 and 3 carry rank 0's (uint8 and int64 cummin
-    once compared negated values, which wrap); booleans; a NaN is the most extreme value and carries on."""
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
+def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
+    """The sequence's first positions hold the minimum 0, the next ones a larger one: later ranges carry the
+    first's (uint8 and int64 cummin once compared negated values, which wrap); booleans; a NaN is the most
+    extreme value and carries on; ties pick the later index. Contiguous: 4 ranges of 4; balanced: 8 of 2,
+    each rank's tail carried from ranges of every rank."""
     ids = torch.tensor([[0, 9, 4, 4, 5, 8, 6, 5, 9, 9, 3, 6, 8, 7, 1, 2],
                         [4, 7, 2, 9, 5, 6, 0, 8, 3, 3, 9, 1, 7, 2, 4, 0]])
-    per_rank = pool.run("running_extremes", 4, ids=ids)
+    per_rank = pool.run("running_extremes", 4, ids=ids, kind=kind)
     for k, want in enumerate(RunningExtremes()(ids)):
         for part, expected in (("values", want.values), ("indices", want.indices)):
-            got = torch.cat([r[k][0 if part == "values" else 1] for r in per_rank], dim=1)
+            got = in_global_order(per_rank, f"{k}-{part}")
             assert torch.equal(got.isnan() if got.is_floating_point() else got, expected.isnan()
                                if expected.is_floating_point() else expected), (k, part, got, expected)
             if got.is_floating_point():

@@ -268,6 +268,17 @@ def test_a_balanced_layout_with_a_carry_is_refused_naming_the_node(group):
     assert "cp_passes.recurrence" in text and "fix: set CPSpec(layout='contiguous')" in text
 
 
+def test_a_batch_sharded_for_another_layout_is_refused(group):
+    """shard_batch with the default spec cuts a balanced layout; a module compiled with a recurrence's spec
+    runs on contiguous shards. Feeding it that batch would be silently wrong: it is refused, naming the fix."""
+    compiled = cp_passes.cp_compile(DeltaRule(), kda_spec(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = shard_for_rank(mixer_batch(64), 3, 8)
+    with pytest.raises(ValueError, match="sharded by shard_batch for the balanced layout, but this module was "
+                                         "compiled for the contiguous layout .*pass the spec cp_compile has"):
+        compiled(**local)
+    compiled(**shard_for_rank(mixer_batch(64), 3, 8, kda_spec())[0])
+
+
 def test_a_recurrence_declaration_is_checked():
     with pytest.raises(ValueError, match="package.module:function"):
         cp_passes.Recurrence("no_colon", ("query",))

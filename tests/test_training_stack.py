@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from scenarios import bf16_step, dp_cp_micro_batches, toy_batch, toy_model
+from scenarios import bf16_step, dp_cp_micro_batches, in_global_order, toy_batch, toy_model
 from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
 
 # A causal layer (K/V gather) and a layer with a causal convolution (halo) before its attention, both
@@ -143,7 +143,7 @@ def test_bf16_parity_within_twice_the_single_device_bf16_error(pool, parity_repo
     loss_scale = _loss_error_scale(one_device[1], reference, batch["labels"])
 
     per_rank = pool.run("bf16_parity", P, mode=mode, seq_len=seq_len, config=config, backend=backend)
-    logits = torch.cat([r["logits"] for r in per_rank], dim=1)[:, :seq_len]
+    logits = in_global_order(per_rank, "logits")[:, :seq_len]
     grads = {n: sum(r["grads"][n] for r in per_rank) for n in reference[2]}
     loss_err, logits_err, grad_err = _errors(sum(r["loss"] for r in per_rank), logits, grads, reference)
     parity_report.append((f"ToyLlama-bf16-{mode}-{backend} (vs fp32; 2x one-device bf16: logits "

@@ -10,7 +10,8 @@ import torch.distributed as dist
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
-from scenarios import COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch, mixer_batch
+from scenarios import (COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch,
+                       in_global_order, mixer_batch)
 from test_parity import GRAD_RTOL, OUT_TOL
 
 
@@ -25,7 +26,7 @@ def test_compressed_entries_match_one_device(pool, P):
     model = Compressor()
     loss, out = model(**compressor_batch(seq_len))
     loss.backward()
-    entries = torch.cat([r["logits"] for r in per_rank], dim=2)  # [batch, 1, windows, head_dim]
+    entries = in_global_order(per_rank, "logits", dim=2)  # [batch, 1, windows, head_dim]
     assert entries.shape == out.shape == (2, 1, seq_len // 4, 8)
     assert (entries - out.detach()).abs().max().item() <= OUT_TOL
     assert abs(sum(r["loss"] for r in per_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())
@@ -83,7 +84,7 @@ def test_shard_batch_pads_to_the_spec_multiple():
 def _matches_one_device(model, batch, results_by_rank, dim) -> None:
     loss, out = model(**batch)
     loss.backward()
-    got = torch.cat([r["logits"] for r in results_by_rank], dim=dim)
+    got = in_global_order(results_by_rank, "logits", dim)
     assert got.shape == out.shape
     assert (got - out.detach()).abs().max().item() <= OUT_TOL
     assert abs(sum(r["loss"] for r in results_by_rank).item() - loss.item()) <= OUT_TOL * abs(loss.item())

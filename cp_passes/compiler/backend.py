@@ -22,7 +22,9 @@ from ..data_parallel import check_wrappers
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.checkpoint import inline_checkpoints
 from ..graph.provenance import format_graph
+from ..data.batch import sharded_for
 from ..group import CPGroup, resolve_group
+from ..layout import resolve_layout
 from ..eager_modules import install as install_eager_modules
 from ..kernels import install
 from ..spec import CPSpec, resolve_spec
@@ -243,6 +245,12 @@ class CPModule(torch.nn.Module):
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
                         f"use fewer ranks or a longer sequence"
                     )
+                kind = sharded_for(t)
+                if kind is not None and kind != self.cp.kind:
+                    raise ValueError(
+                        f"input {name or '<positional>'!r} was sharded by shard_batch for the {kind} layout, but "
+                        f"this module was compiled for the {self.cp.kind} layout (spec {spec.name!r}: "
+                        f"{resolve_layout(spec, self.cp.size)[1]}); pass the spec cp_compile has to shard_batch")
                 self._sharded[id(t)] = (name or "<positional>", dim)
                 # maybe_: Inductor may still specialize a kernel (conv backward does in 2.13) after the
                 # passes have read the symbolic graph; that only costs a recompile for a new length.

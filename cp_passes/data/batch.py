@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -13,6 +14,22 @@ from ..layout import Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
 from .packing import pack
+
+
+_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
+"""id(tensor) -> (the tensor, weakly; the layout kind shard_batch cut it for)."""
+
+
+def _mark(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    key = id(tensor)
+    _SHARDED[key] = (weakref.ref(tensor, lambda _: _SHARDED.pop(key, None)), kind)
+    return tensor
+
+
+def sharded_for(tensor: torch.Tensor) -> str | None:
+    """The layout kind :func:`shard_batch` cut ``tensor`` for, or None if it did not make it."""
+    entry = _SHARDED.get(id(tensor))
+    return entry[1] if entry is not None and entry[0]() is tensor else None
 
 
 @dataclass(frozen=True)
@@ -134,7 +151,7 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
             else:
                 fill = torch.full(shape, fill_value, dtype=value.dtype, device=value.device)
             value = torch.cat([value, fill], dim=dim)
-        out[key] = layout.shard(value, dim, rank).contiguous()
+        out[key] = _mark(layout.shard(value, dim, rank).contiguous(), layout.kind)
     device = batch[checked.shape_key].device
     valid = (layout.positions(rank, local, device) < seq_len).expand(rows, local)
     if packed_valid is not None:

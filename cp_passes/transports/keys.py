@@ -27,7 +27,8 @@ from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
-from .masks import MetadataMask, band, in_global_order, key_positions, metadata_gather_op, own_segment  # noqa: F401  (registers metadata_gather)
+from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .masks import MetadataMask, band, in_global_order, key_positions, own_segment
 
 aten = torch.ops.aten
 
@@ -236,7 +237,8 @@ class KeyGather(Transport):
             checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
             fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
-                                          edit.layout.kind, request.keys.halo, checked, tuple(c[1] for c in request.checks),
+                                          edit.layout.kind, request.keys.halo, checked,
+                                          tuple(c[1] for c in request.checks),
                                           tuple(c[2:] for c in request.checks), fill, request.keys.first_part),
                                    name="cp_mask_keys")
         for consumer in request.consumers:

@@ -35,7 +35,8 @@ class Positions(Transport):
     def apply(self, edit, request: Arange) -> None:
         node = request.node
         device = node.kwargs.get("device")
-        positions = edit.insert(global_positions, (request.end, edit.rank, edit.world, edit.layout.kind, meta_val(node).dtype, device),
+        positions = edit.insert(global_positions, (request.end, edit.rank, edit.world, edit.layout.kind,
+                                                   meta_val(node).dtype, device),
                                 name="cp_positions")
         edit.replace_uses(node, positions)
 
