@@ -58,15 +58,8 @@ class Layout:
         return self.world * local_len
 
     def chunk_len(self, local_len):
-        """The length of each of a rank's ranges. A symbolic local length is checked to divide (a guard and a
-        run-time assert), which also lets the shape arithmetic see that ``chunks * chunk_len`` is the local
-        length."""
-        if self.chunks > 1:
-            torch._check(local_len % self.chunks == 0, lambda: (
-                f"cp_passes: a {self.kind} layout needs a local length divisible by {self.chunks}, got {local_len}; "
-                f"shard the batch with cp_passes.shard_batch and the same spec (it pads to a multiple of "
-                f"{self.chunks * self.world})"))
-        return local_len // self.chunks
+        """The length of each of a rank's ranges (see :func:`chunk_len`)."""
+        return chunk_len(local_len, self.chunks)
 
     def chunk_indices(self, rank: int) -> tuple[int, ...]:
         """The global chunk index (chunks of ``local_len / chunks`` positions) of each range of ``rank``."""
@@ -230,6 +223,16 @@ class Layout:
     def query_segments(self, local_len, device=None) -> torch.Tensor:
         """Which range each local row belongs to (``[local_len]`` int64)."""
         return torch.arange(local_len, device=device) // self.chunk_len(local_len)
+
+
+def chunk_len(local_len, chunks: int):
+    """``local_len // chunks``. A symbolic local length is checked to divide (a guard and a run-time assert),
+    which also lets the shape arithmetic see that ``chunks * chunk_len`` is the local length."""
+    if chunks > 1:
+        torch._check(local_len % chunks == 0, lambda: (
+            f"cp_passes: a balanced layout needs a local length divisible by {chunks}, got {local_len}; shard the "
+            f"batch with cp_passes.shard_batch and the same spec (it pads to a multiple of 2P)"))
+    return local_len // chunks
 
 
 def resolve_layout(spec, world: int) -> tuple[Layout, str]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
+from cp_passes.layout import resolve_layout
 from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
 from test_parity import GRAD_RTOL, _compare, split_floor
 
@@ -25,7 +26,7 @@ start at every shard boundary."""
 def _reference(P: int, documents):
     """One device on the global batch as shard_batch lays it out for ``P`` ranks (the same padding)."""
     model = hf_deepseek_v4()
-    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P), 0, 1, deepseek_v4_spec(), pad_multiple=4 * P)
+    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P), 0, 1, deepseek_v4_spec(), pad_multiple=8 * P)
     loss, logits = deepseek_v4_loss(model, batch)
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -33,16 +34,17 @@ def _reference(P: int, documents):
 
 
 def _cut_floor(P: int, batch: dict, grads: dict) -> float:
-    """The model's one-device floor (:func:`split_floor`) with each of P query blocks attending only to the
-    keys cp_passes brings it (the ``window - 1`` raw keys before it, its own, every compressed entry) and the
-    gradient summed from each block's loss."""
+    """The model's one-device floor (:func:`split_floor`) cut as the spec's layout cuts it (balanced: 2P
+    chunks): each chunk's queries attend only to the keys cp_passes brings them (the ``window - 1`` raw keys
+    before it, its own, every compressed entry), and the gradient is summed from each rank's loss."""
     from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
 
     eager = ds.eager_attention_forward
+    layout = resolve_layout(deepseek_v4_spec(), P)[0]
 
     def cut(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         length, halo = query.shape[2], module.config.sliding_window - 1
-        local, outs = length // P, []
+        local, outs = length // (P * layout.chunks), []
         for start in range(0, length, local):
             keys = torch.cat([torch.arange(max(start - halo, 0), start + local), torch.arange(length, key.shape[2])])
             rows = attention_mask[:, :, start:start + local][..., keys]
@@ -54,8 +56,9 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     with mock.patch.object(ds, "eager_attention_forward", cut):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     local = logits.shape[1] // P
-    losses = [F.cross_entropy(logits[:, s:s + local].flatten(0, 1), batch["shift_labels"][:, s:s + local].flatten(),
-                              reduction="sum") for s in range(0, logits.shape[1], local)]
+    rows = [layout.positions(r, local) for r in range(P)]
+    losses = [F.cross_entropy(logits[:, pos].flatten(0, 1), batch["shift_labels"][:, pos].flatten(), reduction="sum")
+              for pos in rows]
     return split_floor(model, losses, grads)
 
 

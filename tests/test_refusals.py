@@ -191,8 +191,9 @@ def test_an_eager_module_given_a_sharded_input_is_refused_naming_it(group):
 
 
 def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
-    """transformers pads labels by one ignore_index and slices from 1: each rank reads the next rank's first
-    label (rank 3 of 8 receives one int64 per batch row and sends its first one back)."""
+    """transformers pads labels by one ignore_index and slices from 1: each range reads the next range's first
+    label (rank 3 of 8, balanced, holds chunks 3 and 12: it receives the first labels of chunks 4 and 13, one
+    int64 per batch row each, and sends its own two back)."""
     from scenarios import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
@@ -200,7 +201,7 @@ def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
     compiled(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(8))
     (row,) = [r for r in compiled.compile_records[0].records if r.transport == "shift"]
     assert row.rule == "shift_stencil" and "loss_utils.py" in row.source and "t+1" in row.note
-    assert row.bytes == row.lower_bound_bytes == row.sent_bytes == 2 * 8
+    assert row.bytes == row.lower_bound_bytes == row.sent_bytes == 2 * 2 * 8
 
 
 def test_hf_mean_loss_becomes_a_sum_over_the_global_count(group):
@@ -387,10 +388,11 @@ def test_window_wider_than_the_probe_needs_a_declaration(group):
     from cp_passes.rules.attention import PROBE_MAX_LEN
 
     window = PROBE_MAX_LEN + 100
-    long_seq = 2 * PROBE_MAX_LEN // 8  # local length at rank 3 of 8: a global length beyond the probe
-    err = compile_error(group, toy(window=window), None, seq=long_seq)
+    long_seq = 2 * PROBE_MAX_LEN // 8  # local length at rank 3 of 8: a global length beyond the probe (odd:
+    # contiguous shards)
+    err = compile_error(group, toy(window=window), cp_passes.CPSpec(layout="contiguous"), seq=long_seq)
     assert f"causal up to {PROBE_MAX_LEN} positions" in err.problems[0].reason
-    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=window),))
+    spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=window),), layout="contiguous")
     compiled = cp_passes.cp_compile(toy(window=window), spec, mesh=group, backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (1, long_seq)))
     assert {r.rule for r in compiled.compile_records[0].records} >= {"sdpa_window"}

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
+from cp_passes.layout import resolve_layout
 from scenarios import hf_step3p7, step3p7_batch
 from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
@@ -23,7 +24,7 @@ rank 3's; row 1's documents start at shard boundaries."""
 def _reference(P: int, documents):
     """One device on the global batch as shard_batch lays it out for ``P`` ranks."""
     model = hf_step3p7()
-    batch, _ = shard_for_rank(step3p7_batch(documents, 4 * max(P, 2)), 0, 1, "step5", pad_multiple=P)
+    batch, _ = shard_for_rank(step3p7_batch(documents, 4 * max(P, 2)), 0, 1, "step5", pad_multiple=2 * P)
     out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     loss = out.pow(2).sum()
     loss.backward()
@@ -32,14 +33,16 @@ def _reference(P: int, documents):
 
 
 def _cut_floor(P: int, batch: dict, grads: dict) -> float:
-    """The model's one-device floor (:func:`split_floor`) with each of P query blocks attending to the keys
-    up to its own last one only and the gradient summed from each block's loss. The MoE's expert gradients,
-    summed over the few tokens routed to an expert, move by up to 2.4e-5 of their size (packed, P = 4)."""
+    """The model's one-device floor (:func:`split_floor`) cut as the spec's layout cuts it (balanced: 2P
+    chunks): each chunk's queries attend to the keys up to its own last one only, and the gradient is summed
+    from each rank's loss (its chunks'). The MoE's expert gradients, summed over the few tokens routed to an
+    expert, move by up to 2.4e-5 of their size (packed, P = 4, contiguous)."""
+    layout = resolve_layout(cp_passes.load_spec("step5"), P)[0]
     model = hf_step3p7()
-    with mock.patch.object(F, "scaled_dot_product_attention", blockwise_sdpa(P)):
+    with mock.patch.object(F, "scaled_dot_product_attention", blockwise_sdpa(P * layout.chunks)):
         out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
     local = out.shape[1] // P
-    return split_floor(model, [out[:, s:s + local].pow(2).sum() for s in range(0, out.shape[1], local)], grads)
+    return split_floor(model, [out[:, layout.positions(r, local)].pow(2).sum() for r in range(P)], grads)
 
 
 CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),

@@ -353,17 +353,20 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
     assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text
 
 
-def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world):
+@pytest.mark.parametrize("layout,prefix", [("contiguous", RANK + 1), ("balanced", WORLD)])
+def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world, layout, prefix):
     """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: the
-    largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is [64, 4 * 64],
-    this rank's rows by its causal prefix, where one device builds [512, 512]; what the rank saves for the backward is at most one device's divided by P, and
-    no gathered K/V is among it."""
+    largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is this rank's
+    rows by its causal prefix, [64, 4 * 64] (contiguous) or [64, 8 * 64] (balanced: rank 0's tail is the last
+    chunk, so every rank's prefix is every key), where one device builds [512, 512]; what the rank saves for
+    the backward is at most one device's divided by P, and no gathered K/V is among it."""
     from cp_passes.tools.dryrun import dry_run
 
     local = 64
     inputs = {name: ((1, local), torch.long) for name in ("input_ids", "labels", "doc_ids")}
-    memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, mesh=fake_world, memory=True).memory
-    assert memory.quadratic.elements == local * (RANK + 1) * local, memory.quadratic
+    memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, cp_passes.CPSpec(layout=layout),
+                     mesh=fake_world, memory=True).memory
+    assert memory.quadratic.elements == local * prefix * local, memory.quadratic
     assert memory.single_quadratic.elements >= (WORLD * local) ** 2, memory.single_quadratic
     assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
     assert not [s for s in memory.saved if re.search(r"\d+\*s\d+", s.shape)], memory.saved  # k * s: gathered
@@ -386,8 +389,10 @@ class _PaddedDocuments(torch.nn.Module):
 
 def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
     """The mask's inputs keep their shapes in the picked subgraph, so a pointwise op on the doc ids themselves
-    takes the picks too: the mask is [2, 1, 16, 4 * 16] at rank 3, and nothing [S, S] is computed."""
-    compiled = cp_passes.cp_compile(_PaddedDocuments(), mesh=fake_world, backend="aot_eager", verbose=False)
+    takes the picks too: the mask is [2, 1, 16, 4 * 16] at rank 3 of contiguous shards, and nothing [S, S] is
+    computed."""
+    compiled = cp_passes.cp_compile(_PaddedDocuments(), cp_passes.CPSpec(layout="contiguous"), mesh=fake_world,
+                                    backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (2, 16)), torch.zeros(2, 16, dtype=torch.long)).backward()
     forward = compiled.compile_records[-1].aot_graphs["forward"]
     assert "cp_passes.block_attention.default" in forward

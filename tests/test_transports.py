@@ -272,5 +272,5 @@ def test_a_transport_that_does_not_support_the_layout_is_refused_at_plan_time(gr
     registered(NoLayouts())
     rule_asking_for("toy_no_layouts")
     with pytest.raises(CPCompileError, match="its transport 'toy_no_layouts' supports the layouts \\(\\), not "
-                                             "'contiguous'"):
+                                             "the 'contiguous' layout"):
         compile_once(group, UsesRunningScale())

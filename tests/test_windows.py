@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
+from cp_passes.layout import Layout
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from scenarios import (COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch,
@@ -70,11 +71,14 @@ def test_a_shard_of_partial_windows_is_refused_before_compiling(group):
 
 
 def test_shard_batch_pads_to_the_spec_multiple():
-    """22 positions over 2 ranks with pad_multiple 4: padded to 24 (shards of 12 = 3 windows); packed
-    documents of 5 and 6 aligned to the spec's packed_alignment 4 start at 0 and 8."""
+    """22 positions over 2 ranks with pad_multiple 4: padded to 24 (shards of 12 = 3 windows) on contiguous
+    shards, to 32 on balanced ones (4 chunks of 2 windows); packed documents of 5 and 6 aligned to the spec's
+    packed_alignment 4 start at 0 and 8."""
     batch = compressor_batch(22)
-    local, layout = shard_for_rank(batch, 1, 2, COMPRESSOR_SPEC)
+    local, layout = shard_for_rank(batch, 1, 2, COMPRESSOR_SPEC.replace(layout="contiguous"))
     assert layout.padded_len == 24 and local["input_ids"].shape == (2, 12)
+    local, layout = shard_for_rank(batch, 1, 2, COMPRESSOR_SPEC)
+    assert layout.padded_len == 32 and local["input_ids"].shape == (2, 16)
     spec = COMPRESSOR_SPEC.replace(packed_alignment=4)
     packed = {"input_ids": batch["input_ids"][:, :11], "seq_lens": torch.tensor([[5, 6], [5, 6]])}
     whole, _ = shard_for_rank(packed, 0, 1, spec)
@@ -93,6 +97,13 @@ def _matches_one_device(model, batch, results_by_rank, dim) -> None:
         assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, name
 
 
+def _ranges_read_from_another_rank(P: int, rank: int) -> int:
+    """How many of ``rank``'s ranges (default spec: balanced) start after a range another rank holds."""
+    layout = Layout(P, "balanced")
+    owner = {c: r for r in range(P) for c in layout.chunk_indices(r)}
+    return sum(c > 0 and owner[c - 1] != rank for c in layout.chunk_indices(rank))
+
+
 @pytest.mark.parametrize("P", [4, pytest.param(2, marks=pytest.mark.full)])
 def test_windows_paired_with_the_previous_one_take_a_halo_of_one_window(pool, P):
     """DeepSeek V4's CSA pairing (window w pools window w - 1's first halves, written into rows 1: of a
@@ -108,7 +119,7 @@ def test_windows_paired_with_the_previous_one_take_a_halo_of_one_window(pool, P)
     for rank, results in enumerate(per_rank):
         for result in results:
             shifts = [moved for rule, _, moved, _ in result["records"] if rule == "shift_stencil"]
-            assert shifts == [2 * 2 * 8 * 4 if rank else 0] * 2, shifts
+            assert shifts == [2 * 2 * 8 * 4 * _ranges_read_from_another_rank(P, rank)] * 2, shifts
         assert [r["compiles"] for r in results] == [1, 2, 2], results
 
 
@@ -124,7 +135,7 @@ def test_a_token_shift_written_into_a_fresh_tensor_matches_one_device(pool):
     for rank, results in enumerate(per_rank):
         for result in results:
             shifts = [moved for rule, _, moved, _ in result["records"] if rule == "shift_stencil"]
-            assert shifts == [2 * 8 * 4 if rank else 0], shifts
+            assert shifts == [2 * 8 * 4 * _ranges_read_from_another_rank(2, rank)], shifts
 
 
 class Regrouped(torch.nn.Module):

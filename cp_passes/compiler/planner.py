@@ -178,7 +178,8 @@ def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
     if ctx.layout.kind not in transport.layouts:
         ctx.refuse(f"its transport {transport.name!r} supports the layouts {transport.layouts}, not the "
                    f"{ctx.layout.kind!r} layout the spec gives ({ctx.spec.layout!r})",
-                   f"set CPSpec(layout={transport.layouts[0]!r}) (shard_batch with the same spec follows it)")
+                   f"set CPSpec(layout={transport.layouts[0]!r}) (shard_batch with the same spec follows it)"
+                   if transport.layouts else "register the transport with the layouts it supports")
 
 
 def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
-from ..layout import CONTIGUOUS, KINDS, Layout
+from ..layout import CONTIGUOUS, KINDS, Layout, chunk_len
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_to_all
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
@@ -140,8 +140,10 @@ gradient_by(halo_op, halo_backward_op)
 def drop_seams(out: torch.Tensor, dim: int, halo: int, chunks: int) -> torch.Tensor:
     """A stencil's output over a halo of several ranges (``[halo, range, halo, range]``, each output reading
     ``halo`` rows before it) without the ``halo`` outputs that straddle two ranges."""
-    size = (out.shape[dim] - (chunks - 1) * halo) // chunks
-    return torch.cat([out.narrow(dim, i * (size + halo), size) for i in range(chunks)], dim)
+    shape = list(out.shape)
+    shape[dim] -= (chunks - 1) * halo  # the local length, not chunks * (length // chunks)
+    size = chunk_len(shape[dim], chunks)
+    return torch.cat([out.narrow(dim, i * (size + halo), size) for i in range(chunks)], dim).reshape(shape)
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
-from ..layout import KINDS, Layout
+from ..layout import KINDS, Layout, chunk_len
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
@@ -48,16 +48,17 @@ def range_scan(x: torch.Tensor, dim: int, op: str, chunks: int, dtype=None):
     are not adjacent in the sequence): the local scan the carries complete. cummax/cummin indices count
     from each range's first row."""
     dim = dim % x.dim()
-    parts = x.unflatten(dim, (chunks, -1))
+    parts = x.unflatten(dim, (chunks, chunk_len(x.shape[dim], chunks)))
     out = _OPS[op](parts, dim + 1, dtype=dtype) if dtype is not None else _OPS[op](parts, dim + 1)
+    # reshaped to x's own sizes: the rows are the local length, not chunks * (length // chunks)
     if op in ("cummax", "cummin"):
-        return out[0].flatten(dim, dim + 1), out[1].flatten(dim, dim + 1)
-    return out.flatten(dim, dim + 1)
+        return out[0].reshape(x.shape), out[1].reshape(x.shape)
+    return out.reshape(x.shape)
 
 
 def range_last(x: torch.Tensor, dim: int, chunks: int) -> torch.Tensor:
     """Each range's last row along ``dim`` (``chunks`` rows)."""
-    size = x.shape[dim] // chunks
+    size = chunk_len(x.shape[dim], chunks)
     rows = torch.arange(1, chunks + 1, device=x.device) * size - 1
     return x.index_select(dim, rows)
 
@@ -75,7 +76,7 @@ def _per_row(carry: torch.Tensor, dim: int, local_len, chunks: int, device) -> t
     """A per-range carry (``chunks`` rows at ``dim``) for every local row."""
     if chunks == 1:
         return carry
-    return carry.index_select(dim, torch.arange(local_len, device=device) // (local_len // chunks))
+    return carry.index_select(dim, torch.arange(local_len, device=device) // chunk_len(local_len, chunks))
 
 
 def carry_reduce(gathered: torch.Tensor, local: torch.Tensor, dim: int, rank: int, world: int, kind: str,
@@ -104,8 +105,8 @@ def combine(local: torch.Tensor, carry: torch.Tensor, op: str) -> torch.Tensor:
 def _range_starts(rank: int, world: int, kind: str, local_len, device) -> torch.Tensor:
     """The global position of the first row of each local row's range."""
     layout = Layout(world, kind)
-    return layout.positions(rank, local_len, device) - torch.arange(local_len, device=device) % (
-        local_len // layout.chunks)
+    return layout.positions(rank, local_len, device) - torch.arange(local_len, device=device) % layout.chunk_len(
+        local_len)
 
 
 def _along(x: torch.Tensor, dim: int) -> list[int]:

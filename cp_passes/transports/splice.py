@@ -48,7 +48,7 @@ def spliced(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, counts: t
     """``masked_scatter`` on this rank's rows as on the whole sequence, given every range's ``counts``
     (``[ranges of the gather, batch]``, from :func:`row_counts`)."""
     rows, layout = x.shape[0], Layout(world, kind)
-    selected = mask.expand(x.shape).reshape(rows, layout.chunks, -1)
+    selected = mask.expand(x.shape).reshape(rows, layout.chunks, -1)  # a range's elements are contiguous
     totals = counts.sum(0)
     preceding = torch.tensor(layout.preceding_chunks(rank), dtype=torch.bool, device=counts.device)
     before = torch.where(preceding[:, :, None], counts[None], 0).sum(1)  # [chunks, batch]
