@@ -79,7 +79,7 @@ def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
     after, forward = record.history[-1][1], record.aot_graphs["forward"]
     assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
     assert "cp_causal_mask" not in after and "aten.scaled_dot_product_attention" not in after
-    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None)") == 2  # FULL, CAUSAL
+    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None, 1)") == 2  # FULL, CAUSAL; 1 range
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"
