@@ -159,13 +159,6 @@ class Layout:
         mine = self.chunk_indices(rank)
         return (max(mine) + 1 - len(mine)) * self.chunk_len(local_len)
 
-    def preceding_ranks(self, rank: int) -> list[int]:
-        """The ranks all of whose positions precede all of rank ``rank``'s (a recurrent carry comes from them:
-        contiguous shards only)."""
-        if self.kind != CONTIGUOUS:
-            raise ValueError(f"a {self.kind} layout has no ranks that precede a rank as a whole")
-        return list(range(rank))
-
     def preceding_chunks(self, rank: int) -> list[list[bool]]:
         """For each of rank ``rank``'s ranges, which ranges of a gather (:meth:`gather_chunks` order) precede
         it in the sequence."""
