@@ -72,7 +72,7 @@ def test_fsdp_example_trains_under_torchrun():
     assert all(math.isfinite(float(line.split("loss ")[1].split()[0])) for line in steps)
 
 
-@pytest.mark.parametrize("layout,gathered", [("contiguous", 20), ("balanced", 10)])
+@pytest.mark.parametrize("layout,gathered", [pytest.param("contiguous", 20, marks=pytest.mark.full), ("balanced", 10)])
 def test_halo_benchmark_reports_the_lower_bound(layout, gathered):
     """The halo moves exactly the bound; an all-gather many times more (a balanced layout's bound is a halo
     per range, twice a contiguous one's, so the all-gather's ratio is half)."""

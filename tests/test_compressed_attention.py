@@ -62,8 +62,8 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     return split_floor(model, losses, grads)
 
 
-CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),
-         pytest.param(4, None, marks=pytest.mark.full), pytest.param(2, PACKED, marks=pytest.mark.full)]
+CASES = [(2, PACKED), pytest.param(1, None, marks=pytest.mark.full), pytest.param(2, None, marks=pytest.mark.full),
+         pytest.param(4, None, marks=pytest.mark.full), pytest.param(4, PACKED, marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("P,documents", CASES)

@@ -150,7 +150,7 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
         assert indexed[2] == (P - 1) * local * 2 * (64 + 16 + 64) * 4, indexed
 
 
-@pytest.mark.parametrize("P", [2, pytest.param(1, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
+@pytest.mark.parametrize("P", [pytest.param(P, marks=pytest.mark.full) for P in (1, 2, 4)])
 def test_glm5_next_matches_one_device(pool, parity_report, P):
     """Glm5NextTextModel (GLM-5.3-Flash's public relative) with model_specs/glm5_next.py and its default layer
     types: three KDA layers and an indexed-attention layer, whose top-k indexer (no gradient; pools of 4

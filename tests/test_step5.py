@@ -45,8 +45,8 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     return split_floor(model, [out[:, layout.positions(r, local)].pow(2).sum() for r in range(P)], grads)
 
 
-CASES = [(2, None), (4, PACKED), pytest.param(1, None, marks=pytest.mark.full),
-         pytest.param(4, None, marks=pytest.mark.full), pytest.param(2, PACKED, marks=pytest.mark.full)]
+CASES = [(2, PACKED), pytest.param(1, None, marks=pytest.mark.full), pytest.param(2, None, marks=pytest.mark.full),
+         pytest.param(4, None, marks=pytest.mark.full), pytest.param(4, PACKED, marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("P,documents", CASES)

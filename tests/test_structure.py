@@ -353,7 +353,8 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
     assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text
 
 
-@pytest.mark.parametrize("layout,prefix", [("contiguous", RANK + 1), ("balanced", WORLD)])
+@pytest.mark.parametrize("layout,prefix", [pytest.param("contiguous", RANK + 1, marks=pytest.mark.full),
+                                           ("balanced", WORLD)])
 def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world, layout, prefix):
     """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: the
     largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is this rank's
