@@ -144,10 +144,9 @@ def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list,
     # Shapes print through the shape env, so a length the transports pinned (guards) prints the same in both;
     # sizes compare by what the shape env knows (2 * (s // 2) is s once s is known even).
     after = _output_values(gm)
-    shapes_before, shapes_after = _shapes(before), _shapes(after)
     if not _same_shapes(before, after):
-        raise CPCompileError(f"cp_passes internal error: the rewrite changed output shapes {shapes_before} -> "
-                             f"{shapes_after}")
+        raise CPCompileError(f"cp_passes internal error: the rewrite changed output shapes {_shapes(before)} -> "
+                             f"{_shapes(after)}")
 
 
 def _output_values(gm: torch.fx.GraphModule) -> list:
