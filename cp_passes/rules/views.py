@@ -251,4 +251,23 @@ def _data_dependent(ctx: RuleContext):
     # Looking positions up in a table (table[position_ids]) is fine; indexing the sharded tensor is not.
     if ctx.is_seq(ctx.args.get("self", ctx.args.get("weight"))):
         ctx.refuse("it indexes with data-dependent positions or reads a sharded value", NO_RULE_FIX)
+    if ctx.node.target.overloadpacket in (aten.index_put, aten.index_put_):
+        _refuse_writes_from_positions(ctx, [*ctx.arg("indices"), ctx.arg("values")])
     return None
+
+
+def _refuse_writes_from_positions(ctx: RuleContext, sources: list) -> None:
+    """A write into a tensor without the sequence axis (``bag[b, ids] = 1``, ``counts.index_put_((ids,), ones,
+    accumulate=True)``) whose indices or values are sequence-sharded: each rank writes its own positions only."""
+    sharded = [s for s in sources if isinstance(s, torch.fx.Node) and ctx.is_seq(s)]
+    if not sharded or ctx.is_seq(ctx.node):
+        return
+    accumulate = ctx.args.get("accumulate", False)
+    ctx.refuse(
+        f"it writes into a {tuple(meta_val(ctx.node).shape)} tensor without the sequence axis at indices or from "
+        f"values that are sequence-sharded ('{sharded[0].name}'): each rank writes only its own positions' "
+        f"{'contributions' if accumulate else 'entries'}, not the single-device result",
+        "compute it outside the compiled module from the whole sequence, or "
+        + ("return this rank's tensor and sum it over the ranks (dist.all_reduce)" if accumulate else
+           "build it from the whole batch before sharding and pass it in as a replicated input"),
+    )
