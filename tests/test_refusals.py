@@ -62,6 +62,51 @@ CASES = {
 }
 
 
+TABLE = torch.randn(64, 8)
+
+
+def _tokens(x):
+    """Token-like indices computed from the sharded activations: [batch, seq], sharded like them."""
+    return x.argmax(-1)
+
+
+def _bag_set_item(x):
+    bag = torch.zeros(x.shape[0], 8)
+    bag[torch.arange(x.shape[0])[:, None], _tokens(x)] = 1.0
+    return x + bag[:, None]
+
+
+def _counts_in_place(x):
+    counts = torch.zeros(8)
+    counts.index_put_((_tokens(x).flatten(),), torch.ones(x.shape[0] * x.shape[1]), accumulate=True)
+    return x * counts
+
+
+# Writes from sharded positions into a tensor without the sequence axis: each rank writes its own only.
+CASES.update({
+    "bag_index_put": (lambda x: x + torch.zeros(x.shape[0], 8).index_put(
+        (torch.arange(x.shape[0])[:, None], _tokens(x)), torch.tensor(1.0))[:, None], "aten.index_put.default",
+        "index_put("),
+    "counts_index_put_accumulate": (lambda x: x * torch.zeros(8).index_put(
+        (_tokens(x).flatten(),), x.sum(-1).flatten(), accumulate=True), "aten.index_put.default", "index_put("),
+    "bag_set_item": (_bag_set_item, "aten.index_put_.default", "bag[torch.arange"),
+    "counts_index_put_in_place": (_counts_in_place, "aten.index_put_.default", "counts.index_put_("),
+})
+# The local length used as a row, a length or an offset into a tensor that is not sharded.
+CASES.update({
+    "narrow_table_to_length": (lambda x: x + TABLE.narrow(0, 0, x.shape[1]), "aten.narrow.default",
+                               "TABLE.narrow(0, 0, x.shape[1])"),
+    "split_table_at_length": (lambda x: x + TABLE.split([x.shape[1], 64 - x.shape[1]])[0],
+                              "aten.split_with_sizes.default", "TABLE.split("),
+    "table_row_by_length": (lambda x: x + TABLE[x.shape[1] // 4], "aten.select.int", "TABLE[x.shape[1] // 4]"),
+    "narrow_table_at_length": (lambda x: x + TABLE.narrow(0, x.shape[1] // 4, 1), "aten.narrow.default",
+                               "TABLE.narrow(0, x.shape[1] // 4, 1)"),
+    "length_as_a_flag": (lambda x: torch.where(torch.tensor(x.shape[1] > 20), x * 2, x),
+                         "aten.scalar_tensor.default", "torch.tensor(x.shape[1] > 20)"),
+    "roll_by_length": (lambda x: x + TABLE[:8].roll(x.shape[1], 0)[0], "aten.roll.default", "roll(x.shape[1], 0)"),
+})
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_refused_with_op_source_and_fix(group, case):
     mix, op, code = CASES[case]
@@ -434,3 +479,24 @@ def test_checkpointed_layers_with_a_configured_cache_ask_for_use_cache_false(gro
     compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
     with pytest.raises(CPCompileError, match="Fix: call the model with use_cache=False"):
         compiled(input_ids=torch.randint(0, 128, (1, 8)))
+
+
+def _doubled_past(threshold):
+    def mix(x):
+        if x.shape[1] > threshold:
+            return x * 2
+        return x
+    return mix
+
+
+def test_a_decision_on_the_local_length_that_the_global_length_takes_otherwise_is_refused(group):
+    """At 8 local positions of 8 ranks (64 in all) ``x.shape[1] > 20`` is False here and True on one device."""
+    message = str(refusal(group, _doubled_past(20)))
+    assert "the code at if x.shape[1] > threshold:" in message and "decides on the sequence length" in message
+    assert "test_refusals.py" in message and "Fix: decide on a length passed in as an input" in message, message
+
+
+def test_a_branch_the_global_length_takes_the_same_way_compiles(group):
+    """``x.shape[1] > 4`` holds for the local length 8 and so for every global length 8 * P: not refused."""
+    compiled = cp_passes.cp_compile(Tiny(_doubled_past(4)), mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))

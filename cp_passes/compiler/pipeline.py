@@ -1,4 +1,5 @@
-"""The pipeline both the dynamo backend and the dry run call: analyse -> match -> plan -> transports -> verify.
+"""The pipeline both the dynamo backend and the dry run call: analyse -> match -> plan -> guards -> transports ->
+verify.
 
 Its input is a pre-dispatch ATen graph whose sharded inputs carry one symbolic sequence length; its output
 is the rewritten graph, and a :class:`CompileRecord` of every stage.
@@ -23,6 +24,7 @@ from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
+from .guards import check_length_guards
 from .planner import Plan, RewriteRecord, plan_graph
 
 
@@ -70,8 +72,8 @@ def find_symbol(gm: torch.fx.GraphModule, local_len: int):
 
 
 def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord) -> Plan:
-    """analyse -> match -> plan -> transports -> verify. Records every stage in ``record``; raises
-    CPCompileError on refusal."""
+    """analyse -> match -> plan -> guards on the length -> transports -> verify. Records every stage in
+    ``record``; raises CPCompileError on refusal."""
     sym = find_symbol(aten_gm, record.local_len)
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     if fills_out_of_place(aten_gm):
@@ -80,6 +82,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
         record.history.append(("shifted writes as shifts", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
+    check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
     record.records = plan.records
     record.layout = describe_layout(spec, cp, plan)
     record.partial_outputs = plan.partial_outputs

@@ -142,6 +142,35 @@ def _check_length_values(ctx: RuleContext) -> None:
                 )
 
 
+_SIZE_ARGUMENTS = {"size", "sizes", "shape", "stride", "repeats"}
+"""Integer arguments that size a tensor: a local length there makes a tensor as long as this rank's shard."""
+
+
+def _check_length_positions(ctx: RuleContext) -> None:
+    """The local sequence length may size tensors, but not pick rows: as the start, end, index or length of a read
+    along an axis that is not the sharded sequence (``table[S // 8]``, ``pos.narrow(0, 0, S)``,
+    ``pos.split([S, N - S])``), or as any other integer argument (a pad amount, a class count, a shift), every
+    rank would compute it from its own length. Along the sharded axis the op's rule decides (a slice that keeps
+    the whole length is fine, and the planner brings a key axis whole)."""
+    src, dim = ctx.args.get("self"), ctx.args.get("dim")
+    if isinstance(src, torch.fx.Node) and isinstance(dim, int) and dim % max(ctx.ndim(src), 1) in seq_dims(src, ctx.sym):
+        return  # along a sequence or key axis: the op's rule decides
+    for arg in ctx.node.target._schema.arguments:
+        value = ctx.args.get(arg.name)
+        values = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]
+        if arg.name in _SIZE_ARGUMENTS or "int" not in str(arg.type).lower():
+            continue
+        if any(has_symbol(v, ctx.sym) for v in values):
+            along = f" along dim {dim} of a tensor that is not sharded" if isinstance(dim, int) else ""
+            ctx.refuse(
+                f"its argument '{arg.name}' is computed from the local sequence length "
+                f"({', '.join(str(meta_val(v)) for v in values)}) and used as a position or count{along}: each rank "
+                f"computes it from its own length, 1/{ctx.world} of the global one, and reads what that picks",
+                "index tables with position ids (embedding(position_ids)) or an arange over the sequence, which "
+                "cp_passes makes global; or pass the global length in as an input",
+            )
+
+
 def _returns_alias(node) -> bool:
     target = getattr(node, "target", None)
     return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
@@ -285,6 +314,8 @@ def _plan_node(ctx: RuleContext, origins: dict):
     if partial_in:
         return _partial_rule(ctx, origins[partial_in[0]])
     if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS:
+        if node.target.overloadpacket is not aten.arange:
+            _check_length_positions(ctx)
         return None  # nothing about the sequence here
     rule = lookup_rule(node.target)
     if rule is None:
@@ -296,6 +327,8 @@ def _plan_node(ctx: RuleContext, origins: dict):
             "@cp_passes.register_rule(op), or move it outside the compiled module",
         )
     decision = rule(ctx)
+    if node.target.overloadpacket is not aten.arange:
+        _check_length_positions(ctx)
     if isinstance(decision, Rewrite) and out_of_place(node.target) is not None and not registered(node.target):
         ctx.refuse(f"it is the in-place form of {out_of_place(node.target)}, which needs the {decision.transport} "
                    f"transport; a transport rewrites values, not a tensor mutated in place",

@@ -46,9 +46,9 @@ def expr_of(size):
 
 
 def has_symbol(value, sym) -> bool:
-    """Whether a SymInt/SymFloat (or a Node holding one) depends on the sequence symbol."""
+    """Whether a SymInt, SymFloat or SymBool (or a Node holding one) depends on the sequence symbol."""
     value = meta_val(value)
-    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return sym in value.node.expr.free_symbols
     return False
 

@@ -1,0 +1,74 @@
+"""Guards on the local length: a branch the model takes on ``x.shape[1]`` must be the one the global length takes.
+
+dynamo turns ``if x.shape[1] > 20:`` into a guard on the sequence symbol ``s`` and compiles one branch. Under
+CP the model sees the local length ``s`` while one device sees the global ``P * s``, so the compiled branch is
+the single-device one only if every guard the model's code put on the length also holds at ``P * s``: for every
+local length ``s`` the guard admits (the graph is reused for all of them), it must still be true at ``P * s``. Only
+guards from the model's own Python (an ``if``, a conditional expression) are branches; the guards an op's shape
+checks add (broadcasting, contiguity, a view's sizes) are not, and an op that reads rows by the length
+(``table[S // 8]``) is refused by the planner.
+
+A guard is checked at every candidate length: each ``s`` up to ``_DENSE`` and, around every integer ``c`` the
+guard's expression names, the lengths near ``c / k`` and ``c`` for every ``k`` up to ``2P`` (where a threshold,
+a multiple or a modulus changes its answer). A linear threshold (``s <= c``, ``2 * s > c``) or a divisibility
+(``s % m == 0``) is decided exactly by those lengths; any guard that fails at one of them is refused naming the
+line dynamo recorded for it.
+"""
+
+from __future__ import annotations
+
+import sympy
+
+from ..errors import CPCompileError
+
+_DENSE = 512
+
+
+def _candidates(expr: sympy.Basic, world: int, lowest: int) -> list[int]:
+    lengths = set(range(lowest, _DENSE + 1))
+    for c in (abs(int(a)) for a in expr.atoms(sympy.Integer) if abs(int(a)) > 1):
+        for k in range(1, 2 * world + 1):
+            lengths.update(c // k + d for d in range(-2, 3))
+    return sorted(n for n in lengths if n >= lowest)
+
+
+def _counterexample(expr: sympy.Basic, sym: sympy.Symbol, world: int, lowest: int) -> int | None:
+    """A local length from ``lowest`` on that the guard admits and whose global length ``world * s`` it rejects,
+    or None."""
+    for n in _candidates(expr, world, lowest):
+        try:
+            if bool(expr.subs(sym, n)) and not bool(expr.subs(sym, world * n)):
+                return n
+        except ZeroDivisionError:  # a length whose windows (s // m) are none: not one the guard admits
+            continue
+    return None
+
+
+def _decided_by_model_code(guard) -> bool:
+    """A guard dynamo added while evaluating the model's own Python (``if``, a conditional expression, ``%``), not
+    one an op's shape checks added (broadcasting, contiguity, a view's sizes): those hold for every length the
+    op accepts and say nothing about which branch the model takes."""
+    where = guard.sloc.framework_loc
+    filename = where.filename if hasattr(where, "filename") else str(where or "")
+    return "_dynamo/variables/" in filename.replace("\\", "/")
+
+
+def check_length_guards(shape_env, sym: sympy.Symbol, world: int) -> None:
+    """Refuse the graph if a guard on the local length could be decided differently by the global length."""
+    problems = []
+    for guard in shape_env.guards:
+        expr = shape_env.replace(guard.expr)
+        if not _decided_by_model_code(guard):
+            continue
+        if sym not in expr.free_symbols or expr.free_symbols != {sym}:
+            continue
+        n = _counterexample(expr, sym, world, max(int(shape_env.var_to_range[sym].lower), 1))
+        if n is not None:
+            problems.append(f"the code at {guard.sloc} decides on the sequence length: the graph dynamo compiled "
+                            f"holds while {expr} for the local length {sym}, but at a local length of {n} the "
+                            f"global length {world * n} decides the other way on one device")
+    if problems:
+        raise CPCompileError(
+            "; ".join(problems) + ". Fix: decide on a length passed in as an input (the global length) or on a "
+            "config value, not on x.shape of a sequence-sharded tensor; index tables with position ids, not with "
+            "the length. TORCH_LOGS=\"+dynamic\" shows every guard on the length")
