@@ -3,8 +3,9 @@
 Two checks, both collective over the CP group and both reached by every rank:
 
 - per call, before the graph runs: the names, shapes and dtypes of the tensor inputs (so the local
-  lengths, batch sizes and dtypes of sharded inputs) are the same on every rank. One all-reduce of a
-  digest; only on a mismatch are the descriptions gathered to say which rank differs and how.
+  lengths, batch sizes and dtypes of sharded inputs) are the same on every rank, and no rank refuses its
+  batch (:mod:`.batch_layout`). One all-reduce of a digest; only on a mismatch are the descriptions
+  gathered to say which rank differs and how.
 - per call, just before the graph's first collective: every rank compiled, or every rank reuses a
   graph (a rank whose cached graph still holds while another compiles would run its collectives
   alone), no rank failed (a rank that failed reports its error to the others), and the ranks that
@@ -31,7 +32,7 @@ def _device(cp: CPGroup) -> str:
     return "cuda" if dist.get_backend(cp.group) == "nccl" else "cpu"
 
 
-def _alone(cp: CPGroup) -> bool:
+def alone(cp: CPGroup) -> bool:
     """No peers to agree with: one rank, or a fake process group (planning and structure tests)."""
     return cp.size == 1 or dist.get_backend(cp.group) == "fake"
 
@@ -63,18 +64,29 @@ def _first_difference(descriptions: list[list[str]]) -> str:
     return "the ranks disagree"
 
 
-def check_inputs(cp: CPGroup, lines: list[str]) -> None:
-    """Raise ValueError on every rank unless every rank passes inputs of the same names, shapes and dtypes."""
-    if _alone(cp):
+def check_inputs(cp: CPGroup, lines: list[str], refusal: str | None = None) -> None:
+    """Raise ValueError on every rank unless every rank passes inputs of the same names, shapes and dtypes and
+    no rank refuses its batch (``refusal``: why this rank does, read locally; it rides on the same all-reduce,
+    so that a rank whose batch is fine raises with the rank whose batch is not)."""
+    if alone(cp):
+        if refusal is not None:
+            raise ValueError(refusal)
         return
     digest = _digest("\n".join(lines))
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(cp))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cp.group)
     if int(both[0]) == digest and -int(both[1]) == digest:
+        if refusal is not None:
+            raise ValueError(refusal)
         return
+    everyone = _gather(cp, (lines, refusal))
+    refused = [(rank, why) for rank, (_, why) in enumerate(everyone) if why is not None]
+    if refused:
+        rank, why = refused[0]
+        raise ValueError(why if rank == cp.rank else f"rank {rank} refused its batch: {why}")
     raise ValueError(
-        f"the CP ranks were called with different inputs ({_first_difference(_gather(cp, lines))}); every rank "
-        f"must pass its shard of the same batch, with equal local lengths, batch sizes and dtypes: shard with "
+        f"the CP ranks were called with different inputs ({_first_difference([l for l, _ in everyone])}); every "
+        f"rank must pass its shard of the same batch, with equal local lengths, batch sizes and dtypes: shard with "
         f"cp_passes.shard_batch, which pads to equal shards"
     )
 
@@ -111,7 +123,7 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
     the capture failed before reaching the backend. One all-reduce says whether the ranks differ (a failure,
     a rank that compiled a new graph while another reuses its own, different collectives); only then are the
     reports gathered, and every rank raises the same verdict (a failed rank raises its own error)."""
-    if _alone(cp):
+    if alone(cp):
         return
     fp = _digest("\n".join(fingerprint)) if compiled else 0
     flags = torch.tensor([int(error is not None), int(compiled), -int(compiled), fp, -fp], dtype=torch.int64,

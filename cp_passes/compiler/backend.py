@@ -22,9 +22,7 @@ from ..data_parallel import check_wrappers
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.checkpoint import inline_checkpoints
 from ..graph.provenance import format_graph
-from ..data.batch import sharded_for
 from ..group import CPGroup, resolve_group
-from ..layout import resolve_layout
 from ..eager_modules import install as install_eager_modules
 from ..kernels import install
 from ..spec import CPSpec, resolve_spec
@@ -32,8 +30,10 @@ from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
 from ..report.memory import saved_for_backward
 from ..transports import collective_ops
-from .agreement import agree_before_running, check_inputs, collective_fingerprint, describe_inputs
+from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
+from .batch_layout import read_batch
 from .capture import capture
+from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
 from .planner import Plan
 
@@ -64,6 +64,9 @@ class CPBackend:
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
+            readers = pad_readers(plan)
+            owner._pad_readers.extend(r for r in readers if r not in owner._pad_readers)
+            owner._refuse_padding(readers)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
             self._announce(record, plan, aten_gm)
             stage = "lowering"
@@ -178,6 +181,8 @@ class CPModule(torch.nn.Module):
         self._sharded: dict[int, tuple[str, int]] = {}  # id(tensor) -> (input name, sequence dim)
         self._agreed = self._entered = False
         self._guard_failures: list[str] = []
+        self._padding = None  # how shard_batch padded this call's batch (the same on every rank), or None
+        self._pad_readers: list[str] = []  # the ops of the compiled graphs that would read end padding
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
@@ -245,12 +250,6 @@ class CPModule(torch.nn.Module):
                         f"local sequence length {seq_len} is too short for cp_passes (need >= 2 tokens per rank); "
                         f"use fewer ranks or a longer sequence"
                     )
-                kind = sharded_for(t)
-                if kind is not None and kind != self.cp.kind:
-                    raise ValueError(
-                        f"input {name or '<positional>'!r} was sharded by shard_batch for the {kind} layout, but "
-                        f"this module was compiled for the {self.cp.kind} layout (spec {spec.name!r}: "
-                        f"{resolve_layout(spec, self.cp.size)[1]}); pass the spec cp_compile has to shard_batch")
                 self._sharded[id(t)] = (name or "<positional>", dim)
                 # maybe_: Inductor may still specialize a kernel (conv backward does in 2.13) after the
                 # passes have read the symbolic graph; that only costs a recompile for a new length.
@@ -267,13 +266,24 @@ class CPModule(torch.nn.Module):
                 )
         return seq_len
 
+    def _refuse_padding(self, readers: list[str]) -> None:
+        """Raise when shard_batch padded this call's batch and ``readers`` would read the padding (the same
+        verdict on every rank: the padding is the global batch's, the readers the agreed graphs')."""
+        if self._padding is not None and readers:
+            multiple = self.cp.size * self.cp.layout.chunks * self.spec.pad_multiple
+            raise padding_refusal(self._padding, readers, multiple)
+
     @torch.compiler.disable  # inside an outer torch.compile, dynamo would trace the model without cp_passes
     def forward(self, *args, **kwargs):
         if not self.compile_records:
             check_wrappers(self, self.module, self.cp.group)
         leaves = self._leaves(args, kwargs)
-        check_inputs(self.cp, describe_inputs(leaves))  # first: every rank then takes the same decisions
+        batch = read_batch(self.spec, self.cp, leaves, read_data=not alone(self.cp))
+        # first: every rank then takes the same decisions
+        check_inputs(self.cp, describe_inputs(leaves) + batch.lines(), batch.refusal)
         seq_len = self._mark_sequence_inputs(leaves)
+        self._padding = batch.padded
+        self._refuse_padding(self._pad_readers)
         self._local_len = seq_len
         # A recompile anywhere checks every cache entry of the (shared) code and reports each entry's failed
         # guard to the hook of the module that compiled it: keep only what this call reports.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -13,23 +12,14 @@ from ..group import resolve_group
 from ..layout import Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
+from .marks import Mark, mark, mark_of
 from .packing import pack
 
 
-_SHARDED: dict[int, tuple[weakref.ref, str]] = {}
-"""id(tensor) -> (the tensor, weakly; the layout kind shard_batch cut it for)."""
-
-
-def _mark(tensor: torch.Tensor, kind: str) -> torch.Tensor:
-    key = id(tensor)
-    _SHARDED[key] = (weakref.ref(tensor, lambda _: _SHARDED.pop(key, None)), kind)
-    return tensor
-
-
 def sharded_for(tensor: torch.Tensor) -> str | None:
-    """The layout kind :func:`shard_batch` cut ``tensor`` for, or None if it did not make it."""
-    entry = _SHARDED.get(id(tensor))
-    return entry[1] if entry is not None and entry[0]() is tensor else None
+    """The layout kind :func:`shard_batch` cut ``tensor`` (or a copy of it) for, or None if it did not make it."""
+    found = mark_of(tensor)
+    return found.kind if found is not None else None
 
 
 @dataclass(frozen=True)
@@ -133,7 +123,7 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
     multiple = world_size * layout.chunks * pad_multiple
     padded = -(-seq_len // multiple) * multiple
     local = padded // world_size
-    out = {}
+    out, cut = {}, Mark(layout.kind, seq_len, padded)
     for key, value in batch.items():
         added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing: always sharded
         if not (key in checked.seq_keys or added):
@@ -151,7 +141,7 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
             else:
                 fill = torch.full(shape, fill_value, dtype=value.dtype, device=value.device)
             value = torch.cat([value, fill], dim=dim)
-        out[key] = _mark(layout.shard(value, dim, rank).contiguous(), layout.kind)
+        out[key] = mark(layout.shard(value, dim, rank).contiguous(), cut)
     device = batch[checked.shape_key].device
     valid = (layout.positions(rank, local, device) < seq_len).expand(rows, local)
     if packed_valid is not None:
