@@ -1306,3 +1306,15 @@ def bf16_parity(group, mode: str, seq_len: int, config: dict, backend: str = "ao
     local.pop("position_ids")
     loss, logits, grads = bf16_step(model, mode, local, compiled)
     return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid, "positions": layout.positions}
+
+
+def hand_cut_batches(group) -> list[str]:
+    """Each rank passes its contiguous slice of a batch to a module on the (default) balanced layout, with
+    positions and without: only the ranks after the first can see that their positions disagree, and every
+    rank must raise, before any graph exists."""
+    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
+    batch, rank, size = toy_batch(16), group.rank(), group.size()
+    local = {k: v[:, rank * 16 // size:(rank + 1) * 16 // size] for k, v in batch.items()}
+    with_positions = _error(lambda: compiled(**local))
+    local.pop("position_ids")
+    return [with_positions, _error(lambda: compiled(**local)), str(len(compiled.compile_records))]

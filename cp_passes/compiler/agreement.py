@@ -64,30 +64,32 @@ def _first_difference(descriptions: list[list[str]]) -> str:
     return "the ranks disagree"
 
 
-def check_inputs(cp: CPGroup, lines: list[str], refusal: str | None = None) -> None:
-    """Raise ValueError on every rank unless every rank passes inputs of the same names, shapes and dtypes and
-    no rank refuses its batch (``refusal``: why this rank does, read locally; it rides on the same all-reduce,
-    so that a rank whose batch is fine raises with the rank whose batch is not)."""
+def check_inputs(cp: CPGroup, lines: list[str], batch_lines: list[str] = (), refusal: str | None = None) -> None:
+    """Raise ValueError on every rank unless every rank passes inputs of the same names, shapes and dtypes
+    (``lines``), agrees on how its batch was cut (``batch_lines``) and no rank refuses its batch (``refusal``:
+    why this rank does, read locally; it rides on the same all-reduce, so that a rank whose batch is fine
+    raises with the rank whose batch is not). Inputs that differ are reported first."""
     if alone(cp):
         if refusal is not None:
             raise ValueError(refusal)
         return
-    digest = _digest("\n".join(lines))
+    digest = _digest("\n".join([*lines, *batch_lines]))
     both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(cp))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cp.group)
     if int(both[0]) == digest and -int(both[1]) == digest:
         if refusal is not None:
             raise ValueError(refusal)
         return
-    everyone = _gather(cp, (lines, refusal))
-    refused = [(rank, why) for rank, (_, why) in enumerate(everyone) if why is not None]
-    if refused:
+    everyone = _gather(cp, (lines, list(batch_lines), refusal))
+    refused = [(rank, why) for rank, (_, _, why) in enumerate(everyone) if why is not None]
+    if refused and all(inputs == everyone[0][0] for inputs, _, _ in everyone):
         rank, why = refused[0]
         raise ValueError(why if rank == cp.rank else f"rank {rank} refused its batch: {why}")
     raise ValueError(
-        f"the CP ranks were called with different inputs ({_first_difference([l for l, _ in everyone])}); every "
-        f"rank must pass its shard of the same batch, with equal local lengths, batch sizes and dtypes: shard with "
-        f"cp_passes.shard_batch, which pads to equal shards"
+        f"the CP ranks were called with different inputs "
+        f"({_first_difference([inputs + cut for inputs, cut, _ in everyone])}); every rank must pass its shard of "
+        f"the same batch, with equal local lengths, batch sizes and dtypes: shard with cp_passes.shard_batch, which "
+        f"pads to equal shards"
     )
 
 

@@ -65,7 +65,6 @@ class CPBackend:
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
             readers = pad_readers(plan)
-            owner._pad_readers.extend(r for r in readers if r not in owner._pad_readers)
             owner._refuse_padding(readers)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
             self._announce(record, plan, aten_gm)
@@ -89,6 +88,7 @@ class CPBackend:
 
         @functools.wraps(compiled)
         def run(*args):
+            owner._refuse_padding(readers)  # a cached graph: before the agreement, which reports it to every rank
             if not owner._agreed:  # a cached graph: the ranks still agree that none of them compiled
                 owner._agreed = True
                 agree_before_running(cp, None, False, [])
@@ -182,7 +182,6 @@ class CPModule(torch.nn.Module):
         self._agreed = self._entered = False
         self._guard_failures: list[str] = []
         self._padding = None  # how shard_batch padded this call's batch (the same on every rank), or None
-        self._pad_readers: list[str] = []  # the ops of the compiled graphs that would read end padding
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
@@ -267,8 +266,9 @@ class CPModule(torch.nn.Module):
         return seq_len
 
     def _refuse_padding(self, readers: list[str]) -> None:
-        """Raise when shard_batch padded this call's batch and ``readers`` would read the padding (the same
-        verdict on every rank: the padding is the global batch's, the readers the agreed graphs')."""
+        """Raise when shard_batch padded this call's batch and ``readers``, a graph's ops that read end padding
+        (:func:`.padding.pad_readers`), would read it: the same verdict on every rank (the padding is the
+        global batch's, the graph the one every rank compiled or reuses)."""
         if self._padding is not None and readers:
             multiple = self.cp.size * self.cp.layout.chunks * self.spec.pad_multiple
             raise padding_refusal(self._padding, readers, multiple)
@@ -280,10 +280,9 @@ class CPModule(torch.nn.Module):
         leaves = self._leaves(args, kwargs)
         batch = read_batch(self.spec, self.cp, leaves, read_data=not alone(self.cp))
         # first: every rank then takes the same decisions
-        check_inputs(self.cp, describe_inputs(leaves) + batch.lines(), batch.refusal)
+        check_inputs(self.cp, describe_inputs(leaves), batch.lines(), batch.refusal)
         seq_len = self._mark_sequence_inputs(leaves)
         self._padding = batch.padded
-        self._refuse_padding(self._pad_readers)
         self._local_len = seq_len
         # A recompile anywhere checks every cache entry of the (shared) code and reports each entry's failed
         # guard to the hook of the module that compiled it: keep only what this call reports.

@@ -1,0 +1,220 @@
+"""A batch whose layout the module cannot establish is refused, and so is padding the model would read.
+
+The verdict on a batch (:mod:`cp_passes.compiler.batch_layout`) is read per rank without a process group;
+the padding refusals compile on the fake process group (rank 3 of 8, balanced: shard_batch pads to a multiple
+of 16); that every rank raises together runs on real gloo ranks."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cp_passes
+from cp_passes import CPCompileError, CPSpec
+from cp_passes.compiler.batch_layout import read_batch
+from cp_passes.data.batch import shard_for_rank
+from cp_passes.group import CPGroup
+from cp_passes.layout import BALANCED, CONTIGUOUS
+from scenarios import toy_batch
+
+SPEC = CPSpec()
+FIX = 'cut the batch with cp_passes.shard_batch(batch, mesh, spec)'
+CONTIGUOUS_FIX = 'compile with CPSpec(layout="contiguous")'
+
+
+def verdict(batch: dict, rank: int, size: int = 2, kind: str = BALANCED):
+    return read_batch(SPEC, CPGroup(None, "test", rank, size, kind), list(batch.items()))
+
+
+def hand_cut(batch: dict, rank: int, size: int = 2) -> dict:
+    local = batch["input_ids"].shape[1] // size
+    return {k: v[:, rank * local:(rank + 1) * local] for k, v in batch.items()}
+
+
+def test_a_contiguous_slice_with_positions_is_refused_where_its_positions_run_ahead():
+    """Rank 0's slice [0, 64) could be balanced positions of a packed row; rank 1's [64, 128) cannot (it holds
+    [32, 96)): its refusal reaches rank 0 on the inputs' all-reduce (test_hand_cut_batches_fail_on_every_rank)."""
+    batch = toy_batch(128)
+    assert verdict(hand_cut(batch, 0), 0).refusal is None
+    refusal = verdict(hand_cut(batch, 1), 1).refusal
+    assert refusal.startswith("input 'position_ids' disagrees with the module's layout: local row 0 holds a "
+                              "position past global position 32, the one rank 1 of 2 holds"), refusal
+    assert FIX in refusal and CONTIGUOUS_FIX in refusal
+    for size in (4, 8):
+        for rank in range(1, size):
+            assert verdict(hand_cut(batch, rank, size), rank, size).refusal is not None
+    assert verdict(hand_cut(batch, 1), 1, kind=CONTIGUOUS).refusal is None
+    one_row = {k: v[:1] if k == "position_ids" else v for k, v in hand_cut(batch, 1).items()}
+    assert verdict(one_row, 1).refusal is not None
+
+
+def test_a_contiguous_slice_without_positions_is_refused_unless_the_layout_is_contiguous():
+    local = hand_cut(toy_batch(128), 1)
+    local.pop("position_ids")
+    refusal = verdict(local, 1).refusal
+    assert refusal.startswith("cp_passes cannot tell which positions this batch holds: its sequence inputs "
+                              "('input_ids', 'labels') were not cut by cp_passes.shard_batch"), refusal
+    assert FIX in refusal and CONTIGUOUS_FIX in refusal and "or pass position_ids" in refusal
+    assert verdict(local, 0).refusal is not None  # every rank knows: no rank can tell
+    assert verdict(local, 1, kind=CONTIGUOUS).refusal is None
+    assert verdict(toy_batch(128), 0, size=1, kind=CONTIGUOUS).refusal is None
+
+
+def test_positions_cut_by_hand_in_the_layout_are_accepted():
+    batch = toy_batch(128)
+    for rank in range(2):
+        local, _ = shard_for_rank(batch, rank, 2)
+        by_hand = {k: v.clone() + 0 for k, v in local.items()}  # new contents' tensors, no mark
+        assert verdict(by_hand, rank).refusal is None
+        by_hand["position_ids"] = by_hand["position_ids"][:1]
+        assert verdict(by_hand, rank).refusal is None
+
+
+def test_shard_batch_output_is_recognised_after_a_copy():
+    batch = toy_batch(126)
+    batch.pop("position_ids")
+    for rank in range(2):
+        local, _ = shard_for_rank(batch, rank, 2)
+        for copy in (local, {k: v.clone() for k, v in local.items()}, {k: v.to("cpu") for k, v in local.items()},
+                     {k: v.detach().clone().contiguous() for k, v in local.items()}):
+            found = verdict(copy, rank)
+            assert found.refusal is None and found.cut.kind == BALANCED
+            assert (found.padded.seq_len, found.padded.padded_len) == (126, 128)
+        changed = {k: v + 1 for k, v in local.items()}
+        assert verdict(changed, rank).refusal is not None
+    full, _ = shard_for_rank(toy_batch(128), 1, 2)
+    assert verdict(full, 1).padded is None
+
+
+def test_a_packed_batch_from_shard_batch_passes_the_position_check():
+    """Positions restart in every document: never ahead of their row, on any rank, cloned or not."""
+    rows, seq_len = 2, 61
+    batch = {"input_ids": torch.randint(0, 100, (rows, seq_len)), "labels": torch.randint(0, 100, (rows, seq_len)),
+             "seq_lens": torch.tensor([[20, 30, 11], [61, -1000, -1000]])}
+    for size in (2, 4):
+        for rank in range(size):
+            local, _ = shard_for_rank(batch, rank, size)
+            copy = {k: v.clone() + (0 if k == "position_ids" else 1) for k, v in local.items()}  # unmarked
+            assert verdict(copy, rank, size).refusal is None
+
+
+def test_a_batch_cut_for_another_layout_is_refused():
+    local, _ = shard_for_rank(toy_batch(128), 1, 2, CPSpec(layout="contiguous"))
+    refusal = verdict({k: v.clone() for k, v in local.items()}, 1).refusal
+    assert "sharded by shard_batch for the contiguous layout, but this module was compiled for the balanced " \
+           "layout" in refusal
+
+
+@pytest.mark.parametrize("world", [2])
+def test_hand_cut_batches_fail_on_every_rank(pool, world):
+    """Real gloo ranks: rank 0's positions look fine to it, rank 1's do not; both raise, before compiling."""
+    results = pool.run("hand_cut_batches", world, timeout=240)
+    for rank, (with_positions, without, compiles) in enumerate(results):
+        head = "ValueError: " if rank == 1 else "ValueError: rank 1 refused its batch: "
+        assert with_positions.startswith(head + "input 'position_ids' disagrees with the module's layout"), \
+            with_positions
+        assert without.startswith("ValueError: cp_passes cannot tell which positions this batch holds"), without
+        assert compiles == "0"
+
+
+# -- padding the model would read ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    return dist.group.WORLD
+
+
+class Attention(nn.Module):
+    """One attention layer over embeddings and a loss: ``kind`` says how its queries see keys."""
+
+    def __init__(self, kind: str, vocab: int = 64, dim: int = 16):
+        super().__init__()
+        self.kind, self.emb = kind, nn.Embedding(vocab, dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
+
+    def _attend(self, q, k, v):
+        if self.kind in ("full", "causal"):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.kind == "causal")
+        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if self.kind == "hand_causal":
+            pos = torch.arange(q.shape[-2], device=q.device)
+            scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+        return scores.softmax(-1) @ v
+
+    def forward(self, input_ids, labels):
+        q, k, v = self.qkv(self.emb(input_ids)).unsqueeze(1).chunk(3, dim=-1)
+        h = self._attend(q, k, v).squeeze(1)
+        if self.kind == "mean_mse":
+            return F.mse_loss(h.sum(-1), labels.float())
+        return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def run(group, kind: str, seq_len: int, **extra):
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(Attention(kind), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 64, (2, seq_len))
+    local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids.clone(), **extra}, group)
+    compiled(**{k: v.clone() for k, v in local.items()})
+    return compiled
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("full", "aten.scaled_dot_product_attention.default at "),
+    ("hand_full", "aten.matmul.default at "),
+    ("mean_mse", "aten.mse_loss.default at "),
+])
+def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
+    with pytest.raises(CPCompileError) as info:
+        run(group, kind, 120)
+    text = str(info.value)
+    assert text.startswith("shard_batch padded the sequence from 120 to 128 positions (a multiple of 16 under the "
+                           "balanced layout), and the model reads those padded positions from real ones"), text
+    assert what in text and "test_batch_layout.py:" in text
+    assert "fix: pass sequences whose length is a multiple of 16" in text
+    run(group, kind, 128)
+
+
+@pytest.mark.parametrize("kind", ["causal", "hand_causal"])
+def test_end_padding_under_causal_attention_is_accepted(group, kind):
+    run(group, kind, 120)
+
+
+def test_padding_is_refused_on_a_cached_graph_too(group):
+    compiled = run(group, "full", 128)
+    ids = torch.randint(0, 64, (2, 120))
+    local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids}, group)
+    with pytest.raises(CPCompileError, match="shard_batch padded the sequence from 120 to 128 positions"):
+        compiled(**local)
+    assert len(compiled.compile_records) == 1
+
+
+def modernbert(attn: str):
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, global_attn_every_n_layers=2, local_attention=16,
+                              max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                              cls_token_id=1, sep_token_id=2)
+    torch.manual_seed(0)
+    return ModernBertForMaskedLM._from_config(config, attn_implementation=attn)
+
+
+def test_an_encoder_is_refused_padding_unless_an_attention_mask_hides_it(group):
+    """ModernBERT (eager): every query reads every key. Its own attention_mask, padded with 0, hides padding."""
+    ids = torch.randint(3, 64, (2, 126))
+    compiled = cp_passes.cp_compile(modernbert("eager"), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids}, group)
+    with pytest.raises(CPCompileError) as info:
+        compiled(**local)
+    text = str(info.value)
+    assert "padded the sequence from 126 to 128" in text and "modeling_modernbert.py" in text
+    assert "attention written by hand that reads every key, with no mask from attention_mask" in text
+    masked, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
+                                      group)
+    compiled(**masked)
