@@ -72,11 +72,11 @@ def read_batch(spec: CPSpec, cp: CPGroup, leaves: list[tuple[str | None, torch.T
     if not read_data or cp.size == 1:
         return BatchLayout()
     layout = cp.layout
-    where = f"rank {cp.rank} of {cp.size} holds, under the {layout.describe()}"
+    where = f"rank {cp.rank} of {cp.size} holds under the layout ({layout.describe()})"
     positions = [(name, t) for name, t in sharded if name in spec.position_keys]
     if positions and seq_len % layout.chunks:
-        return BatchLayout(f"input {positions[0][0]!r} has the local length {seq_len}, which the {layout.describe()} "
-                           f"cannot hold (it needs a multiple of {layout.chunks}); {_FIX}")
+        return BatchLayout(f"input {positions[0][0]!r} has the local length {seq_len}, which the layout "
+                           f"({layout.describe()}) cannot hold (it needs a multiple of {layout.chunks}); {_FIX}")
     for name, t in positions:
         rows = layout.positions(cp.rank, seq_len, t.device)
         ahead = (t.movedim(spec.dim_of(name, t), -1) > rows).reshape(-1, seq_len).any(0)
@@ -93,5 +93,6 @@ def read_batch(spec: CPSpec, cp: CPGroup, leaves: list[tuple[str | None, torch.T
         f"cp_passes cannot tell which positions this batch holds: its sequence inputs ({names}) were not cut by "
         f"cp_passes.shard_batch (nor copied from what it returned) and carry no positions "
         f"({', '.join(spec.position_keys)}), and a hand-cut batch (each rank its contiguous slice) would be "
-        f"silently wrong under the layout this module runs on ({resolve_layout(spec, cp.size)[1]}); {_FIX}, or "
+        f"silently wrong under the layout this module runs on ({layout.describe()}; "
+        f"{resolve_layout(spec, cp.size)[1]}); {_FIX}, or "
         f"pass {spec.position_keys[0]} (each local row's global position) so that cp_passes can check them")

@@ -72,9 +72,14 @@ def mark_of(tensor: torch.Tensor) -> Mark | None:
     return entries[int(hits[-1])][1] if len(hits) else None
 
 
+SAMPLED = 1 << 16
+"""A tensor of more elements is fingerprinted on that many, evenly strided (an embedding shard is large)."""
+
+
 def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """A 0-d int64 hash of the bits of ``tensor`` (the same on any device; no host sync)."""
     flat = tensor.detach().reshape(-1)
+    flat = flat[::max(1, -(-flat.numel() // SAMPLED))]
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     elif flat.is_floating_point() or flat.is_complex():
