@@ -155,9 +155,9 @@ class Attention(nn.Module):
         return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
-def run(group, kind: str, seq_len: int, **extra):
+def run(group, kind: str, seq_len: int, spec: CPSpec | None = None, **extra):
     torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(Attention(kind), mesh=group, backend="aot_eager", verbose=False)
+    compiled = cp_passes.cp_compile(Attention(kind), spec, mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 64, (2, seq_len))
     local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids.clone(), **extra}, group)
     compiled(**{k: v.clone() for k, v in local.items()})
@@ -180,9 +180,11 @@ def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
     run(group, kind, 128)
 
 
-@pytest.mark.parametrize("kind", ["causal", "hand_causal"])
-def test_end_padding_under_causal_attention_is_accepted(group, kind):
-    run(group, kind, 120)
+@pytest.mark.parametrize("kind, spec", [("causal", None), ("hand_causal", None),
+                                        ("hand_causal", CPSpec(attention_keys="all"))])
+def test_end_padding_under_causal_attention_is_accepted(group, kind, spec):
+    """Hand-written causal attention that brings every key (as the spec asks) still reads no later key."""
+    run(group, kind, 120, spec)
 
 
 def test_padding_is_refused_on_a_cached_graph_too(group):
@@ -214,7 +216,7 @@ def test_an_encoder_is_refused_padding_unless_an_attention_mask_hides_it(group):
         compiled(**local)
     text = str(info.value)
     assert "padded the sequence from 126 to 128" in text and "modeling_modernbert.py" in text
-    assert "attention written by hand that reads every key, with no mask from attention_mask" in text
+    assert "attention written by hand that lets a query read later keys, with no mask from attention_mask" in text
     masked, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
                                       group)
     compiled(**masked)

@@ -55,6 +55,8 @@ class KeyPlan:
     """Block node -> its :class:`KeyCut` (found on the first call)."""
     ranges: dict = field(default_factory=dict)
     """Softmax -> ``(KeyRange or None, why)``."""
+    later: dict = field(default_factory=dict)
+    """Softmax -> whether a query may read a later key (its masks show no causal window)."""
     probes: dict = field(default_factory=dict)
     """``((masks that hide keys, over a concatenation's first part), length)`` -> what they show (layers
     sharing a mask evaluate it once)."""
@@ -230,6 +232,22 @@ def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[Ke
     return state.ranges[cut.softmax]
 
 
+def _reads_later(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> bool:
+    """Whether a query of ``node``'s attention may read a later key: False only where its masks show causal
+    attention or a causal window, read even where every key is brought (``attention_keys="all"``)."""
+    cut = state.cuts.get(node) if state.cuts is not None else None
+    if cut is None or cut.why is not None:
+        return True
+    if cut.softmax not in state.later:
+        length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+        concat = _concat(ctx, cut)
+        seen = (cut.masking, concat is not None)
+        if (seen, length) not in state.probes:
+            state.probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
+        state.later[cut.softmax] = isinstance(state.probes[(seen, length)], str)
+    return state.later[cut.softmax]
+
+
 def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rewrite]]:
     """The key-axis rewrites ``ctx.node`` needs (new ones only), and marks its brought inputs in ``ctx``."""
     blocks = ctx.matches.blocks
@@ -267,8 +285,9 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                            f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
                            f"part by part as well", "concatenate once and read the result as both K and V (as "
                            "DeepSeek V4 does)")
+            later = keys is None and _reads_later(ctx, state, node)
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
-                                                                        concat=concat)
+                                                                        reads_later=later, concat=concat)
             brings = keys.describe() if keys is not None else "every key"
             note = f"{request.describe()} brought to the key axis of '{node.name}': {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))

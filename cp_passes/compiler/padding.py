@@ -2,8 +2,9 @@
 
 Causal attention, causal windows and convolutions, scans and recurrences read earlier positions only, and a
 loss that ignores ``ignore_index`` never counts the padded labels: none of them sees end padding. These do:
-attention with no mask and not causal (every query reads the padded keys), hand-written attention that
-reads every key with no mask from the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads
+attention with no mask and not causal (every query reads the padded keys), hand-written attention whose
+masks do not show it causal (:attr:`~cp_passes.transports.keys.KeyOperand.reads_later`) with no mask from
+the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads
 with 0 and -1), and a mean over the sequence that ignores nothing (it counts the padded rows).
 """
 
@@ -24,8 +25,9 @@ def pad_readers(plan: Plan) -> list[str]:
         what = None
         if rw.rule == "sdpa_full":
             what = "attention with no mask and is_causal=False: every query reads every key"
-        elif isinstance(rw.request, KeyOperand) and rw.request.keys is None and not data_masks:
-            what = "attention written by hand that reads every key, with no mask from attention_mask or doc_ids"
+        elif isinstance(rw.request, KeyOperand) and rw.request.reads_later and not data_masks:
+            what = ("attention written by hand that lets a query read later keys, with no mask from attention_mask "
+                    "or doc_ids")
         elif isinstance(rw.request, GlobalMean) and rw.request.ignore_index is None:
             what = "a mean over the sequence that ignores no target: it counts the padded rows"
         if what is not None:

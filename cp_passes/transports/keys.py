@@ -64,6 +64,8 @@ class KeyOperand:
     consumers: list[torch.fx.Node] = field(default_factory=list)
     keys: KeyRange | None = None
     """The keys to bring; None: every key."""
+    reads_later: bool = False
+    """A query may read a later key (no mask shows causal attention): end padding is visible to it."""
     concat: bool = False
     """``source`` concatenates positions and windows of them along ``dim``: each part is brought whole."""
 
