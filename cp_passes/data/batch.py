@@ -12,14 +12,8 @@ from ..group import resolve_group
 from ..layout import Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
-from .marks import Mark, mark, mark_of
+from .marks import Mark, mark
 from .packing import pack
-
-
-def sharded_for(tensor: torch.Tensor) -> str | None:
-    """The layout kind :func:`shard_batch` cut ``tensor`` (or a copy of it) for, or None if it did not make it."""
-    found = mark_of(tensor)
-    return found.kind if found is not None else None
 
 
 @dataclass(frozen=True)
