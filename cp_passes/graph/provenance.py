@@ -83,6 +83,12 @@ class Edit:
         return self.insert(node.target, args, kwargs, name=name)
 
     def call_module(self, name: str, module: torch.nn.Module, args) -> torch.fx.Node:
+        """A call of ``module`` before the origin, registered as ``name`` or, where another module already
+        holds that name (two masks evaluated for one op), a fresh ``name_1``, ``name_2``..."""
+        base, i = name, 0
+        while (held := getattr(self.gm, name, None)) is not None and held is not module:
+            i += 1
+            name = f"{base}_{i}"
         self.gm.add_submodule(name, module)
         with self.graph.inserting_before(self.origin):
             node = self.graph.call_module(name, tuple(args))
