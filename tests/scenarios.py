@@ -339,10 +339,22 @@ def _both_ways_activation_mask(x):
     return F.scaled_dot_product_attention(q, q, q, attn_mask=positive[:, None, :, None] & positive[:, None, None, :])[:, 0]
 
 
+def _prompt_unmasked_by_addition(x):
+    """A prefix LM written as causal attention plus an un-mask: ``finfo.min`` above the diagonal, then
+    ``finfo.max`` added back on the first 10 tokens' later keys, where the two sum to a score of 0. A query of
+    the prompt sees keys past its rank's causal prefix."""
+    pos = torch.arange(x.shape[1])
+    later = pos[None, :] > pos[:, None]
+    prompt = (pos[:, None] < 10) & (pos[None, :] < 10)
+    causal = torch.zeros(later.shape).masked_fill(later, torch.finfo(x.dtype).min)
+    unmask = torch.zeros(later.shape).masked_fill(later & prompt, torch.finfo(x.dtype).max)
+    return (x @ x.transpose(1, 2) / 4 + causal + unmask).softmax(-1) @ x
+
+
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
          "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
          "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
-         "both_ways_activation_mask": _both_ways_activation_mask}
+         "both_ways_activation_mask": _both_ways_activation_mask, "prompt_unmasked_by_addition": _prompt_unmasked_by_addition}
 
 
 class Mixer(torch.nn.Module):
@@ -383,9 +395,9 @@ def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
     return results
 
 
-def mixer_parity(group, mix: str, seq_lens: list[int]) -> list[dict]:
+def mixer_parity(group, mix: str, seq_lens: list[int], layout: str | None = None) -> list[dict]:
     torch.manual_seed(0)
-    return small_parity(group, Mixer(mix), None, seq_lens)
+    return small_parity(group, Mixer(mix), cp_passes.CPSpec(layout=layout) if layout else None, seq_lens)
 
 
 class PrefixLM(torch.nn.Module):

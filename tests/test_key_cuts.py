@@ -6,13 +6,17 @@ key's column: these cases keep every key (the planner then gathers them all), wi
 
 import pytest
 import torch
+import torch.distributed as dist
 
+import cp_passes
 from cp_passes.graph.analysis import sequence_symbol
 from cp_passes.match.blocks import match_blocks
 from cp_passes.match.key_cuts import key_cuts
-from cp_passes.transports.keys import check_hidden
+from cp_passes.transports.keys import check_hidden, hidden_together
 
 NEG = torch.finfo(torch.float32).min
+POS = torch.finfo(torch.float32).max
+TRUE, ADDITIVE = ("true", float("-inf"), torch.float32), ("additive", None, torch.float32)
 
 
 def _causal(x):
@@ -146,11 +150,129 @@ def test_every_key_stays_where_a_hidden_key_could_still_count(fn, why):
 
 def test_the_run_time_check_fails_on_a_visible_key_left_out_and_on_a_row_that_hides_every_key():
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
-    check_hidden([~causal], ("true",), ((0, 1),), None)  # hides exactly the later keys
-    check_hidden([~(causal & ~causal.tril(-3))], ("true",), ((0, 1),), 2)  # a window of 3
+    check_hidden([~causal], (TRUE,), ((0, 1),), None)  # hides exactly the later keys
+    check_hidden([~(causal & ~causal.tril(-3))], (TRUE,), ((0, 1),), 2)  # a window of 3
     with pytest.raises(RuntimeError, match="outside the window of 3"):
-        check_hidden([~causal], ("true",), ((0, 1),), 2)
+        check_hidden([~causal], (TRUE,), ((0, 1),), 2)
     additive = torch.zeros(6, 6).masked_fill(~causal, NEG)
     additive[2] = NEG  # query 2 sees nothing: uniform over every key on one device
     with pytest.raises(RuntimeError, match="hides every key from some query"):
-        check_hidden([additive], ("additive",), ((0, 1),), None)
+        check_hidden([additive], (ADDITIVE,), ((0, 1),), None)
+
+
+def test_masks_hide_what_they_hide_together_in_the_order_the_model_applies_them():
+    """``scores + causal + unmask``: ``finfo.max`` added on the prompt's later keys lifts their ``finfo.min``
+    back to 0 (each mask on its own hides them, or hides nothing). The run-time check replays the masks in
+    order and fails; a union of what each hides passed, and the cut dropped keys one device attends to."""
+    later = torch.ones(6, 6, dtype=torch.bool).triu(1)
+    causal = torch.zeros(6, 6).masked_fill(later, NEG)
+    prompt = torch.zeros(6, 6)
+    prompt[:3, :3] = POS
+    steps = (ADDITIVE, ADDITIVE)  # the mask applied last first
+    assert torch.equal(hidden_together([prompt, causal], steps, ((0, 1), (0, 1))), later & (prompt == 0))
+    with pytest.raises(RuntimeError, match="outside the causal prefix"):
+        check_hidden([prompt, causal], steps, ((0, 1), (0, 1)), None)
+    # a masked_fill with -inf stays -inf under finfo.max, one with finfo.min does not
+    check_hidden([prompt, later], (ADDITIVE, TRUE), ((0, 1), (0, 1)), None)
+    with pytest.raises(RuntimeError, match="outside the causal prefix"):
+        check_hidden([prompt, later], (ADDITIVE, ("true", NEG, torch.float32)), ((0, 1), (0, 1)), None)
+    # a position bias added after the mask (ALiBi, positive above the diagonal) leaves it hidden; a per-head
+    # bias [H, S, S] lines up with a shared [S, S] mask from the right
+    distance = torch.arange(6)[None, :] - torch.arange(6)[:, None]
+    alibi = torch.tensor([0.5, 0.25])[:, None, None] * distance
+    assert torch.equal(hidden_together([alibi, later], (ADDITIVE, TRUE), ((1, 2), (0, 1))), later.expand(2, 6, 6))
+
+
+
+@pytest.fixture(scope="module")
+def group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    return dist.group.WORLD
+
+
+def _later_and_prompt(x):
+    pos = torch.arange(x.shape[1])
+    return pos[None, :] > pos[:, None], (pos[:, None] < 10) & (pos[None, :] < 10)
+
+
+def _additive(where):
+    return torch.zeros(where.shape).masked_fill(where, NEG)
+
+
+def unmasked_by_addition(x):  # a prefix LM written as causal plus an un-mask: the later keys' scores sum to 0
+    later, prompt = _later_and_prompt(x)
+    return (x @ x.transpose(1, 2) + _additive(later) + torch.zeros(later.shape).masked_fill(prompt & later, POS)
+            ).softmax(-1) @ x
+
+
+def _lift(scores, prompt):
+    return scores + torch.where(prompt, POS, 0.0)
+
+
+def unmasked_in_a_helper_after_a_fill(x):
+    later, prompt = _later_and_prompt(x)
+    return _lift((x @ x.transpose(1, 2)).masked_fill(later, NEG), prompt).softmax(-1) @ x
+
+
+def lifted_from_minus_infinity(x):  # -inf + finfo.max stays -inf: still causal
+    later, prompt = _later_and_prompt(x)
+    return _lift((x @ x.transpose(1, 2)).masked_fill(later, float("-inf")), prompt).softmax(-1) @ x
+
+
+def position_bias_after_the_mask(x):  # ALiBi's bias, positive above the diagonal, added last: still causal
+    later, _ = _later_and_prompt(x)
+    pos = torch.arange(x.shape[1])
+    return (x @ x.transpose(1, 2) + _additive(later) + (pos[None, :] - pos[:, None]) * 0.5).softmax(-1) @ x
+
+
+def scaled_after_the_mask(x):
+    later, _ = _later_and_prompt(x)
+    return ((x @ x.transpose(1, 2) + _additive(later)) * 2.0).softmax(-1) @ x
+
+
+def clamped_after_the_mask(x):
+    later, _ = _later_and_prompt(x)
+    return (x @ x.transpose(1, 2) + _additive(later)).clamp(min=-1.0).softmax(-1) @ x
+
+
+def unmasked_by_where(x):
+    later, prompt = _later_and_prompt(x)
+    scores = x @ x.transpose(1, 2)
+    return torch.where(prompt, scores, scores + _additive(later)).softmax(-1) @ x
+
+
+def refilled_with_zero(x):
+    later, prompt = _later_and_prompt(x)
+    return (x @ x.transpose(1, 2) + _additive(later)).masked_fill(prompt & later, 0.0).softmax(-1) @ x
+
+
+class _Attend(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.embed, self.fn = torch.nn.Embedding(32, 8), fn
+
+    def forward(self, input_ids):
+        return self.fn(self.embed(input_ids)).pow(2).sum()
+
+
+@pytest.mark.parametrize("fn,keys", [
+    (unmasked_by_addition, "every key (its masks let a query see later keys"),
+    (unmasked_in_a_helper_after_a_fill, "every key (its masks let a query see later keys"),
+    (lifted_from_minus_infinity, "the causal prefix of a gather"),
+    (position_bias_after_the_mask, "the causal prefix of a gather"),
+    (scaled_after_the_mask, "every key ("),
+    (clamped_after_the_mask, "every key ("),
+    (unmasked_by_where, "every key ("),
+    (refilled_with_zero, "every key ("),
+])
+def test_keys_come_as_the_scores_after_every_mask_show(group, fn, keys):
+    """What a later addition, product, clamp or ``where`` does to a hidden score decides the keys: an un-mask
+    by ``finfo.max`` (in a helper too) lifts ``finfo.min`` back, so every key comes (the cut dropped the
+    prompt's later keys once); ``-inf`` stays hidden, and so does ``finfo.min`` under a position bias."""
+    compiled = cp_passes.cp_compile(_Attend(fn), mesh=group, backend="aot_eager", verbose=False)
+    compiled(input_ids=torch.randint(0, 32, (2, 16)))
+    notes = [r.note for r in compiled.compile_records[0].records if r.rule == "key_operand"]
+    assert len(notes) == 2 and all(keys in note for note in notes), notes

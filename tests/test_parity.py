@@ -332,8 +332,19 @@ def test_hand_written_attention_parity(pool, parity_report, mix):
     gather's prefix (a halo's zero rows would divide by zero); a top-k mask picked under no_grad from the
     activations is evaluated over the whole sequence from the gathered activations (a running sum's as its
     carry makes them)."""
+    _mixer_parity(pool, parity_report, mix, None)
+
+
+def test_a_prompt_unmasked_by_a_later_addition_parity(pool, parity_report):
+    """Causal ``finfo.min`` plus ``finfo.max`` on the prompt's later keys: the masks hide only what they hide
+    together, so every key comes (contiguous: rank 0's prompt queries read rank 1's keys). The cut dropped them,
+    and its check evaluated one of the two masks in place of the other."""
+    _mixer_parity(pool, parity_report, "prompt_unmasked_by_addition", "contiguous")
+
+
+def _mixer_parity(pool, parity_report, mix, layout):
     seq_lens = [16, 12]
-    per_rank = pool.run("mixer_parity", 2, mix=mix, seq_lens=seq_lens)
+    per_rank = pool.run("mixer_parity", 2, mix=mix, seq_lens=seq_lens, layout=layout)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         model = Mixer(mix)

@@ -28,11 +28,11 @@ from ..graph.analysis import has_symbol, meta_val, seq_dims
 from ..graph.analysis import window as positions_per_row
 from ..match.blocks import SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
-from ..match.key_cuts import KeyCut, key_cuts
+from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN
-from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden
+from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden_together
 from ..transports.masks import band
 
 aten = torch.ops.aten
@@ -187,7 +187,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
     blocks, spec = ctx.matches.blocks, ctx.spec
     if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
         return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
-    together = None
+    masks, steps, dims = [], [], []
     for masking in cut.masking:
         found = blocks.masks[masking.mask]
         target = _first_part(found.mask, blocks.keys[found.mask]) if concat is not None else found.mask
@@ -195,15 +195,16 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
             continue
         leaves = {leaf: one_document(leaf, d, spec, length) for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
         if concat is None and any(v is None for v in leaves.values()):
-            continue  # reads an input that is neither positions nor doc ids: the other masks must do
+            continue  # reads an input that is neither positions nor doc ids: the run-time check replays it
         try:  # a first part that reads an activation walks up to the model's inputs: NotPositional
             value = evaluate_position_mask(PositionMask(target, found.nodes, found.size_leaves), ctx.sym, length,
                                            {leaf: v for leaf, v in leaves.items() if v is not None})
         except NotPositional:
             continue
-        query = next(d for d in seq_dims(found.mask, ctx.sym) if d != blocks.keys[found.mask])
-        h = hidden(value, masking.hides).movedim((query, blocks.keys[found.mask]), (-2, -1))
-        together = h if together is None else together | h
+        masks.append(value)
+        steps.append(_step(masking))
+        dims.append(_dims(found.mask, blocks, ctx.sym))
+    together = hidden_together(masks, tuple(steps), tuple(dims)) if masks else None
     if together is None or tuple(together.shape[-2:]) != (length, length):
         return "cp_passes could not evaluate the masks that hide keys for one document"
     seen = (~together).reshape(-1, length, length)
@@ -299,7 +300,7 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
             query_dim = next(d for d in seq_dims(x, ctx.sym) if d != key_dim)
             checks = ()
             if keys is not None and x is keys.masking[0].mask:  # one check per cut, with its first hiding mask
-                checks = tuple((blocks.masks[m.mask], m.hides, *_dims(m.mask, blocks, ctx.sym)) for m in keys.masking)
+                checks = tuple((blocks.masks[m.mask], _step(m), _dims(m.mask, blocks, ctx.sym)) for m in keys.masking)
             request = state.masks[(x, keys)] = KeyMask(mask, query_dim, key_dim, keys, checks)
             names = ", ".join(leaf.name for leaf in mask.tensor_leaves) or "positions"
             cut = (f", cut to {keys.describe()}" + (" and checked to hide every other key" if checks else "")
@@ -314,3 +315,8 @@ def _dims(mask: torch.fx.Node, blocks, sym) -> tuple[int, int]:
     """``(query dim, key dim)`` of a matched mask."""
     key = blocks.keys[mask]
     return next(d for d in seq_dims(mask, sym) if d != key), key
+
+
+def _step(masking: Masking) -> tuple:
+    """How ``masking`` is replayed (:func:`~cp_passes.transports.keys.hidden_together`)."""
+    return masking.hides, masking.fill, masking.dtype

@@ -10,7 +10,13 @@ of ``probs @ v`` and no gradient. That holds when
   the overflow guard ``x - x.max(-1, keepdim=True)`` right before the softmax: a softmax is unchanged by a
   constant per row, and the maximum is the same over fewer keys as long as a visible key (or a sink) holds
   it, which a hidden key at ``finfo.min`` never does while its row sees one;
-- nothing between the masking and the softmax can lift a hidden score (casts, copies, concatenation);
+- nothing between the masking and the softmax can lift a hidden score (casts, copies, concatenation; any
+  other op, a product, a clamp, a ``where`` with a tensor or a fill that is not very negative, ends the
+  masking, and what it reads keeps every key unless masked again after it);
+- masks applied in turn hide what they hide *together*, replayed in order on a score of zero: an
+  additive mask after another may lift a hidden score back (``+finfo.max`` on ``finfo.min``), so the keys
+  a cut leaves out are those the replay still finds at or below half of ``finfo.min``, at compile time and
+  in the run-time check alike;
 - after the softmax only ops that keep a zero probability zero (casts, dropout, products, the slice that
   drops the sinks) lead to the contraction with V, and no block is read anywhere else.
 
@@ -56,6 +62,11 @@ class Masking:
     hides: str
     """``"additive"`` (added: entries at or below half of ``finfo.min``), ``"true"`` (True entries) or
     ``"false"`` (False entries)."""
+    fill: float | None = None
+    """The value a ``"true"`` or ``"false"`` mask writes where it hides (None for an additive mask)."""
+    dtype: torch.dtype | None = None
+    """The dtype of the scores once masked: masks applied in turn are replayed in it (:func:`~cp_passes.
+    transports.keys.hidden_together`), since a later addition may lift what an earlier mask hid."""
 
 
 @dataclass
@@ -79,18 +90,18 @@ def _very_negative(value, like: torch.fx.Node) -> bool:
 
 def _masking(node: torch.fx.Node, blocks: Blocks) -> tuple[Masking, torch.fx.Node] | None:
     """``(how node hides keys, the block it masks)`` when ``node`` applies a matched mask to a block."""
-    args, t = node.args, node.target
+    args, t, dtype = node.args, node.target, meta_val(node).dtype
     if (t is aten.add.Tensor and len(args) == 2 and all(isinstance(a, torch.fx.Node) for a in args)
             and node.kwargs.get("alpha", 1) == 1):
         for mask, x in (args, args[::-1]):
             if mask in blocks.masks and x not in blocks.masks and meta_val(mask).is_floating_point():
-                return Masking(mask, "additive"), x
+                return Masking(mask, "additive", None, dtype), x
     if t is aten.masked_fill.Scalar and args[1] in blocks.masks and _very_negative(args[2], node):
-        return Masking(args[1], "true"), args[0]
+        return Masking(args[1], "true", float(args[2]), dtype), args[0]
     if t is aten.where.ScalarOther and args[0] in blocks.masks and _very_negative(args[2], node):
-        return Masking(args[0], "false"), args[1]
+        return Masking(args[0], "false", float(args[2]), dtype), args[1]
     if t is aten.where.ScalarSelf and args[0] in blocks.masks and _very_negative(args[1], node):
-        return Masking(args[0], "true"), args[2]
+        return Masking(args[0], "true", float(args[1]), dtype), args[2]
     return None
 
 

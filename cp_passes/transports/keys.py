@@ -89,7 +89,8 @@ class KeyMask:
     keys: KeyRange | None = None
     """The keys to cut the mask to; None: every key."""
     checks: tuple = ()
-    """``(mask, hides, query dim, key dim)`` of every mask that hides keys outside ``keys``: checked here."""
+    """``(mask, (hides, fill, dtype), (query dim, key dim))`` of every mask that hides keys outside ``keys``, the
+    one applied last first: checked here, together (:func:`hidden_together`)."""
     consumers: list[torch.fx.Node] = field(default_factory=list)
     """The block ops that read the mask with these keys."""
 
@@ -107,18 +108,35 @@ def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
     return mask if hides == "true" else ~mask
 
 
-def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int | None,
+def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> torch.Tensor:
+    """The keys that ``masks``, applied as the model applies them, leave at or below half of ``finfo.min``:
+    ``steps`` holds each one's ``(hides, fill, dtype)`` (:class:`~cp_passes.match.key_cuts.Masking`), the
+    one applied last first. The masks are replayed on a score of zero, first applied first, so a later
+    additive mask that lifts what an earlier one hid (``finfo.max`` added to ``finfo.min``) shows that key
+    again, where a union of what each hides would not. ``dims`` are each mask's ``(query, key)`` dims, moved
+    last; the other dims line up from the right, as the model's broadcasting does."""
+    value = None
+    for mask, (hides, fill, dtype), (q, k) in reversed(list(zip(masks, steps, dims))):
+        mask = mask.movedim((q, k), (-2, -1))
+        if value is None:
+            value = torch.zeros(1, dtype=dtype, device=mask.device)
+        if hides == "additive":
+            value = value + mask
+        else:
+            value = torch.where(hidden(mask, hides), torch.tensor(fill, dtype=value.dtype, device=mask.device), value)
+        value = value.to(dtype)
+    return value <= torch.finfo(value.dtype).min / 2
+
+
+def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
                  first_part: bool = False) -> None:
-    """Fail unless the masks together hide every key a cut attention leaves out: a later key, or (with
-    ``halo``) one ``halo + 1`` or more positions back (with ``first_part``, among the first keys, one per
-    query). Every rank checks the whole sequence, so all reach the same verdict and none is left waiting in
-    a collective."""
-    together = None
-    for mask, kind, (q, k) in zip(masks, hides, dims):
-        if first_part:
-            mask = mask.narrow(k, 0, mask.shape[q])
-        h = hidden(mask, kind).movedim((q, k), (-2, -1))
-        together = h if together is None else together | h
+    """Fail unless the masks together (:func:`hidden_together`) hide every key a cut attention leaves out: a
+    later key, or (with ``halo``) one ``halo + 1`` or more positions back (with ``first_part``, among the
+    first keys, one per query). Every rank checks the whole sequence, so all reach the same verdict and none
+    is left waiting in a collective."""
+    if first_part:
+        masks = [mask.narrow(k, 0, mask.shape[q]) for mask, (q, k) in zip(masks, dims)]
+    together = hidden_together(masks, steps, dims)
     kept = band(together.shape[-1], None if halo is None else halo + 1, together.device)
     torch._assert_async((together | kept).all(),
                         "cp_passes: the model's attention mask lets a query see a key outside the "
@@ -133,7 +151,7 @@ def check_hidden(masks: list[torch.Tensor], hides: tuple, dims: tuple, halo: int
 
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
-             halo: int | None, checked: list[torch.Tensor], hides: tuple, dims: tuple, fill: str | None,
+             halo: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
              first_part: bool) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
@@ -141,7 +159,7 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
     share counts once), takes the hiding value (``fill``: how this mask hides keys) or, for a mask that
     hides none, the value of query 0 and the last key."""
     if checked:
-        check_hidden(checked, hides, dims, halo, first_part)
+        check_hidden(checked, steps, dims, halo, first_part)
     query_dim, key_dim = query_dim % global_mask.dim(), key_dim % global_mask.dim()
     rows = query_rows(global_mask, query_dim, rank, world, kind)
     local = rows.shape[query_dim]
@@ -241,7 +259,7 @@ class KeyGather(Transport):
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
                                           edit.layout.kind, request.keys.halo, checked,
                                           tuple(c[1] for c in request.checks),
-                                          tuple(c[2:] for c in request.checks), fill, request.keys.first_part),
+                                          tuple(c[2] for c in request.checks), fill, request.keys.first_part),
                                    name="cp_mask_keys")
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
