@@ -351,10 +351,24 @@ def _prompt_unmasked_by_addition(x):
     return (x @ x.transpose(1, 2) / 4 + causal + unmask).softmax(-1) @ x
 
 
+def _alibi_baddbmm(x):
+    """Bloom's attention over 2 heads: ``alibi.baddbmm(q, k^T)`` (a slope times the key position), viewed as
+    ``[batch, heads, S, S]`` for a causal ``finfo.min`` fill, and back for ``bmm`` with V."""
+    b, s, d = x.shape
+    q = x.view(b, s, 2, d // 2).transpose(1, 2).reshape(b * 2, s, d // 2)
+    pos = torch.arange(s)
+    alibi = (torch.tensor([0.5, 0.25]).repeat(b)[:, None] * pos[None, :])[:, None, :]
+    scores = alibi.baddbmm(q, (q * 0.5).transpose(1, 2), beta=1.0, alpha=0.5).view(b, 2, s, s)
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], torch.finfo(x.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).view(b * 2, s, -1)
+    return torch.bmm(probs, q + 1).view(b, 2, s, d // 2).transpose(1, 2).reshape(b, s, d)
+
+
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
          "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
          "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
-         "both_ways_activation_mask": _both_ways_activation_mask, "prompt_unmasked_by_addition": _prompt_unmasked_by_addition}
+         "both_ways_activation_mask": _both_ways_activation_mask, "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
+         "alibi_baddbmm": _alibi_baddbmm}
 
 
 class Mixer(torch.nn.Module):

@@ -276,3 +276,71 @@ def test_keys_come_as_the_scores_after_every_mask_show(group, fn, keys):
     compiled(input_ids=torch.randint(0, 32, (2, 16)))
     notes = [r.note for r in compiled.compile_records[0].records if r.rule == "key_operand"]
     assert len(notes) == 2 and all(keys in note for note in notes), notes
+
+
+def _heads(x, heads=2):
+    b, s, d = x.shape
+    return x.view(b, s, heads, d // heads).transpose(1, 2)
+
+
+def _slopes(x):
+    return torch.tensor([0.5, 0.25], dtype=x.dtype)
+
+
+def alibi_per_head(x):  # [H, S, S] bias, then a causal masked_fill
+    q, pos = _heads(x), torch.arange(x.shape[1])
+    bias = _slopes(x)[:, None, None] * (pos[None, None, :] - pos[None, :, None])
+    scores = (q @ q.transpose(-2, -1) + bias).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return (scores.softmax(-1) @ q).sum(1)
+
+
+def alibi_shared_where(x):  # [S, S] bias inside a where
+    pos = torch.arange(x.shape[1])
+    bias = -(pos[:, None] - pos[None, :]).abs() * 0.5
+    return torch.where(pos[None, :] <= pos[:, None], x @ x.transpose(1, 2) + bias, float("-inf")).softmax(-1) @ x
+
+
+def _bloom(x, key_size):
+    """Bloom's attention: ``alibi.baddbmm(q, k^T)`` over ``[batch * heads, S, S]``, viewed as ``[batch, heads, S,
+    S]`` for the mask and back for ``bmm`` with V."""
+    b, s, d = x.shape
+    q = _heads(x).reshape(b * 2, s, d // 2)
+    pos = torch.arange(s)
+    alibi = (_slopes(x).repeat(b)[:, None] * pos[None, :])[:, None, :]
+    scores = alibi.baddbmm(q, q.transpose(1, 2), beta=1.0, alpha=0.5).view(b, 2, s, key_size(s))
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], torch.finfo(x.dtype).min)
+    probs = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(x.dtype)
+    return torch.bmm(probs.view(b * 2, s, key_size(s)), q).view(b, 2, s, d // 2).sum(1)
+
+
+def bloom_sized_minus_one(x):  # as transformers writes it
+    return _bloom(x, lambda s: -1)
+
+
+def bloom_sized_by_the_length(x):
+    return _bloom(x, lambda s: s)
+
+
+@pytest.mark.parametrize("fn", [alibi_per_head, alibi_shared_where, bloom_sized_minus_one, bloom_sized_by_the_length])
+def test_alibi_brings_the_causal_prefix_of_its_keys(group, fn):
+    """ALiBi adds a bias along the key axis (per head, shared, or Bloom's ``baddbmm``) and stays causal: the
+    bias is evaluated as a mask or brought with the keys, and the causal cut holds. A per-head bias beside a
+    causal mask failed inside the rewrite; Bloom's ``baddbmm`` was refused as a softmax along the sequence."""
+    compiled = cp_passes.cp_compile(_Attend(fn), mesh=group, backend="aot_eager", verbose=False)
+    compiled(input_ids=torch.randint(0, 32, (2, 16)))
+    notes = [r.note for r in compiled.compile_records[0].records if r.rule == "key_operand"]
+    assert notes and all("the causal prefix of a gather" in note for note in notes), notes
+
+
+def scores_viewed_across_the_sequence(x):  # [B, S, S] -> [S, B, S]: the query axis is no longer a dim
+    b, s, _ = x.shape
+    pos = torch.arange(s)
+    scores = (x @ x.transpose(1, 2)).masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    return (scores.view(s, b, s).softmax(-1).view(b, s, s) @ x)
+
+
+def test_a_view_that_moves_the_sequence_dims_of_scores_is_refused(group):
+    compiled = cp_passes.cp_compile(_Attend(scores_viewed_across_the_sequence), mesh=group, backend="aot_eager",
+                                    verbose=False)
+    with pytest.raises(cp_passes.CPCompileError, match="cannot tell where aten.view.default puts the key axis"):
+        compiled(input_ids=torch.randint(0, 32, (2, 16)))

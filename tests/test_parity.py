@@ -324,14 +324,15 @@ def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool
 
 
 @pytest.mark.parametrize("mix", ["decay_attention", "shared_position_mask", "sdpa_over_a_running_sum",
-                                 "window_with_key_temperature", "top_k_attention", "top_k_over_a_running_sum"])
+                                 "window_with_key_temperature", "top_k_attention", "top_k_over_a_running_sum",
+                                 pytest.param("alibi_baddbmm", marks=pytest.mark.full)])
 def test_hand_written_attention_parity(pool, parity_report, mix):
     """A key-side operand that a scan makes global is brought after the scan (by hand-written attention and
     by SDPA's gather alike); a mask shared by two attentions is evaluated for both (lengths divide P: full
     attention would see the padding keys); a window whose scores read a per-key temperature takes the
     gather's prefix (a halo's zero rows would divide by zero); a top-k mask picked under no_grad from the
     activations is evaluated over the whole sequence from the gathered activations (a running sum's as its
-    carry makes them)."""
+    carry makes them); Bloom's ``alibi.baddbmm`` brings the bias with the keys, through views of the scores."""
     _mixer_parity(pool, parity_report, mix, None)
 
 

@@ -26,13 +26,13 @@ import torch.fx
 
 from ..graph.analysis import has_symbol, meta_val, seq_dims
 from ..graph.analysis import window as positions_per_row
-from ..match.blocks import SCORES, TO_SOURCE, key_concat
+from ..match.blocks import RESHAPES, SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN
-from ..transports.keys import KeyMask, KeyOperand, KeyRange, hidden_together
+from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
 from ..transports.masks import band
 
 aten = torch.ops.aten
@@ -255,13 +255,18 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
     node = ctx.node
     if node in blocks.conflicts:
         ctx.refuse(blocks.conflicts[node], "compute each attention's scores from one q @ k^T")
+    rewrites = []
     if node in blocks.keys:
-        sizes = [a for a in torch.utils._pytree.tree_leaves(node.args) if has_symbol(a, ctx.sym)]
+        reshape = _reshape_sizes(node, blocks.keys[node], ctx.sym)
+        sizes = [a for a in torch.utils._pytree.tree_leaves(node.args if reshape is None else reshape[0])
+                 if has_symbol(a, ctx.sym)]
         if sizes:
             ctx.refuse(f"it sizes the [q, k] block '{node.name}' with the local length ({sizes[0].name}), and "
                        f"cp_passes makes its key axis whole",
                        "size attention scores from the query and key tensors' own shapes (expand_as, or no size)")
-    rewrites = []
+        if reshape is not None and reshape[1]:
+            rewrites.append((node, Rewrite("key_size", "key_gather", KeySize(node, blocks.keys[node]),
+                                           note=f"'{node.name}' sized -1 on its key axis, which cp_passes makes whole")))
     landings = _landings(ctx)
     masks = [x for x in ctx.tensor_inputs() if x in blocks.masks]
     if not landings and not masks:
@@ -309,6 +314,19 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                                         note=f"the model's mask from {names}, evaluated over the whole sequence{cut}")))
         request.consumers.append(node)
     return rewrites
+
+
+def _reshape_sizes(node: torch.fx.Node, key: int, sym) -> tuple[list, bool] | None:
+    """For a reshape of a block (:data:`~cp_passes.match.blocks.RESHAPES`): its sizes other than the query axis
+    (which stays this rank's) and the key axis, and whether the key axis is sized by the local length (then
+    sized -1 instead, as Bloom writes it); None for any other op or where another size is -1."""
+    if node.target not in RESHAPES:
+        return None
+    sizes = list(node.args[1])
+    query = next(d for d in seq_dims(node, sym) if d != key)
+    if any(isinstance(a, int) and a == -1 for d, a in enumerate(sizes) if d != key):
+        return None
+    return [a for d, a in enumerate(sizes) if d not in (query, key)], has_symbol(sizes[key], sym)
 
 
 def _dims(mask: torch.fx.Node, blocks, sym) -> tuple[int, int]:

@@ -20,6 +20,7 @@ from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, sequence_symbol
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
+from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.provenance import Edit, format_graph
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
@@ -80,6 +81,8 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
         record.history.append(("fills out of place", format_graph(aten_gm)))
     if shifted_writes_as_shifts(aten_gm, sym, spec.pad_multiple):
         record.history.append(("shifted writes as shifts", format_graph(aten_gm)))
+    if scores_bias_split(aten_gm, sym):
+        record.history.append(("scores and their bias apart (baddbmm)", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)

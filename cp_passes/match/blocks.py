@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val, seq_dims, seq_multiple, window
+from ..graph.analysis import expr_of, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 from .head_repeat import is_whole_slice, match_head_repeat
 from .masks import PositionMask, model_mask
@@ -122,6 +122,23 @@ _KEEPS_ORDER = {aten.softmax.int, aten._softmax.default, aten.log_softmax.int, a
 """Ops that keep a block's two sequence dims in the same order (besides pointwise ops)."""
 
 
+RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+"""Reshapes a block may go through when they split or merge only the dims before its first sequence dim
+(Bloom's ``[batch * heads, q, k]`` and ``[batch, heads, q, k]``): each key column stays one column."""
+
+
+def _leading_reshape(node: torch.fx.Node, source: torch.fx.Node, sym) -> int | None:
+    """How many dims a reshape from ``source`` to ``node`` adds before the first sequence dim, when the dims
+    from there on are the same sizes in both (so every entry keeps its index in them); else None."""
+    here, there = seq_dims(node, sym), seq_dims(source, sym)
+    if not here or not there:
+        return None
+    out, inp = meta_val(node).shape[here[0]:], meta_val(source).shape[there[0]:]
+    if len(out) != len(inp) or any(expr_of(a) != expr_of(b) for a, b in zip(out, inp)):
+        return None
+    return here[0] - there[0]
+
+
 def _permutation(node: torch.fx.Node) -> list[int]:
     """Output dim i of a reordering op is input dim perm[i]."""
     nd = _ndim(node)
@@ -144,6 +161,9 @@ def map_dim(node: torch.fx.Node, source: torch.fx.Node, dim: int, sym, forward: 
     if node.target in _REORDERING:
         perm = _permutation(node)
         return perm.index(dim) if forward else perm[dim]
+    if node.target in RESHAPES:
+        shift = _leading_reshape(node, source, sym)
+        return None if shift is None else dim + shift if forward else dim - shift
     if not (node.target in _KEEPS_ORDER or torch.Tag.pointwise in getattr(node.target, "tags", ())):
         return None
     here, there = seq_dims(node, sym), seq_dims(source, sym)

@@ -95,6 +95,15 @@ class KeyMask:
     """The block ops that read the mask with these keys."""
 
 
+@dataclass
+class KeySize:
+    """A reshape of a block (Bloom's ``scores.view(batch, heads, q, k)``) that sizes the key axis with the local
+    length: sized -1 there instead, the keys brought."""
+
+    node: torch.fx.Node
+    key_dim: int
+
+
 def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int, kind: str) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence (every key kept)."""
     local = global_mask.shape[query_dim] // world
@@ -207,6 +216,12 @@ class KeyGather(Transport):
     def apply(self, edit, request) -> None:
         if isinstance(request, KeyMask):
             return self._mask(edit, request)
+        if isinstance(request, KeySize):
+            sizes = list(request.node.args[1])
+            sizes[request.key_dim] = -1
+            request.node.update_arg(1, sizes)
+            edit.changed(request.node)
+            return None
         name = f"cp_{request.source.name}_keys"
         if request.concat:  # positions and windows of them: each part along its own axis, then joined
             parts = [self._bring(edit, request, part, request.keys if i == 0 else None, f"{name}_part")
@@ -266,6 +281,8 @@ class KeyGather(Transport):
             edit.changed(consumer)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
+        if isinstance(request, KeySize):
+            return Cost()
         if isinstance(request, KeyMask):
             leaves, moved = request.mask.gathered, request.mask.gathered_bytes(layout.world)
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
