@@ -189,7 +189,7 @@ def group():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
     return dist.group.WORLD
 
 
