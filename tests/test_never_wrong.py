@@ -246,3 +246,69 @@ def test_a_forced_eager_run_fails_instead_of_running_unsharded(group):
     compiled = cp_passes.cp_compile(toy(), mesh=group, backend="aot_eager", verbose=False)
     with torch.compiler.set_stance("force_eager"), pytest.raises(CPCompileError, match="without a compiled graph"):
         compiled(torch.randint(0, 32, (2, 8)))
+
+
+def _gelu(x):
+    return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+
+def _gelu_grad(x, grad):
+    t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+    return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class _Gelu(torch.autograd.Function):
+    """A hand-written backward, as transformers' Bloom writes its GeLU (GeLUFunction in training)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return _gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gelu_grad(ctx.saved_tensors[0], grad)
+
+
+@torch.library.custom_op("cp_passes_tests::gelu", mutates_args=())
+def _gelu_op(x: torch.Tensor) -> torch.Tensor:
+    return _gelu(x)
+
+
+_gelu_op.register_fake(torch.empty_like)
+_gelu_op.register_autograd(lambda ctx, grad: _gelu_grad(ctx.saved_tensors[0], grad),
+                           setup_context=lambda ctx, inputs, output: ctx.save_for_backward(inputs[0]))
+
+
+class CustomBackward(nn.Module):
+    def __init__(self, as_op: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.proj, self.as_op = nn.Embedding(32, 8), nn.Linear(8, 8), as_op
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        return self.proj(torch.ops.cp_passes_tests.gelu(x) if self.as_op else _Gelu.apply(x)).pow(2).sum()
+
+
+def test_a_custom_autograd_function_is_refused_since_its_backward_would_be_lost(group):
+    """The pre-dispatch re-trace keeps an autograd.Function's forward only: the loss was exact and every gradient
+    before the Function zero."""
+    compiled = cp_passes.cp_compile(CustomBackward(as_op=False), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    message = str(info.value)
+    assert "custom torch.autograd.Function at tests/test_never_wrong.py" in message and "_Gelu.apply(x)" in message
+    assert "torch.library.custom_op with register_autograd" in message
+
+
+def test_the_custom_op_the_refusal_suggests_keeps_its_backward(group):
+    """The fix the refusal names: a custom op with register_autograd, declared position-wise. Position-wise, this
+    rank's gradients are the model's on this rank's tokens."""
+    cp_passes.positionwise(torch.ops.cp_passes_tests.gelu.default)
+    ids = torch.randint(0, 32, (2, 8))
+    model, reference = CustomBackward(as_op=True), CustomBackward(as_op=True)
+    cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)(ids).backward()
+    reference(ids).backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)

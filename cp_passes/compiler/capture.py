@@ -76,10 +76,25 @@ def _specialized_error(name: str, length: int, where: str) -> CPCompileError:
     )
 
 
+def _refuse_custom_backwards(gm: torch.fx.GraphModule) -> None:
+    """A ``torch.autograd.Function`` reaches the backend as dynamo's ``autograd_function_apply`` with its forward
+    and backward graphs. The pre-dispatch re-trace below runs its forward (under no_grad) and drops the backward,
+    so every gradient through it would silently be zero; refuse it where a gradient could flow."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.autograd_function_apply):
+        if any(isinstance(meta_val(a), torch.Tensor) and meta_val(a).requires_grad for a in node.all_input_nodes):
+            raise CPCompileError(
+                f"the model calls a custom torch.autograd.Function at {source_line(node)}: cp_passes re-traces the "
+                f"graph to ATen ops, which keeps the Function's forward but not its backward, so every gradient "
+                f"through it would be lost. Fix: write it with torch ops (autograd derives its backward), or make "
+                f"it a custom op (torch.library.custom_op with register_autograd), which stays one op, and declare "
+                f"it with cp_passes.positionwise(op) if it is position-wise")
+
+
 def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local_len: int, multiple: int = 1):
     """Re-trace dynamo's graph to pre-dispatch ATen (stack traces and module paths kept) after proving that
     every sharded input carries one symbolic sequence length, a multiple of ``multiple`` (the spec's
     ``pad_multiple``). Returns ``(aten_gm, fakes)``."""
+    _refuse_custom_backwards(gm)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fake_mode = torch._guards.detect_fake_mode([meta_val(n) for n in placeholders])
     shape_env = fake_mode.shape_env
