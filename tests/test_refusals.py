@@ -500,3 +500,26 @@ def test_a_branch_the_global_length_takes_the_same_way_compiles(group):
     """``x.shape[1] > 4`` holds for the local length 8 and so for every global length 8 * P: not refused."""
     compiled = cp_passes.cp_compile(Tiny(_doubled_past(4)), mesh=group, backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (2, 8)))
+
+
+def _pad_by(width):
+    def shift(x):
+        return F.pad(x, (0, 0, width(x.shape[1]), 0))[:, :x.shape[1]]
+    return shift
+
+
+@pytest.mark.parametrize("mix,shown", [
+    (_pad_by(lambda s: s // 2), "//2), 0]"),
+    (_pad_by(lambda s: s - 3), " - 3, 0]"),
+    (lambda x: F.pad(x, (0, 0, 0, x.shape[1] // 4))[:, x.shape[1] // 4:], "//4)]"),
+    (lambda x: F.pad(x.transpose(1, 2), (x.shape[1] // 2, 0))[..., :x.shape[1]].transpose(1, 2), "//2), 0]"),
+])
+def test_a_pad_by_a_width_computed_from_the_length_is_refused_naming_it(group, mix, shown):
+    """A pad width computed in the graph (an FX node, not an int) is a shift that depends on the length:
+    refused at the pad, not an internal error comparing the node to 0."""
+    err = refusal(group, mix)
+    first = err.problems[0]
+    assert first.op == "aten.pad.default" and "test_refusals.py" in first.source, str(err)
+    assert "computed from the sequence length" in first.reason and shown in first.reason, first.reason
+    assert "pad by a constant" in first.fix
+    assert "cp_passes bug" not in str(err)

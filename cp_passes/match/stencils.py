@@ -58,6 +58,8 @@ def _padded_dim(pad: torch.fx.Node, sym, multiple: int = 1):
     if len(padded) != 1 or len(dims) != 1:
         return None
     ((dim, (before, after)),) = padded.items()
+    if not (isinstance(before, int) and isinstance(after, int)):  # a width computed in the graph (S // 2): a Node
+        return None
     if dim != dims[0] or window(meta_val(source).shape[dim], sym, multiple) is None or before < 0 or after < 0:
         return None
     return source, dim, before, after, args.get("value") or 0

@@ -221,9 +221,21 @@ def _pad(ctx: RuleContext):
     nd = ctx.ndim(src)
     for i in range(len(pad) // 2):
         d = nd - 1 - i
-        if d in ctx.seq_dims(src) and (pad[2 * i] != 0 or pad[2 * i + 1] != 0):
+        if d not in ctx.seq_dims(src):
+            continue
+        widths = pad[2 * i:2 * i + 2]
+        if any(isinstance(w, torch.fx.Node) for w in widths):  # a width the graph computes: S // 2, say
+            shown = ", ".join(str(expr_of(meta_val(w))) if isinstance(w, torch.fx.Node) else str(w) for w in widths)
             ctx.refuse(
-                f"it pads the sequence axis (dim {d}) by {pad[2 * i:2 * i + 2]}; on a shard the padding lands at "
+                f"it pads the sequence axis (dim {d}) by [{shown}] positions, computed from the sequence length "
+                f"{ctx.sym} (on a shard the local length, 1/{ctx.world} of the global one); cp_passes reads a pad "
+                f"followed by a slice as a shift by a constant number of positions only",
+                "pad by a constant (a Python int, e.g. from the config: pad(x, (0, 0, k, 0))[:, :S] is a shift by "
+                "k), or build the shifted tensor outside the compiled module and pass it in",
+            )
+        if widths[0] != 0 or widths[1] != 0:
+            ctx.refuse(
+                f"it pads the sequence axis (dim {d}) by {widths}; on a shard the padding lands at "
                 f"the shard's edge instead of the sequence's",
                 "a pad is handled when every use is a slice keeping the sequence length (a shift, such as a label "
                 "shift) or when it feeds a causal conv1d directly; otherwise pad before sharding",
