@@ -5,12 +5,14 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_OWN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _HF_CACHE = "transformers/cache_utils.py:"
 _CACHE_FIX = "call the model with use_cache=False: a training step never reads the cache"
 
@@ -80,6 +82,10 @@ class Problem:
 
 class CPCompileError(RuntimeError):
     """The graph holds something cp_passes cannot prove correct under sequence sharding."""
+
+    internal: BaseException | None = None
+    """For a failure inside cp_passes (not a refusal): the error it raised, with its traceback, which the
+    wrapper chains as this error's ``__cause__``."""
 
     def __init__(self, problems: list[Problem] | str):
         if isinstance(problems, str):
@@ -187,15 +193,35 @@ def stage_error(error: BaseException, stage: str, backend: str) -> CPCompileErro
     if isinstance(error, CPCompileError):
         return error
     if stage == "lowering":
-        return CPCompileError(
+        failure = CPCompileError(
             f"lowering the rewritten graph with {backend} failed ({type(error).__name__}); cp_passes rewrote it "
             f"without error, so this is a bug in cp_passes' output or in the compiler. backend=\"aot_eager\" runs "
-            f"the same graph without Inductor. The compiler said:\n{_trimmed(error)}"
+            f"the same graph without Inductor. The compiler said:\n{_trimmed(error)}\n{innermost_frames(error)}"
         )
+        failure.internal = error
+        return failure
     known = _recognised(error) if stage == "capture" else None
     if known is not None:
         return known
     what = {"capture": "re-tracing the captured graph to ATen", "rewrite": "rewriting the graph",
             "record": "recording the compile (structured trace, dump_dir)"}[stage]
-    return CPCompileError(f"cp_passes failed while {what} ({type(error).__name__}): {_trimmed(error)}\n"
-                          f"This is a cp_passes bug unless the message says otherwise; please report it.")
+    failure = CPCompileError(f"cp_passes failed while {what} ({type(error).__name__}): {_trimmed(error)}\n"
+                             f"{innermost_frames(error)}\n"
+                             f"This is a cp_passes bug unless the message says otherwise; please report it with "
+                             f"these frames (the full traceback is chained below this error).")
+    failure.internal = error
+    return failure
+
+
+def innermost_frames(error: BaseException, count: int = 4) -> str:
+    """The last ``count`` frames of ``error``'s traceback inside cp_passes, and the frame that raised it when
+    that is elsewhere (torch, a user function cp_passes called), one ``file:line in function: code`` a line."""
+    frames = traceback.extract_tb(error.__traceback__)
+    shown = [f for f in frames if os.path.abspath(f.filename).startswith(_OWN_DIR)][-count:]
+    if frames and (not shown or shown[-1] is not frames[-1]):
+        shown.append(frames[-1])
+    if not shown:
+        return "raised at: <no traceback>"
+    lines = [f"  {'/'.join(f.filename.split(os.sep)[-3:])}:{f.lineno} in {f.name}" + (f": {f.line}" if f.line else "")
+             for f in shown]
+    return "raised at (innermost last):\n" + "\n".join(lines)

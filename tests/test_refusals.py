@@ -523,3 +523,27 @@ def test_a_pad_by_a_width_computed_from_the_length_is_refused_naming_it(group, m
     assert "computed from the sequence length" in first.reason and shown in first.reason, first.reason
     assert "pad by a constant" in first.fix
     assert "cp_passes bug" not in str(err)
+
+
+def test_an_internal_failure_keeps_its_traceback(group, monkeypatch):
+    """A bug inside cp_passes is reported as one, with its innermost frames in the message and the original
+    error chained as the cause (dynamo's wrappers dropped, the traceback kept)."""
+    import traceback
+
+    import cp_passes.compiler.planner as planner
+
+    matched = planner.match_graph
+
+    def comparing_a_node_to_an_int(gm, sym, multiple=1):
+        matched(gm, sym, multiple)
+        return next(iter(gm.graph.nodes)) < 0
+
+    monkeypatch.setattr(planner, "match_graph", comparing_a_node_to_an_int)
+    err = refusal(group, lambda x: x * 2)
+    said = str(err)
+    assert "cp_passes failed while rewriting the graph (TypeError)" in said and "cp_passes bug" in said, said
+    assert "compiler/planner.py:" in said and "in plan_graph: matches = match_graph(" in said, said
+    assert said.index("in plan_graph") < said.index("in comparing_a_node_to_an_int: return next("), said
+    assert isinstance(err.__cause__, TypeError) and err.internal is err.__cause__
+    chained = "".join(traceback.format_exception(err))
+    assert "in comparing_a_node_to_an_int" in chained and "direct cause" in chained, chained

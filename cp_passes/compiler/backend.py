@@ -79,7 +79,7 @@ class CPBackend:
             failure = stage_error(error, stage, owner.backend)
             owner._agreed = True
             agree_before_running(cp, failure, True, [], owner._guard_failures)
-            raise failure from error
+            raise failure from failure.internal
         owner._agreed = True
         agree_before_running(cp, None, True, fingerprint, owner._guard_failures)
         owner.compile_records.append(record)
@@ -297,7 +297,7 @@ class CPModule(torch.nn.Module):
             if not self._agreed:  # failed before reaching the backend: the other ranks wait for its report
                 self._agreed = True
                 agree_before_running(self.cp, failure, False, [], self._guard_failures)
-            raise failure from None
+            raise failure from failure.internal  # a cp_passes failure keeps its traceback; dynamo's wrappers go
         if not self._entered:  # the same on every rank: nothing ran that could exchange anything
             raise CPCompileError(
                 "the model ran without a compiled graph, so every rank computed on its own shard alone: dynamo ran "
