@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -32,6 +33,42 @@ def source_line(node: torch.fx.Node, code: bool = True) -> str:
         text = lines[i + 1].strip()
     short = "/".join(m.group(1).split("/")[-2:])
     return f"{short}:{m.group(2)} in {m.group(3)}" + (f": {text}" if text else "")
+
+
+def _frames(node: torch.fx.Node) -> list[tuple[str, int, str]]:
+    """``(file, line, function)`` of every frame of the stack trace that produced ``node``, outermost first."""
+    trace = node.meta.get("stack_trace") or ""
+    return [(m.group(1), int(m.group(2)), m.group(3))
+            for m in re.finditer(r'^\s*File "(.+)", line (\d+), in (\S+)', trace, re.MULTILINE)]
+
+
+def _module_named_by(filename: str):
+    for module in list(sys.modules.values()):
+        if getattr(module, "__file__", None) == filename:
+            return module
+    return None
+
+
+def kernel_call(node: torch.fx.Node) -> tuple[str, str, inspect.Signature | None] | None:
+    """The module-level function the innermost ``forward`` called on the way to ``node`` (a kernel such as
+    ``torch_chunk_gated_delta_rule``): ``("package.module:function", "file:line" of the call, its signature)``,
+    or None where the op is in ``forward`` itself or in no function a spec can name."""
+    frames = _frames(node)
+    last = max((i for i, (file, _, fn) in enumerate(frames) if fn == "forward" and not file.startswith(_TORCH_DIR)),
+               default=None)
+    if last is None:
+        return None
+    for file, _, fn in frames[last + 1:]:
+        module = _module_named_by(file)
+        target = getattr(module, fn, None) if module is not None else None
+        if callable(target):
+            call_file, call_line, _ = frames[last]
+            try:
+                signature = inspect.signature(target)
+            except (TypeError, ValueError):
+                signature = None
+            return f"{module.__name__}:{fn}", f"{'/'.join(call_file.split('/')[-2:])}:{call_line}", signature
+    return None
 
 
 def module_path(node: torch.fx.Node) -> str:

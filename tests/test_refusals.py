@@ -547,3 +547,24 @@ def test_an_internal_failure_keeps_its_traceback(group, monkeypatch):
     assert isinstance(err.__cause__, TypeError) and err.internal is err.__cause__
     chained = "".join(traceback.format_exception(err))
     assert "in comparing_a_node_to_an_int" in chained and "direct cause" in chained, chained
+
+
+def chunk_scan(x, chunk=4):
+    """A chunked scan as linear-attention kernels write it: pad to whole chunks, a state carried across them."""
+    length = x.shape[1]
+    x = F.pad(x, (0, 0, 0, (chunk - length % chunk) % chunk))
+    chunks = x.reshape(x.shape[0], -1, chunk, x.shape[2])
+    state = chunks.sum(2).cumsum(1)
+    return (chunks + state[:, :, None]).reshape(x.shape[0], -1, x.shape[2])[:, :length]
+
+
+def test_a_chunked_scan_is_refused_at_its_padding_naming_the_kernel_to_declare(group):
+    """Padding up to whole chunks is a width computed from the length (an FX node): the construct is a chunked
+    kernel, and the fix names the function to declare as a Recurrence."""
+    err = refusal(group, lambda x: chunk_scan(x))
+    first = err.problems[0]
+    assert first.op == "aten.pad.default" and "in chunk_scan" in first.source, str(err)
+    assert "up to a multiple of 4" in first.reason and "chunk_scan (called at" in first.reason, first.reason
+    assert ":chunk_scan', sequence_args=(<those of 'x' that carry the sequence>)" in first.fix, first.fix
+    assert "cp_passes bug" not in str(err)
+

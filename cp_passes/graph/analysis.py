@@ -104,6 +104,23 @@ def sizes_equal(a, b, sym, multiple: int = 1) -> bool:
     return sympy.simplify(_whole_windows(expr_of(a), sym, multiple) - _whole_windows(expr_of(b), sym, multiple)) == 0
 
 
+def static_int(value, sym=None, multiple: int = 1) -> int | None:
+    """An int argument's value: a Python int, or a node computing a size whose value is known (``(64 - s % 64)
+    % 64`` is 0 when every shard holds a multiple of 64: ``sym``, the local length, a multiple of ``multiple``);
+    None for one that varies with the length. Args of ATen calls may be either: never compare a node to an int."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    val = meta_val(value) if isinstance(value, torch.fx.Node) else value
+    if not isinstance(val, torch.SymInt):
+        return None
+    expr = expr_of(val)
+    if not expr.is_Integer and sym is not None:
+        expr = sympy.simplify(_whole_windows(expr, sym, multiple))
+    return int(expr) if expr.is_Integer else None
+
+
 def hint(value) -> int:
     """The concrete value of a (possibly symbolic) int at compile time, without adding guards."""
     return optimization_hint(value) if isinstance(value, torch.SymInt) else int(value)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, window
+from ..graph.analysis import bind_args, expr_of, meta_val, seq_dims, static_int, window
 from ..transports.halo import ConvHalo
 from ..transports.shift import Shift
 
@@ -35,8 +35,8 @@ def match_shifts(pad: torch.fx.Node, sym, multiple: int = 1) -> list[Shift]:
         if user.target is not aten.slice.Tensor:
             return []
         sl = bind_args(user)
-        start = sl["start"] or 0
-        if sl["dim"] % ndim != dim or sl["step"] != 1 or not isinstance(start, int) or start < 0:
+        start = static_int(sl["start"] or 0, sym, multiple)
+        if sl["dim"] % ndim != dim or sl["step"] != 1 or start is None or start < 0:
             return []
         if expr_of(meta_val(user).shape[dim]) != length:
             return []
@@ -52,14 +52,15 @@ def _padded_dim(pad: torch.fx.Node, sym, multiple: int = 1):
         return None
     source, widths = args["self"], list(args["pad"])
     ndim = meta_val(source).dim()
+    widths = [static_int(w, sym, multiple) for w in widths]  # a width that varies with the length (S // 2): None
+    if None in widths:
+        return None
     padded = {ndim - 1 - i: (widths[2 * i], widths[2 * i + 1]) for i in range(len(widths) // 2)
               if widths[2 * i] or widths[2 * i + 1]}
     dims = seq_dims(source, sym)
     if len(padded) != 1 or len(dims) != 1:
         return None
     ((dim, (before, after)),) = padded.items()
-    if not (isinstance(before, int) and isinstance(after, int)):  # a width computed in the graph (S // 2): a Node
-        return None
     if dim != dims[0] or window(meta_val(source).shape[dim], sym, multiple) is None or before < 0 or after < 0:
         return None
     return source, dim, before, after, args.get("value") or 0

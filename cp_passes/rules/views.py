@@ -11,8 +11,8 @@ import torch
 import torch.fx
 from torch.utils._sympy.functions import FloorDiv
 
-from ..errors import op_name, source_line
-from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, window
+from ..errors import kernel_call, op_name, source_line
+from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, static_int, window
 from .reductions import masked_count
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
@@ -224,23 +224,75 @@ def _pad(ctx: RuleContext):
         if d not in ctx.seq_dims(src):
             continue
         widths = pad[2 * i:2 * i + 2]
-        if any(isinstance(w, torch.fx.Node) for w in widths):  # a width the graph computes: S // 2, say
-            shown = ", ".join(str(expr_of(meta_val(w))) if isinstance(w, torch.fx.Node) else str(w) for w in widths)
+        known = [static_int(w, ctx.sym, ctx.spec.pad_multiple) for w in widths]
+        if None in known:  # a width the graph computes from the length: S // 2, or up to a multiple
+            _refuse_length_dependent_pad(ctx, d, widths)
+        if known != [0, 0]:
             ctx.refuse(
-                f"it pads the sequence axis (dim {d}) by [{shown}] positions, computed from the sequence length "
-                f"{ctx.sym} (on a shard the local length, 1/{ctx.world} of the global one); cp_passes reads a pad "
-                f"followed by a slice as a shift by a constant number of positions only",
-                "pad by a constant (a Python int, e.g. from the config: pad(x, (0, 0, k, 0))[:, :S] is a shift by "
-                "k), or build the shifted tensor outside the compiled module and pass it in",
-            )
-        if widths[0] != 0 or widths[1] != 0:
-            ctx.refuse(
-                f"it pads the sequence axis (dim {d}) by {widths}; on a shard the padding lands at "
+                f"it pads the sequence axis (dim {d}) by {known}; on a shard the padding lands at "
                 f"the shard's edge instead of the sequence's",
                 "a pad is handled when every use is a slice keeping the sequence length (a shift, such as a label "
                 "shift) or when it feeds a causal conv1d directly; otherwise pad before sharding",
             )
     return None
+
+
+def _refuse_length_dependent_pad(ctx: RuleContext, d: int, widths: list) -> None:
+    shown = ", ".join(str(expr_of(meta_val(w))) if isinstance(w, torch.fx.Node) else str(w) for w in widths)
+    chunk = _chunk_padding(widths, ctx.sym)
+    if chunk is None:
+        ctx.refuse(
+            f"it pads the sequence axis (dim {d}) by [{shown}] positions, computed from the sequence length "
+            f"{ctx.sym} (on a shard the local length, 1/{ctx.world} of the global one); cp_passes reads a pad "
+            f"followed by a slice as a shift by a constant number of positions only",
+            "pad by a constant (a Python int, e.g. from the config: pad(x, (0, 0, k, 0))[:, :S] is a shift by "
+            "k), or build the shifted tensor outside the compiled module and pass it in",
+        )
+    kernel = kernel_call(ctx.node)
+    where = f"{kernel[0].split(':')[1]} (called at {kernel[1]})" if kernel else "the model"
+    ctx.refuse(
+        f"it pads the sequence axis (dim {d}) up to a multiple of {chunk} ([{shown}]): {where} cuts the sequence "
+        f"into chunks of {chunk} positions, as a chunked scan or recurrence does; on a shard it would chunk this "
+        f"rank's positions alone, and a state carried from chunk to chunk would not reach the next rank",
+        (f"declare the kernel so that it runs as one op whose state is handed from rank to rank: "
+         f"{_recurrence_declaration(kernel)} (README, 'Recurrent kernels')") if kernel else
+        (f"run the recurrence as one function the model calls and declare it in the spec "
+         "(CPSpec(recurrences=(Recurrence(\"package.module:function\", ...),)), README 'Recurrent kernels')"),
+    )
+
+
+def _chunk_padding(widths: list, sym) -> int | None:
+    """``m`` when ``widths`` pad the end of the sequence up to a multiple of ``m`` (``[0, (m - s % m) % m]``,
+    how chunked kernels make whole chunks), else None."""
+    if static_int(widths[0]) != 0 or not isinstance(widths[1], torch.fx.Node):
+        return None
+    expr = expr_of(meta_val(widths[1]))
+    moduli = sorted({int(a.args[1]) for a in expr.atoms(sympy.Function)
+                     if type(a).__name__ in ("Mod", "PythonMod") and a.args[1].is_Integer and int(a.args[1]) > 1})
+    for m in moduli:
+        if all(expr.subs(sym, n) == (-n) % m for n in range(1, 2 * m + 1)):
+            return m
+    return None
+
+
+def _recurrence_declaration(kernel: tuple) -> str:
+    """The spec line declaring ``kernel`` (:func:`kernel_call`) a recurrence, its state arguments named as its
+    signature names them."""
+    path, _, signature = kernel
+    params = list(signature.parameters.values()) if signature is not None else []
+    names = [p.name for p in params]
+    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                and p.annotation not in (int, float, bool, "int", "float", "bool")]
+    candidates = f"those of {', '.join(map(repr, required))} that" if required else "its arguments that"
+    extra = ""
+    state = next((n for n in names if "initial_state" in n), None)
+    final = next((n for n in names if "final_state" in n), None)
+    if state and state != "initial_state":
+        extra += f", initial_state={state!r}"
+    if final and final != "output_final_state":
+        extra += f", output_final_state={final!r}"
+    return (f"CPSpec(recurrences=(Recurrence({path!r}, sequence_args=(<{candidates} carry the sequence>), "
+            f"form=\"sequential\"{extra}),))")
 
 
 @register_rule(aten.tril, aten.triu, aten.diagonal, aten.diag_embed, aten.trace)
