@@ -39,6 +39,46 @@ def kimi_linear():
     return KimiLinearForCausalLM(config).float()
 
 
+def linear_hybrid(name):
+    """A tiny transformers model whose linear-attention or Mamba-2 layers run a chunked recurrence in torch."""
+    import transformers
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if name == "Qwen3Next":
+        config = transformers.Qwen3NextConfig(
+            **common, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"])
+    elif name == "Bamba":
+        config = transformers.BambaConfig(**common, mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+                                          mamba_d_state=16, mamba_chunk_size=16, attn_layer_indices=[1])
+    else:
+        config = getattr(transformers, f"{name}Config")(**common)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(config).float()
+
+
+@pytest.mark.parametrize("name,kernel,chunk", [
+    ("Qwen3Next", "qwen3_next.modeling_qwen3_next:torch_chunk_gated_delta_rule", 64),
+    pytest.param("OlmoHybrid", "olmo_hybrid.modeling_olmo_hybrid:torch_chunk_gated_delta_rule", 64,
+                 marks=pytest.mark.full),
+    pytest.param("Bamba", "bamba.modeling_bamba:mamba2_chunk_scan", 16, marks=pytest.mark.full),
+])
+def test_a_chunked_recurrence_without_a_spec_is_refused_naming_the_kernel(group, name, kernel, chunk):
+    """Without a spec, the torch fallback of a linear-attention or Mamba-2 layer pads the sequence up to whole
+    chunks by a width computed in the graph: that is refused naming the kernel and the Recurrence that declares
+    it, where cp_passes used to fail comparing the width (an FX node) to 0."""
+    compiled = cp_passes.cp_compile(linear_hybrid(name), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(input_ids=torch.randint(3, 128, (1, 64)))
+    first = info.value.problems[0]
+    assert first.op == "aten.pad.default" and f"up to a multiple of {chunk}" in first.reason, str(info.value)
+    assert f"Recurrence('transformers.models.{kernel}'" in first.fix, first.fix
+    assert "cp_passes bug" not in str(info.value)
+
+
 def test_a_model_that_fixes_the_sequence_length_is_refused_naming_the_line(group):
     """Kimi Delta Attention's torch fallback loops over 64-token chunks: the activations' length becomes the
     constant 64 while position_ids keep a symbol. This ran with no exchange at all and wrong logits."""
