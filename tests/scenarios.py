@@ -414,6 +414,48 @@ def mixer_parity(group, mix: str, seq_lens: list[int], layout: str | None = None
     return small_parity(group, Mixer(mix), cp_passes.CPSpec(layout=layout) if layout else None, seq_lens)
 
 
+def additive_mask_from_ids(input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Hugging Face 4.x's causal and padding masks (pad id 0), combined: ``[B, 1, S, S]``, 0 where a query
+    attends, finfo.min elsewhere."""
+    batch, length = input_ids.shape
+    low = torch.finfo(dtype).min
+    causal = torch.full((length, length), low)
+    position = torch.arange(causal.size(-1))
+    causal.masked_fill_(position < (position + 1).view(causal.size(-1), 1), 0)
+    causal = causal[None, None].expand(batch, 1, length, length)
+    inverted = 1.0 - (input_ids != 0)[:, None, None, :].expand(batch, 1, length, length).to(dtype)
+    return causal.masked_fill(inverted.to(torch.bool), low)
+
+
+class AdditiveIdsMask(torch.nn.Module):
+    """Two heads of attention under an additive mask computed from the token ids: added to hand-written scores,
+    or (``sdpa``) given to SDPA as the boolean ``mask == 0`` its refusal asks for."""
+
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.sdpa = sdpa
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        batch, length, _ = x.shape
+        mask = additive_mask_from_ids(input_ids, x.dtype)
+        q = x.view(batch, length, 2, 4).transpose(1, 2)
+        k, v = q * 0.5, q + 1
+        if self.sdpa:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask == 0)
+        else:
+            o = (q @ k.transpose(-2, -1) / 2 + mask).softmax(-1) @ v
+        out = self.proj(o.transpose(1, 2).reshape(batch, length, 8))
+        return out.pow(2).sum(), out
+
+
+def ids_mask_parity(group, sdpa: bool, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, AdditiveIdsMask(sdpa), None, seq_lens)
+
+
 class PrefixLM(torch.nn.Module):
     """Attention written by hand with a prefix-LM mask: prompt tokens (doc id 1) see each other both ways,
     the rest causally. For one document it is causal, so cp_passes brings the causal prefix and checks the

@@ -356,6 +356,26 @@ def _mixer_parity(pool, parity_report, mix, layout):
                  parity_report)
 
 
+@pytest.mark.parametrize("sdpa", [False, pytest.param(True, marks=pytest.mark.full)])
+def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
+    """Hugging Face 4.x's float padding-and-causal mask, computed in the model from input_ids (pad id 0, at
+    random places in mixer batches), added to hand-written scores; and as SDPA's boolean mask == 0."""
+    from scenarios import AdditiveIdsMask
+
+    seq_lens = [16, 12]
+    per_rank = pool.run("ids_mask_parity", 2, sdpa=sdpa, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        torch.manual_seed(0)
+        model = AdditiveIdsMask(sdpa)
+        batch = mixer_batch(seq_len)
+        assert bool((batch["input_ids"] == 0).any())
+        loss, out = model(**batch)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        _compare(f"ids-mask-{'sdpa' if sdpa else 'scores'}-aot_eager", [r[i] for r in per_rank], loss.detach(),
+                 out.detach(), grads, seq_len, parity_report)
+
+
 @pytest.mark.parametrize("kind", ["contiguous", "balanced"])
 def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
     """The sequence's first positions hold the minimum 0, the next ones a larger one: later ranges carry the

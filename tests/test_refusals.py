@@ -568,3 +568,54 @@ def test_a_chunked_scan_is_refused_at_its_padding_naming_the_kernel_to_declare(g
     assert ":chunk_scan', sequence_args=(<those of 'x' that carry the sequence>)" in first.fix, first.fix
     assert "cp_passes bug" not in str(err)
 
+
+
+class IdsMaskAttention(nn.Module):
+    """SDPA under a mask the model computes from its token ids."""
+
+    def __init__(self, mask):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.proj = nn.Linear(8, 8)
+        self.mask = mask
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        q = x[:, None]
+        return self.proj(F.scaled_dot_product_attention(q, q * 0.5, q + 1, attn_mask=self.mask(input_ids))[:, 0])
+
+
+def _padding_only(ids):
+    return (1.0 - (ids != 0)[:, None, None, :].float()) * torch.finfo(torch.float32).min
+
+
+def _padding_and_causal(ids):
+    from scenarios import additive_mask_from_ids
+
+    return additive_mask_from_ids(ids, torch.float32)
+
+
+def _padding_times_causal(ids):
+    length = ids.shape[1]
+    keep = (ids != 0).float()[:, None, None, :] * torch.ones(length, length).tril()
+    return (1.0 - keep) * -10000.0
+
+
+@pytest.mark.parametrize("mask", [_padding_only, _padding_and_causal, _padding_times_causal])
+def test_an_additive_mask_from_token_ids_given_to_sdpa_is_refused_naming_the_boolean_form(group, mask):
+    """A float mask computed from the token ids (Hugging Face 4.x's padding and causal masks) cannot be
+    rebuilt per rank as it is; the refusal names what it reads and the boolean mask that can (which compiles,
+    for the causal ones)."""
+    compiled = cp_passes.cp_compile(IdsMaskAttention(mask), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    first = info.value.problems[0]
+    assert first.op == "aten.scaled_dot_product_attention.default", str(info.value)
+    built = "additive_mask_from_ids" if mask is _padding_and_causal else mask.__name__
+    assert "additive and computed from 'input_ids'" in first.reason and f" in {built})" in first.reason, first.reason
+    assert "attn_mask=(additive_mask == 0)" in first.fix, first.fix
+    if mask is _padding_only:
+        return  # bidirectional: the boolean form is refused by the causal envelope's run-time check
+    fixed = cp_passes.cp_compile(IdsMaskAttention(lambda ids: mask(ids) == 0), mesh=group, backend="aot_eager",
+                                 verbose=False)
+    assert fixed(torch.randint(0, 32, (2, 8))).shape == (2, 8, 8)

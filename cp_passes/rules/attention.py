@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import module_path
-from ..graph.analysis import meta_val, seq_multiple
+from ..errors import module_path, source_line
+from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..transports.attention import AttentionKV, evaluated_locally
 from ..transports.masks import band
@@ -140,7 +140,17 @@ def sdpa_rule(ctx: RuleContext):
         # The envelope (causal, or the declared window) plans the transport; the model's own mask, evaluated
         # from gathered metadata, is checked against it at run time.
         if meta_val(mask).dtype != torch.bool:
-            ctx.refuse("its mask reads data and is not boolean", "build a boolean mask (True = attend)")
+            read = ", ".join(f"'{leaf.meta.get(INPUT_NAME, leaf.name)}'" for leaf in metadata.tensor_leaves)
+            ctx.refuse(
+                f"its mask ({meta_val(mask).dtype}, built at {source_line(mask, code=False)}) is "
+                f"additive and computed from {read}; cp_passes rebuilds a mask that reads data over the whole "
+                f"sequence only as a boolean (which keys each query sees), and an additive one may hold any bias",
+                "pass scaled_dot_product_attention a boolean mask (True = attend): for a causal additive mask of 0 "
+                "and finfo.min (Hugging Face's padding and causal masks), attn_mask=(additive_mask == 0), or build "
+                "it as (input_ids != pad_token_id)[:, None, None, :] & causal. A mask that reads data is served "
+                "inside the causal envelope (each query is brought the keys before it): a padding-only mask "
+                "that lets queries see later keys (an encoder's) is not, and fails its run-time check",
+            )
         window, causal = (declared.window if declared else document_window(ctx, metadata)), True
     elif isinstance(found_mask, PositionMask):
         global_len = ctx.layout.global_len(ctx.local_len())
