@@ -619,3 +619,13 @@ def test_an_additive_mask_from_token_ids_given_to_sdpa_is_refused_naming_the_boo
     fixed = cp_passes.cp_compile(IdsMaskAttention(lambda ids: mask(ids) == 0), mesh=group, backend="aot_eager",
                                  verbose=False)
     assert fixed(torch.randint(0, 32, (2, 8))).shape == (2, 8, 8)
+
+
+@pytest.mark.parametrize("mix,line", [
+    (lambda x: x + F.pad(x, (0, 0, 1, 0), value=float(x.shape[1]))[:, :x.shape[1]], "value=float(x.shape[1])"),
+    (lambda x: x * x.shape[1] ** -0.5, "x * x.shape[1] ** -0.5"),
+])
+def test_a_float_computed_from_the_length_is_refused(group, mix, line):
+    """The re-trace to ATen baked float(S) in as the local length's (a pad fill of 24.0 for a global 48)."""
+    message = str(refusal(group, mix))
+    assert "computes a float from the sequence length at tests/test_refusals.py" in message and line in message

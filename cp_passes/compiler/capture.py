@@ -90,6 +90,18 @@ def _refuse_custom_backwards(gm: torch.fx.GraphModule) -> None:
                 f"it with cp_passes.positionwise(op) if it is position-wise")
 
 
+def _refuse_float_lengths(gm: torch.fx.GraphModule, shape_env, sym) -> None:
+    """A float computed from the length (``float(S)``, ``S ** -0.5``) is a value, never a size, and the re-trace
+    to ATen bakes it in as the local length's (a pad's fill of ``float(S)`` became the constant 24.0)."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("example_value")
+        if isinstance(val, torch.SymFloat) and sym in shape_env.replace(val.node.expr).free_symbols:
+            raise CPCompileError(
+                f"the model computes a float from the sequence length at {source_line(node)}: under CP each rank's "
+                f"length is 1/P of the global one, so the value would be the local length's. Fix: pass the global "
+                f"length (or the float) in as an input, or derive it outside the compiled module")
+
+
 def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local_len: int, multiple: int = 1):
     """Re-trace dynamo's graph to pre-dispatch ATen (stack traces and module paths kept) after proving that
     every sharded input carries one symbolic sequence length, a multiple of ``multiple`` (the spec's
@@ -119,6 +131,7 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local
         if multiple % divisor == 0:
             torch._check(sizes[0] % divisor == 0)
     sym = shape_env.replace(sizes[0].node.expr)
+    _refuse_float_lengths(gm, shape_env, sym)
     retracer = _Retracer(gm, shape_env, sym if sym.is_Symbol else None)
     with fx_traceback.preserve_node_meta():
         aten_gm = make_fx(retracer.run, pre_dispatch=True, tracing_mode="fake")(*[meta_val(n) for n in placeholders])
