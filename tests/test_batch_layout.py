@@ -139,8 +139,8 @@ class Attention(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, vocab)
 
     def _attend(self, q, k, v):
-        if self.kind in ("full", "causal"):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=self.kind == "causal")
+        if self.kind == "full" or self.kind.startswith("causal"):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=self.kind != "full")
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         if self.kind == "hand_causal":
             pos = torch.arange(q.shape[-2], device=q.device)
@@ -152,6 +152,13 @@ class Attention(nn.Module):
         h = self._attend(q, k, v).squeeze(1)
         if self.kind == "mean_mse":
             return F.mse_loss(h.sum(-1), labels.float())
+        if self.kind == "causal_next_row":  # each position also reads the next one (0 past the end)
+            h = h + F.pad(h, (0, 0, 0, 1))[:, 1:]
+        if self.kind == "causal_sum_of_squares":
+            return self.out(h).pow(2).sum()
+        if self.kind == "causal_shifted_labels":  # the label shift inside the model, a summed loss
+            labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
+            return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
         return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
 
 
@@ -168,6 +175,8 @@ def run(group, kind: str, seq_len: int, spec: CPSpec | None = None, **extra):
     ("full", "aten.scaled_dot_product_attention.default at "),
     ("hand_full", "aten.matmul.default at "),
     ("mean_mse", "aten.mse_loss.default at "),
+    ("causal_next_row", "a shift that reads 1 row(s) later: the last real rows read the padding"),
+    ("causal_sum_of_squares", "a sum over the sequence returned as this rank's share: it adds the padded rows"),
 ])
 def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
     with pytest.raises(CPCompileError) as info:
@@ -181,9 +190,11 @@ def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
 
 
 @pytest.mark.parametrize("kind, spec", [("causal", None), ("hand_causal", None),
-                                        ("hand_causal", CPSpec(attention_keys="all"))])
+                                        ("hand_causal", CPSpec(attention_keys="all")), ("causal_shifted_labels", None)])
 def test_end_padding_under_causal_attention_is_accepted(group, kind, spec):
-    """Hand-written causal attention that brings every key (as the spec asks) still reads no later key."""
+    """Hand-written causal attention that brings every key (as the spec asks) still reads no later key; labels
+    shifted in the model read the padded labels, ignore_index like the shift's fill, and a summed loss that
+    ignores them adds nothing for the padded rows."""
     run(group, kind, 120, spec)
 
 

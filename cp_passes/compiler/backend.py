@@ -64,7 +64,7 @@ class CPBackend:
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
-            readers = pad_readers(plan)
+            readers = pad_readers(plan, owner.spec)
             owner._refuse_padding(readers)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
             self._announce(record, plan, aten_gm)

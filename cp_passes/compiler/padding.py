@@ -1,34 +1,81 @@
 """Which planned rewrites let a real position read the padding :func:`cp_passes.shard_batch` adds at the end.
 
-Causal attention, causal windows and convolutions, scans and recurrences read earlier positions only, and a
-loss that ignores ``ignore_index`` never counts the padded labels: none of them sees end padding. These do:
-attention with no mask and not causal (every query reads the padded keys), hand-written attention whose
-masks do not show it causal (:attr:`~cp_passes.transports.keys.KeyOperand.reads_later`) with no mask from
-the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads
-with 0 and -1), and a mean over the sequence that ignores nothing (it counts the padded rows).
+Causal attention, causal windows and convolutions, scans, recurrences and shifts that read earlier rows read
+earlier positions only, and a loss that ignores ``ignore_index`` never counts the padded labels: none of them
+sees end padding. These do: attention with no mask and not causal (every query reads the padded keys),
+hand-written attention whose masks do not show it causal (:attr:`~cp_passes.transports.keys.KeyOperand.reads_later`)
+with no mask from the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads with 0 and -1), a
+shift that reads later rows (the last real rows read the padding in place of the shift's fill) unless it reads
+an input shard_batch pads with that fill (labels shifted with ``ignore_index``), a mean over the sequence that
+ignores nothing, and a sum over the sequence returned as this rank's share (it adds the padded rows) unless it
+is a loss that ignores the padded labels.
 """
 
 from __future__ import annotations
 
+import torch
+
 from ..data.marks import Mark
 from ..errors import CPCompileError, op_name, source_line
+from ..graph.analysis import INPUT_NAME, bind_args, meta_val
+from ..spec import CPSpec
 from ..transports.keys import KeyMask, KeyOperand
 from ..transports.reductions import GlobalMean
+from ..transports.shift import Shift
 from .planner import Plan
 
+aten = torch.ops.aten
 
-def pad_readers(plan: Plan) -> list[str]:
+_COPIES = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten.clone.default,
+           aten.contiguous.default, aten.alias.default, aten.detach.default}
+_IGNORING_LOSSES = (aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d)
+
+
+def _end_fill(node: torch.fx.Node, spec: CPSpec):
+    """What shard_batch pads the input ``node`` reads (through copies) with; None if not an input or unknown."""
+    while node.target in _COPIES:
+        node = node.args[0]
+    name = node.meta.get(INPUT_NAME) if node.op == "placeholder" else None
+    if name is None:
+        return None
+    if name in spec.label_keys or name == spec.packed_labels[1]:
+        return spec.ignore_index
+    if name in spec.token_keys:
+        return spec.pad_token_id
+    if name == spec.doc_key:
+        return -1
+    if name in spec.position_keys:
+        return None
+    val = meta_val(node)
+    return 0 if val.dtype == torch.bool or val.is_floating_point() else None
+
+
+def _ignores_padding(origin: torch.fx.Node, spec: CPSpec) -> bool:
+    """A summed loss that gives the padded labels (``spec.ignore_index``) nothing."""
+    if getattr(origin.target, "overloadpacket", None) not in _IGNORING_LOSSES:
+        return False
+    return bind_args(origin).get("ignore_index", -100) == spec.ignore_index
+
+
+def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
     """One line per rewrite of ``plan`` whose op lets a real position read end padding."""
     data_masks = any(isinstance(rw.request, KeyMask) and rw.request.mask.tensor_leaves for _, rw, _ in plan.rewrites)
     found = []
-    for node, rw, _ in plan.rewrites:
+    reads = [(node, rw.rule, rw.request) for node, rw, _ in plan.rewrites]
+    reads += [(origin, "partial_sum", None) for origin in plan.partial_origins]
+    for node, rule, request in reads:
         what = None
-        if rw.rule == "sdpa_full":
+        if rule == "partial_sum" and not _ignores_padding(node, spec):
+            what = "a sum over the sequence returned as this rank's share: it adds the padded rows"
+        elif isinstance(request, Shift) and request.offset > 0 and _end_fill(request.source, spec) != request.fill:
+            what = (f"a shift that reads {request.offset} row(s) later: the last real rows read the padding in "
+                    f"place of the fill {request.fill}")
+        elif rule == "sdpa_full":
             what = "attention with no mask and is_causal=False: every query reads every key"
-        elif isinstance(rw.request, KeyOperand) and rw.request.reads_later and not data_masks:
+        elif isinstance(request, KeyOperand) and request.reads_later and not data_masks:
             what = ("attention written by hand that lets a query read later keys, with no mask from attention_mask "
                     "or doc_ids")
-        elif isinstance(rw.request, GlobalMean) and rw.request.ignore_index is None:
+        elif isinstance(request, GlobalMean) and request.ignore_index is None:
             what = "a mean over the sequence that ignores no target: it counts the padded rows"
         if what is not None:
             line = f"{op_name(node)} at {source_line(node)}: {what}"

@@ -55,6 +55,8 @@ class Plan:
     rewrites: list[tuple[torch.fx.Node, Rewrite, RewriteRecord]] = field(default_factory=list)
     """Each planned rewrite with its row in ``records``."""
     partial_outputs: list[int] = field(default_factory=list)
+    partial_origins: list[torch.fx.Node] = field(default_factory=list)
+    """For each of ``partial_outputs``, the op that made the sum."""
     records: list[RewriteRecord] = field(default_factory=list)
     claimed: frozenset = frozenset()
     """The nodes the matchers claimed: no transport rewires their inputs."""
@@ -257,6 +259,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     for i, value in enumerate(flat):
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
             plan.partial_outputs.append(i)
+            plan.partial_origins.append(origins[value])
             share = Cost(collective="none (caller sums over ranks)")
             plan.records.append(RewriteRecord.of(
                 origins[value], "partial_sum", "none", share,
