@@ -231,3 +231,14 @@ def test_an_encoder_is_refused_padding_unless_an_attention_mask_hides_it(group):
     masked, _ = cp_passes.shard_batch({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)},
                                       group)
     compiled(**masked)
+
+
+def test_a_copy_known_by_content_speaks_only_for_a_whole_batch():
+    """A doc-id map of zeros cut for the balanced layout has the contents of any other zeros: beside unmarked
+    tokens it says nothing about the batch (a contiguous module takes the hand-cut batch), and a hand-cut
+    balanced batch is still refused for its tokens."""
+    zeros = torch.zeros(2, 64, dtype=torch.long)
+    shard_for_rank({"input_ids": torch.randint(0, 100, (2, 128)), "doc_ids": zeros.repeat(1, 2)}, 1, 2)
+    hand = {"input_ids": torch.randint(0, 100, (2, 64)), "doc_ids": zeros.clone()}
+    assert verdict(hand, 1, kind=CONTIGUOUS).refusal is None
+    assert verdict(hand, 1).refusal.startswith("cp_passes cannot tell which positions this batch holds")

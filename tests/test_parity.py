@@ -336,16 +336,19 @@ def test_hand_written_attention_parity(pool, parity_report, mix):
     _mixer_parity(pool, parity_report, mix, None)
 
 
-def test_a_prompt_unmasked_by_a_later_addition_parity(pool, parity_report):
+@pytest.mark.parametrize("P,layout", [(2, "contiguous"), pytest.param(2, "balanced", marks=pytest.mark.full),
+                                      pytest.param(4, "contiguous", marks=pytest.mark.full),
+                                      pytest.param(4, "balanced", marks=pytest.mark.full)])
+def test_a_prompt_unmasked_by_a_later_addition_parity(pool, parity_report, P, layout):
     """Causal ``finfo.min`` plus ``finfo.max`` on the prompt's later keys: the masks hide only what they hide
     together, so every key comes (contiguous: rank 0's prompt queries read rank 1's keys). The cut dropped them,
     and its check evaluated one of the two masks in place of the other."""
-    _mixer_parity(pool, parity_report, "prompt_unmasked_by_addition", "contiguous")
+    _mixer_parity(pool, parity_report, "prompt_unmasked_by_addition", layout, P)
 
 
-def _mixer_parity(pool, parity_report, mix, layout):
-    seq_lens = [16, 12]
-    per_rank = pool.run("mixer_parity", 2, mix=mix, seq_lens=seq_lens, layout=layout)
+def _mixer_parity(pool, parity_report, mix, layout, P=2):
+    seq_lens = [16, 12] if P == 2 else [16, 24]  # multiples of 2P: the summed loss would count padded rows
+    per_rank = pool.run("mixer_parity", P, mix=mix, seq_lens=seq_lens, layout=layout)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         model = Mixer(mix)

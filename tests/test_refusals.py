@@ -569,7 +569,6 @@ def test_a_chunked_scan_is_refused_at_its_padding_naming_the_kernel_to_declare(g
     assert "cp_passes bug" not in str(err)
 
 
-
 class IdsMaskAttention(nn.Module):
     """SDPA under a mask the model computes from its token ids."""
 

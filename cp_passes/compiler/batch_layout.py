@@ -60,7 +60,11 @@ def read_batch(spec: CPSpec, cp: CPGroup, leaves: list[tuple[str | None, torch.T
         return BatchLayout()
     cut = next((c for c in map(marked, (t for _, t in sharded)) if c is not None), None)
     if cut is None:
-        cut = next((c for c in map(mark_of, (t for _, t in sharded)) if c is not None), None)
+        # Copies are known by content only, and content can coincide (a doc-id map of zeros looks the same
+        # under any layout): they establish a cut when every sequence input is a copy of one cut that way.
+        copies = [mark_of(t) for _, t in sharded]
+        if all(c is not None and c.kind == copies[0].kind for c in copies):
+            cut = copies[0]
     if cut is not None:
         if cut.kind != cp.kind:
             name = next(name for name, t in sharded)
