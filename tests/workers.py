@@ -2,7 +2,7 @@
 
 Spawning a rank costs ~13 s on 2 cores, so one pool of 4 ranks serves the whole session: a task for
 P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (size-1 and size-2
-subgroups are made once at start-up). Tasks are functions in ``scenarios.py``; results come back
+subgroups are made once at start-up). Tasks are functions in ``scenarios.py`` (or ``module:function``); results come back
 per rank, and a failure on any rank re-raises here with that rank's traceback.
 """
 
@@ -40,8 +40,6 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     import torch
     import torch.distributed as dist
 
-    import scenarios
-
     torch.set_num_threads(1)
     raise_recompile_limits()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
@@ -55,10 +53,20 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
             break
         name, size, kwargs = task
         try:
-            results.put((rank, True, getattr(scenarios, name)(groups[size], **kwargs)))
+            results.put((rank, True, _task(name)(groups[size], **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _task(name: str):
+    """``scenarios.<name>``, or ``<module>:<function>`` for a task a test module keeps next to it."""
+    import importlib
+
+    import scenarios
+
+    module, _, function = name.rpartition(":")
+    return getattr(importlib.import_module(module) if module else scenarios, function)
 
 
 class WorkerPool:

@@ -17,7 +17,7 @@ import torch.fx
 from ..errors import CPCompileError, Problem, module_path, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
-from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule
+from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum
@@ -220,6 +220,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     refused: set[torch.fx.Node] = set()
     values: dict[torch.fx.Node, Value] = {}
     origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
+    orders: dict = {}  # rows a sort reordered, its indices and counts -> their Order
     matches = match_graph(gm, sym, spec.pad_multiple)
     keys = KeyPlan()
     plan.claimed = frozenset(matches.claimed)
@@ -229,7 +230,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in matches.claimed:
             continue
-        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.layout, length, matches, values)
+        ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.layout, length, matches, values, orders)
         try:
             rewrites = plan_keys(ctx, keys)
             decision = _plan_node(ctx, origins)
@@ -252,9 +253,14 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
             plan.rewrites.append((origin, rw, plan.records[-1]))
     problems.extend(_check_block_uses(gm, sym, refused | matches.claimed, matches.blocks.keys))
+    (output,) = gm.graph.find_nodes(op="output")
+    problems.extend(Problem.at(n, f"the compiled module returns '{n.name}', which holds this rank's rows in the "
+                                  f"order of {op_name(orders[n][0].sort if isinstance(orders[n], tuple) else orders[n].sort)} "
+                                  f"(or its indices or counts): each rank orders only its own rows",
+                               permutations.UNDO_FIX)
+                    for n in permutations.returned(output, orders))
     if problems:
         raise CPCompileError(problems)
-    (output,) = gm.graph.find_nodes(op="output")
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
@@ -299,6 +305,7 @@ def _plan_node(ctx: RuleContext, origins: dict):
     seq_in = any(ctx.is_seq(t) for t in tensors)
     partial_in = [t for t in tensors if ctx.is_partial(t)]
     if not isinstance(node.target, torch._ops.OpOverload):
+        permutations.getitem(node, ctx.orders)
         if node.target.__module__ == "_operator" or getattr(node.target, "__name__", "").startswith("sym_"):
             if partial_in or seq_in:
                 ctx.refuse("Python arithmetic on a sharded tensor", "use torch ops inside the model")
@@ -314,13 +321,14 @@ def _plan_node(ctx: RuleContext, origins: dict):
         _check_length_values(ctx)
     if node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node)):
         _check_mutation(ctx)
-    if partial_in:
+    reordered = permutations.involved(ctx)
+    if partial_in and not reordered:
         return _partial_rule(ctx, origins[partial_in[0]])
-    if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS:
+    if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS and not reordered:
         if node.target.overloadpacket is not aten.arange:
             _check_length_positions(ctx)
         return None  # nothing about the sequence here
-    rule = lookup_rule(node.target)
+    rule = permutations.plan if reordered else lookup_rule(node.target)
     if rule is None:
         dims = {t.name: ctx.seq_dims(t) for t in tensors if ctx.is_seq(t)}
         ctx.refuse(

@@ -13,8 +13,8 @@ find multi-node patterns first; transports (:mod:`cp_passes.transports`) edit th
 Importing this package registers the built-in rules: one module per op family.
 """
 
-from . import (attention, contractions, conv, eager, pointwise, positions, recurrence, reductions,  # noqa: F401
-               splice, views)
+from . import (attention, contractions, conv, eager, permutations, pointwise, positions, recurrence,  # noqa: F401
+               reductions, splice, views)
 from .registry import (NO_RULE_FIX, Refusal, Rewrite, RuleContext, Value, lookup_rule, positionwise,
                        positionwise_rule, register_rule)
 from .views import LAYOUT_OPS

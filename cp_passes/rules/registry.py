@@ -136,6 +136,9 @@ class RuleContext:
     """What the matchers found (:class:`cp_passes.match.Matches`)."""
     values: dict = field(default_factory=dict)
     """The planner's values so far: node -> :class:`Value` where it is not read from the shape."""
+    orders: dict = field(default_factory=dict)
+    """Values holding the rank's rows in a sort's order, its indices or counts -> their
+    :class:`~cp_passes.rules.permutations.Order` (a tuple of them for a sort's outputs)."""
     args: dict = field(default_factory=dict)
     brought: set = field(default_factory=set)
     """Inputs the planner brings whole along the key axis of a ``[q, k]`` block: not sharded here."""

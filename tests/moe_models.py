@@ -1,0 +1,98 @@
+"""Mixture-of-experts models as transformers ships them (the default experts implementation, grouped_mm, on
+its CPU fallback here), and the parity task the worker pool runs for them (``pool.run("moe_models:parity",
+...)``)."""
+
+from __future__ import annotations
+
+import torch
+
+import cp_passes
+from cp_passes.data.checks import check_batch
+from cp_passes.data.packing import pack
+
+from scenarios import _grads, packed_batch, packed_model_inputs, toy_batch
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, use_cache=False, pad_token_id=0, eos_token_id=None,
+            bos_token_id=None)
+
+
+def olmoe(aux: bool):
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    return OlmoeForCausalLM(OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, output_router_logits=aux,
+                                        router_aux_loss_coef=0.1))
+
+
+def mixtral(aux: bool):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    return MixtralForCausalLM(MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2,
+                                            output_router_logits=aux, router_aux_loss_coef=0.1))
+
+
+def gpt_oss(aux: bool):
+    """Biases inside the experts (added in place after each grouped matmul), attention sinks, sliding-window
+    layers (a window of 4) alternating with full ones."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(**TINY, num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=4,
+                          output_router_logits=aux, router_aux_loss_coef=0.1)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():  # transformers initialises the sinks and expert biases to zero: they would test nothing
+        for name, p in model.named_parameters():
+            if name.endswith(("sinks", "_bias")):
+                p.normal_(0, 0.5)
+    return model
+
+
+FAMILIES = {"olmoe": olmoe, "mixtral": mixtral, "gpt_oss": gpt_oss}
+
+
+def build(family: str, aux: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    model = FAMILIES[family](aux).float()
+    assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
+    return model
+
+
+def batch(seq_len: int, documents: list[list[int]] | None = None) -> dict:
+    """``labels=input_ids`` (the model shifts them), or packed rows of ``documents`` (lengths per row) with
+    positions restarting at each document and labels shifted inside each."""
+    if documents:
+        layout = [[(n, n) for n in row] for row in documents]
+        return packed_batch(sum(documents[0]), layout, 128)
+    b = toy_batch(seq_len, 2, vocab=128, seed=2)
+    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "labels": b["input_ids"].clone()}
+
+
+def _inputs(global_or_local: dict, packed: bool) -> dict:
+    return packed_model_inputs(global_or_local, hf=True) if packed else global_or_local
+
+
+def parity(group, family: str, seq_lens: list[int], aux: bool = False, documents: list | None = None) -> list[dict]:
+    """The model compiled with the default spec, one forward/backward per length (or one packed batch)."""
+    model = build(family, aux)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(batch(seq_len, documents), group)
+        model.zero_grad()
+        out = compiled(**_inputs(local, bool(documents)))
+        out.loss.backward()
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+                        "aux_loss": out.aux_loss.detach() if aux else None, "valid": layout.valid,
+                        "positions": layout.positions,
+                        "records": [(r.rule, r.transport, r.bytes, r.source) for r in compiled.compile_records[-1].records]})
+    return results
+
+
+def reference(family: str, seq_len: int, aux: bool = False, documents: list | None = None):
+    """One device: the output, the gradients and which positions are real (all, or the packed documents')."""
+    model = build(family, aux)
+    b = batch(seq_len, documents)
+    if documents:
+        b = pack(check_batch(b, cp_passes.CPSpec(), ()))
+    out = model(**_inputs(b, bool(documents)))
+    out.loss.backward()
+    return out, _grads(model), b["valid"] if documents else torch.ones(2, seq_len, dtype=torch.bool)
