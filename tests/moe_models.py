@@ -96,3 +96,71 @@ def reference(family: str, seq_len: int, aux: bool = False, documents: list | No
     out = model(**_inputs(b, bool(documents)))
     out.loss.backward()
     return out, _grads(model), b["valid"] if documents else torch.ones(2, seq_len, dtype=torch.bool)
+
+
+class HandMoE(torch.nn.Module):
+    """Token embeddings, a top-2 router over 4 experts and experts written by hand in one of the ways models
+    dispatch tokens (``variant``), then a projection to the vocabulary."""
+
+    VARIANTS = ("argsort_index_add", "sort_index_put", "argsort_of_perm", "index_select_scatter_back",
+                "fallback_grouped_mm")
+
+    def __init__(self, variant: str, experts: int = 4, k: int = 2, dim: int = 16):
+        super().__init__()
+        self.variant, self.k = variant, k
+        self.embed = torch.nn.Embedding(64, dim)
+        self.router = torch.nn.Linear(dim, experts)
+        self.w = torch.nn.Parameter(torch.randn(experts, dim, dim) / dim ** 0.5)
+        self.out = torch.nn.Linear(dim, 64)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        b, s, d = h.shape
+        x = h.reshape(-1, d)
+        weights, ids = self.router(x).softmax(-1).topk(self.k, -1)
+        return self.out(h + self.dispatch(x, ids.reshape(-1), weights.reshape(-1)).view(b, s, d))
+
+    def dispatch(self, x, ids, weights):
+        k, variant = self.k, self.variant
+        if variant == "argsort_index_add":  # Mixtral-style put back: sum each token's k rows by index_add
+            perm = ids.argsort(stable=True)
+            rows = torch.bmm(x[perm // k].unsqueeze(1), self.w[ids[perm]]).squeeze(1) * weights[perm, None]
+            return torch.zeros_like(x).index_add_(0, perm // k, rows)
+        if variant == "sort_index_put":  # values and indices of one sort; rows written back through the indices
+            keys, perm = torch.sort(ids)
+            rows = torch.bmm(x.repeat_interleave(k, 0)[perm].unsqueeze(1), self.w[keys]).squeeze(1)
+            back = torch.zeros(x.shape[0] * k, x.shape[1])
+            back[perm] = rows * weights[perm, None]
+            return back.view(-1, k, x.shape[1]).sum(1)
+        if variant == "argsort_of_perm":  # the inverse as argsort(perm), read back by gathering
+            perm = torch.argsort(ids)
+            rows = torch.bmm(x[perm // k].unsqueeze(1), self.w[ids[perm]]).squeeze(1) * weights[perm, None]
+            return rows[perm.argsort()].view(-1, k, x.shape[1]).sum(1)
+        if variant == "index_select_scatter_back":
+            perm = ids.sort(descending=True).indices
+            rows = torch.bmm(x.index_select(0, perm // k).unsqueeze(1), self.w.index_select(0, ids[perm]))
+            rows = rows.squeeze(1) * weights.index_select(0, perm).unsqueeze(-1)
+            return torch.zeros_like(x).index_add(0, perm // k, rows)
+        keys, perm = torch.sort(ids)  # transformers' own steps: histc counts, offsets, its grouped matmul
+        counts = torch.histc(keys.float(), bins=self.w.shape[0], min=0, max=self.w.shape[0] - 1)
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        rows = torch.ops.transformers.grouped_mm_fallback(x[perm // k], self.w, offs=offsets) * weights[perm, None]
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.numel())
+        return rows[inverse].view(-1, k, x.shape[1]).sum(1)
+
+
+def hand_moe_parity(group, seq_len: int) -> dict:
+    """Every :class:`HandMoE` variant compiled and run on one batch; this rank's results per variant."""
+    import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+    results = {}
+    for variant in HandMoE.VARIANTS:
+        torch.manual_seed(0)
+        model = HandMoE(variant)
+        compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+        local, layout = cp_passes.shard_batch({"input_ids": toy_batch(seq_len, 2, vocab=64)["input_ids"]}, group)
+        out = compiled(local["input_ids"])
+        (out.square() * layout.valid[..., None]).sum().backward()  # the padding's rows are no one's loss
+        results[variant] = {"logits": out.detach(), "grads": _grads(model), "positions": layout.positions}
+    return results

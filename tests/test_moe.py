@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from moe_models import reference
-from scenarios import in_global_order
+from moe_models import HandMoE, reference
+from scenarios import in_global_order, toy_batch
 from test_parity import GRAD_RTOL, OUT_TOL
 
 
@@ -46,3 +46,89 @@ def test_grouped_mm_moe_matches_one_device(pool, parity_report, family, P, seq_l
         _compare(f"hf-{family}-grouped_mm-labels=", family, [r[i] for r in per_rank], seq_len, parity_report)
     moved = [(rule, source) for rule, _, _, source in per_rank[0][0]["records"] if "integrations/moe.py" in source]
     assert not moved, moved  # the experts move nothing between ranks
+
+
+def test_hand_written_dispatch_matches_one_device(pool):
+    """argsort / sort, gathers by perm // k or index_select, put back by index_add, index_put, the inverse as
+    argsort(perm) or inv[perm] = arange(n), experts as per-row weights or transformers' grouped matmul."""
+    import transformers.integrations.moe  # noqa: F401
+
+    seq_len = 13
+    per_rank = pool.run("moe_models:hand_moe_parity", 2, seq_len=seq_len)
+    ids = toy_batch(seq_len, 2, vocab=64)["input_ids"]
+    for variant in HandMoE.VARIANTS:
+        torch.manual_seed(0)
+        model = HandMoE(variant)
+        ref = model(ids)
+        ref.square().sum().backward()
+        ranks = [r[variant] for r in per_rank]
+        out = in_global_order(ranks, "logits")[:, :seq_len]
+        assert (out - ref).abs().max().item() <= OUT_TOL, variant
+        for name, p in model.named_parameters():
+            total = sum(r["grads"][name] for r in ranks)
+            assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, (variant, name)
+
+
+@pytest.fixture(scope="module")
+def group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    return dist.group.WORLD
+
+
+def _sorted(x, ids):
+    keys, perm = ids.sort()
+    return keys, perm, x.repeat_interleave(2, 0)[perm]
+
+
+def _counts(keys):
+    return torch.histc(keys.float(), bins=4, min=0, max=3)
+
+
+BROKEN = {
+    "rows_meet_sequence_order": (lambda x, ids: x.repeat_interleave(2, 0) + _sorted(x, ids)[2],
+                                 "aten.add.Tensor", "rows in sequence order"),
+    "reordered_rows_returned": (lambda x, ids: _sorted(x, ids)[2], "returns", "each rank orders only its own rows"),
+    "counts_read_as_numbers": (lambda x, ids: x * _counts(_sorted(x, ids)[0]).max(), "aten.max.default",
+                               "per-group counts of this rank's rows"),
+    "running_sum_over_reordered_rows": (lambda x, ids: _sorted(x, ids)[2].cumsum(0), "aten.cumsum.default",
+                                        "the running value would cross"),
+    "per_expert_sums": (lambda x, ids: torch.zeros(4, x.shape[1]).index_add(0, _sorted(x, ids)[0], _sorted(x, ids)[2]),
+                        "aten.index_add.default", "not a sort's indices"),
+    "groups_of_another_sort": (
+        lambda x, ids: torch.ops.transformers.grouped_mm_fallback(
+            _sorted(x, ids)[2], torch.ones(4, x.shape[1], x.shape[1]),
+            offs=_counts(_sorted(x, 3 - ids)[0]).cumsum(0, dtype=torch.int32)),
+        "transformers.grouped_mm_fallback", "not the counts of the sort that ordered its rows"),
+    "back_by_another_sorts_inverse": (lambda x, ids: _sorted(x, ids)[2][ids.argsort().argsort()],
+                                      "aten.index.Tensor", "other than by the sort's inverse"),
+}
+
+
+class Dispatch(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.embed, self.router, self.fn = torch.nn.Embedding(32, 8), torch.nn.Linear(8, 4), fn
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids).flatten(0, 1)
+        return self.fn(x, self.router(x).topk(2, -1).indices.flatten())
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_reordering_that_reaches_other_rows_is_refused(group, case):
+    """Each form lets a row the sort moved meet a row in sequence order, a count, a positional transport, a
+    tensor without the sequence, another sort's groups or inverse, or the caller."""
+    import transformers.integrations.moe  # noqa: F401
+
+    import cp_passes
+
+    fn, op, words = BROKEN[case]
+    compiled = cp_passes.cp_compile(Dispatch(fn), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(cp_passes.CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    message = str(info.value)
+    assert op in message and words in message and "moe.py" not in message.split("\n")[0], message
