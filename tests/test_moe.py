@@ -41,11 +41,29 @@ MODELS = [("mixtral", 2, [16, 11]), pytest.param("mixtral", 4, [16, 13], marks=p
 @pytest.mark.parametrize("family,P,seq_lens", MODELS,
                          ids=[f"{c[0]}-P{c[1]}" for c in (getattr(m, "values", m) for m in MODELS)])
 def test_grouped_mm_moe_matches_one_device(pool, parity_report, family, P, seq_lens):
+    """The experts on transformers' default path, called with labels= (the loss of the model's own shift)."""
     per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         _compare(f"hf-{family}-grouped_mm-labels=", family, [r[i] for r in per_rank], seq_len, parity_report)
     moved = [(rule, source) for rule, _, _, source in per_rank[0][0]["records"] if "integrations/moe.py" in source]
     assert not moved, moved  # the experts move nothing between ranks
+
+
+AUX = [("mixtral", 2), pytest.param("mixtral", 4, marks=pytest.mark.full),
+       pytest.param("olmoe", 2, marks=pytest.mark.full), pytest.param("olmoe", 4, marks=pytest.mark.full),
+       pytest.param("gpt_oss", 2, marks=pytest.mark.full), pytest.param("gpt_oss", 4, marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("family,P", AUX, ids=[f"{c[0]}-P{c[1]}" for c in (getattr(m, "values", m) for m in AUX)])
+def test_router_aux_loss_is_global(pool, parity_report, family, P):
+    """output_router_logits=True: the load-balancing loss (per-expert token fractions times mean router
+    probabilities, summed over layers, each a sum over all rows divided by the row count) is the single-device
+    value on every rank, and its gradient reaches each rank's tokens: the sums and the count are all-reduced
+    before the product, and the loss adds its 1 / P to each rank's share of the cross-entropy."""
+    per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=[16], aux=True)
+    _compare(f"hf-{family}-grouped_mm-router-aux", family, [r[0] for r in per_rank], 16, parity_report, aux=True)
+    rules = [rule for rule, _, _, source in per_rank[0][0]["records"] if "load_balancing" in source]
+    assert rules.count("global_sum") >= 2, rules
 
 
 def test_hand_written_dispatch_matches_one_device(pool):
@@ -132,3 +150,17 @@ def test_a_reordering_that_reaches_other_rows_is_refused(group, case):
         compiled(torch.randint(0, 32, (2, 8)))
     message = str(info.value)
     assert op in message and words in message and "moe.py" not in message.split("\n")[0], message
+
+
+def test_router_aux_loss_on_a_padded_batch_is_refused(group):
+    """shard_batch pads 11 positions to 16 at P = 8: the row count and the router's sums would count the padded
+    rows, so the first call refuses, naming both."""
+    import cp_passes
+    from moe_models import batch, build
+
+    compiled = cp_passes.cp_compile(build("mixtral", aux=True), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(batch(11), group)
+    with pytest.raises(cp_passes.CPCompileError) as info:
+        compiled(**local)
+    message = str(info.value)
+    assert "a division by a row count" in message and "load_balancing_loss_func" in message, message

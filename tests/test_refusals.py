@@ -163,10 +163,13 @@ def test_all_problems_listed_at_once(group):
     assert [p.op for p in err.problems] == ["aten.flip.default", "aten.roll.default"]
 
 
-def test_partial_sum_only_flows_through_linear_ops(group):
-    err = refusal(group, lambda x: (x.sum(1, keepdim=True) ** 2).expand_as(x))
-    assert err.problems[0].op == "aten.pow.Tensor_Scalar"
-    assert "partial sum" in err.problems[0].reason and "aten.sum.dim_IntList" in err.problems[0].reason
+def test_a_partial_sum_read_non_linearly_is_made_global(group):
+    """A per-rank sum flows as it is through linear ops only; a square reads the all-reduced global sum."""
+    compiled = cp_passes.cp_compile(Tiny(lambda x: (x.sum(1, keepdim=True) ** 2).expand_as(x)), mesh=group,
+                                    backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    (record,) = [r for r in compiled.compile_records[-1].records if r.rule == "global_sum"]
+    assert record.op == "aten.pow.Tensor_Scalar"
 
 
 @pytest.mark.parametrize("mix", [lambda x: x.cumsum(2), lambda x: x.flip(0), lambda x: x.softmax(-1),
@@ -221,10 +224,10 @@ def test_an_integer_count_read_other_than_linearly_is_made_global_at_its_reader(
         ("aten.div.Tensor_mode", ["aten.sum.default"])]
 
 
-def test_a_float_sum_cast_to_an_integer_is_refused():
-    """Truncation is not linear, and a float sum is not made global (it may carry a gradient)."""
-    with pytest.raises(CPCompileError, match="partial sum"):
-        _global_sums(lambda n: n.float().mul(0.5).long() > 3)
+def test_a_float_sum_cast_to_an_integer_is_made_global_before_the_cast():
+    """Truncation is not linear: the cast reads the global float sum (all-reduced, with its gradient), and the
+    scaling before it stays a per-rank share."""
+    assert _global_sums(lambda n: n.float().mul(0.5).long() > 3) == [("aten.to.dtype", ["aten.mul.Tensor"])]
 
 
 def test_an_eager_module_given_a_sharded_input_is_refused_naming_it(group):

@@ -32,7 +32,7 @@ from ..report.memory import saved_for_backward
 from ..transports import collective_ops
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
-from .capture import capture
+from .capture import capture, install_output_hooks
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
 from .planner import Plan
@@ -185,6 +185,7 @@ class CPModule(torch.nn.Module):
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
+        install_output_hooks(model)
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
         # graph failed when a call recompiles.
         compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,

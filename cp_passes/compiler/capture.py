@@ -9,6 +9,8 @@ and the analysis would not see the sequence at all, so the model is refused, nam
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
@@ -92,14 +94,34 @@ def _refuse_custom_backwards(gm: torch.fx.GraphModule) -> None:
 
 def _refuse_float_lengths(gm: torch.fx.GraphModule, shape_env, sym) -> None:
     """A float computed from the length (``float(S)``, ``S ** -0.5``) is a value, never a size, and the re-trace
-    to ATen bakes it in as the local length's (a pad's fill of ``float(S)`` became the constant 24.0)."""
+    to ATen bakes it in as the local length's (a pad's fill of ``float(S)`` became the constant 24.0). A row
+    count that only divides (``total / float(x.shape[0])``, a mean written by hand) stays an argument of the
+    division, which the planner makes global or refuses."""
     for node in gm.graph.nodes:
         val = node.meta.get("example_value")
-        if isinstance(val, torch.SymFloat) and sym in shape_env.replace(val.node.expr).free_symbols:
+        if isinstance(val, torch.SymFloat) and sym in shape_env.replace(val.node.expr).free_symbols \
+                and not _only_divides(node):
             raise CPCompileError(
                 f"the model computes a float from the sequence length at {source_line(node)}: under CP each rank's "
                 f"length is 1/P of the global one, so the value would be the local length's. Fix: pass the global "
                 f"length (or the float) in as an input, or derive it outside the compiled module")
+
+
+_FLOAT_ARITHMETIC = {operator.add, operator.mul, torch.sym_float}
+
+
+def _only_divides(node: torch.fx.Node) -> bool:
+    """Every use of the float ``node``, through sums and products of such floats, is the divisor of a tensor."""
+    for user in node.users:
+        if user.target in (operator.truediv, torch.div, torch.true_divide, torch.Tensor.div) and len(user.args) == 2 \
+                and user.args[1] is node and isinstance(user.args[0], torch.fx.Node) \
+                and isinstance(user.args[0].meta.get("example_value"), torch.Tensor):
+            continue
+        if user.target in _FLOAT_ARITHMETIC and isinstance(user.meta.get("example_value"), torch.SymFloat) \
+                and _only_divides(user):
+            continue
+        return False
+    return True
 
 
 def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local_len: int, multiple: int = 1):
@@ -149,3 +171,17 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local
     # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
     return aten_gm, [meta_val(n) for n in aten_placeholders]
 
+
+
+def install_output_hooks(model: torch.nn.Module) -> None:
+    """transformers installs its output-recording hooks (``output_router_logits``, ``output_hidden_states``)
+    on a model's first call that asks for outputs, under a lock dynamo cannot enter; installed beforehand (they
+    record only while a call collects), the call traces as one graph."""
+    import sys
+
+    capturing = sys.modules.get("transformers.utils.output_capturing")
+    if capturing is None:
+        return
+    for module in model.modules():
+        if capturing._CAN_RECORD_REGISTRY.get(module):
+            capturing.maybe_install_capturing_hooks(module)

@@ -7,8 +7,8 @@ hand-written attention whose masks do not show it causal (:attr:`~cp_passes.tran
 with no mask from the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads with 0 and -1), a
 shift that reads later rows (the last real rows read the padding in place of the shift's fill) unless it reads
 an input shard_batch pads with that fill (labels shifted with ``ignore_index``), a mean over the sequence that
-ignores nothing, and a sum over the sequence returned as this rank's share (it adds the padded rows) unless it
-is a loss that ignores the padded labels.
+ignores nothing, a sum over the sequence returned as this rank's share or read whole (it adds the padded rows)
+unless it is a loss that ignores the padded labels or a count of a mask, and a division by a row count.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
 from ..spec import CPSpec
 from ..transports.keys import KeyMask, KeyOperand
-from ..transports.reductions import GlobalMean
+from ..transports.reductions import GlobalMean, GlobalSum
 from ..transports.shift import Shift
 from .planner import Plan
 
@@ -57,6 +57,12 @@ def _ignores_padding(origin: torch.fx.Node, spec: CPSpec) -> bool:
     return bind_args(origin).get("ignore_index", -100) == spec.ignore_index
 
 
+def _counts_a_mask(origin: torch.fx.Node | None) -> bool:
+    """A sum of a boolean tensor (how many image tokens a mask holds): the padding's rows hold False."""
+    return (origin is not None and getattr(origin.target, "overloadpacket", None) is aten.sum
+            and meta_val(origin.args[0]).dtype == torch.bool)
+
+
 def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
     """One line per rewrite of ``plan`` whose op lets a real position read end padding."""
     data_masks = any(isinstance(rw.request, KeyMask) and rw.request.mask.tensor_leaves for _, rw, _ in plan.rewrites)
@@ -77,6 +83,11 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     "or doc_ids")
         elif isinstance(request, GlobalMean) and request.ignore_index is None:
             what = "a mean over the sequence that ignores no target: it counts the padded rows"
+        elif isinstance(request, GlobalSum) and request.lengths:
+            what = "a division by a row count from the sequence length: it counts the padded rows"
+        elif isinstance(request, GlobalSum) and not _counts_a_mask(request.origin) \
+                and not _ignores_padding(request.origin, spec):
+            what = "a sum over the sequence read as a whole (all-reduced): it adds the padded rows"
         if what is not None:
             line = f"{op_name(node)} at {source_line(node)}: {what}"
             if line not in found:

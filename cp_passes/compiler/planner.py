@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+import sympy
 import torch
 import torch.fx
 
@@ -20,7 +21,7 @@ from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..transports import TRANSPORTS, Cost
-from ..transports.reductions import GlobalSum
+from ..transports.reductions import GlobalSum, Share
 from .keys import KeyPlan, plan_keys
 
 aten = torch.ops.aten
@@ -89,10 +90,12 @@ def _argument_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | None:
-    """A per-rank partial sum may only flow through ops that are linear in it (as their first operand); an
-    integer one (a count) that another op reads is made global first."""
-    packet = ctx.node.target.overloadpacket
+def _partial_rule(ctx: RuleContext, origin: torch.fx.Node, lengths: tuple[str, ...] = ()) -> Value | Rewrite | None:
+    """A per-rank partial sum flows as it is through ops that are linear in it (as their first operand). Added to
+    values every rank holds whole, it stays a share and they enter as theirs (``1 / P``); an integer one is made
+    global instead. Any other op reads the global sum (all-reduced), and the row counts in ``lengths`` (arguments
+    computed from the local length, ``sum / x.shape[0]``) the global count."""
+    packet = (out_of_place(ctx.node.target) or ctx.node.target).overloadpacket  # add_ adds as add does
     if packet in _PARTIAL_METADATA:
         return None
     tensors = ctx.tensor_inputs()
@@ -102,7 +105,9 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | 
     first = ctx.node.args[0] if ctx.node.args else None
     reads = [a for a in _argument_nodes(ctx.node) if ctx.is_partial(a)]  # by argument: mul(p, p) reads p twice
     ok = False
-    if packet in _PARTIAL_LINEAR:
+    if lengths:
+        ok = False  # a row count from the length: the division needs the global count
+    elif packet in _PARTIAL_LINEAR:
         ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
               and (packet not in _CASTS or _linear_cast(ctx)))
     elif packet is aten.mul:
@@ -112,19 +117,42 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node) -> Value | Rewrite | 
               and ctx.args.get("rounding_mode") is None)
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
-    if not ok and not any(ctx.is_seq(t) for t in others) and not any(
-            meta_val(t).is_floating_point() or meta_val(t).is_complex() for t in partial):
-        return Rewrite("global_sum", "reductions", GlobalSum(ctx.node, partial),
-                       note="an integer sum over the sequence read by a non-linear op: its global value "
-                            "(all-reduced, no autograd)")
-    if not ok:
+    if ok:
+        return Value.PARTIAL
+    if any(ctx.is_seq(t) for t in others):
         ctx.refuse(
             f"its input is a per-rank partial sum over the sequence (from {op_name(origin)} at {source_line(origin)}); "
             f"{op_name(ctx.node)} is not linear in it, so applying it before the ranks' sums are added is wrong",
             "return the partial sum from the compiled module and add it up across ranks (dist.all_reduce) before "
             "this op",
         )
-    return Value.PARTIAL
+    floating = any(meta_val(t).is_floating_point() or meta_val(t).is_complex() for t in partial)
+    if packet in (aten.add, aten.sub) and floating and not lengths:
+        whole = tuple(name for name in ("self", "other") if name in ctx.args and not ctx.is_partial(ctx.args[name]))
+        return Rewrite("share", "reductions", Share(ctx.node, whole), output=Value.PARTIAL,
+                       note=f"a value every rank holds added to a per-rank share ({', '.join(whole)}): its 1/P "
+                            f"enters, so the ranks' values still add up to the total")
+    what = "a sum over the sequence" + (" over a row count from the length" if lengths else "")
+    return Rewrite("global_sum", "reductions", GlobalSum(ctx.node, partial, origin, lengths),
+                   note=f"{what} read by a non-linear op: its global value (all-reduced; backward all-reduced)")
+
+
+def _row_counts(ctx: RuleContext) -> tuple[str, ...]:
+    """The divisor of ``partial / n`` when ``n`` is a row count from the local length (a multiple of it, as
+    ``x.shape[0]`` of rows merged from the batch and the sequence): each rank's ``n`` is its share of the global
+    count, so the division is made global. Empty for anything else."""
+    if ctx.node.target.overloadpacket is not aten.div or not ctx.is_partial(ctx.args.get("self")):
+        return ()
+    divisor = ctx.args.get("other")
+    if not isinstance(divisor, torch.fx.Node) or isinstance(meta_val(divisor), torch.Tensor) \
+            or not has_symbol(divisor, ctx.sym) or ctx.args.get("rounding_mode") is not None:
+        return ()
+    expr = getattr(meta_val(divisor), "node", None)
+    if expr is None:
+        return ()
+    count = expr.expr.replace(lambda e: type(e).__name__ == "ToFloat", lambda e: e.args[0])  # float(n) is n
+    ratio = sympy.simplify(count / ctx.sym)
+    return ("other",) if ratio.is_number and ratio > 0 else ()
 
 
 def _check_length_values(ctx: RuleContext) -> None:
@@ -317,13 +345,14 @@ def _plan_node(ctx: RuleContext, origins: dict):
             )
         return None
     ctx.args = bind_args(node)
-    if node.target.overloadpacket is not aten.arange:
+    counts = _row_counts(ctx)
+    if node.target.overloadpacket is not aten.arange and not counts:
         _check_length_values(ctx)
     if node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node)):
         _check_mutation(ctx)
     reordered = permutations.involved(ctx)
     if partial_in and not reordered:
-        return _partial_rule(ctx, origins[partial_in[0]])
+        return _partial_rule(ctx, origins[partial_in[0]], counts)
     if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS and not reordered:
         if node.target.overloadpacket is not aten.arange:
             _check_length_positions(ctx)

@@ -122,6 +122,13 @@ def _diff(ctx: RuleContext):
                    note="x - x shifted by one position; the prepended row at the sequence's first position")
 
 
+@register_rule(aten.histc, aten.bincount)
+def _histogram(ctx: RuleContext):
+    """Counts of values over the rank's rows (a router's tokens per expert): a per-rank partial sum. (Counts of a
+    sort's keys that group the same sort's reordered rows stay the rank's own: ``rules.permutations``.)"""
+    return Value.PARTIAL if ctx.seq_inputs() else None
+
+
 @register_rule(aten.sum, aten.nansum)
 def _sum(ctx: RuleContext):
     src = ctx.arg("self")

@@ -1,15 +1,22 @@
-"""Reductions: a mean over the sequence becomes this rank's sum over the global count, and a count that a
-non-linear op reads becomes the global count.
+"""Reductions: a mean over the sequence becomes this rank's sum over the global count, and a sum that a
+non-linear op reads becomes the global sum.
 
 ``loss(reduction=mean)`` -> ``loss(reduction=sum) / global_count``: a per-rank partial sum whose ranks add
 up to the single-device mean, so the summed gradients match too. The count is one all-reduce, no autograd.
-An integer partial sum (how many image tokens a mask holds) that an op reads other than linearly (a count
-check's comparison) is all-reduced first (no autograd: integers carry no gradient), so that op sees the
-single-device value; so is the length of ``x[mask]`` when only that length is read.
+A partial sum that an op reads other than linearly (a count check's comparison, a router's load-balancing
+loss: per-expert token fractions times mean router probabilities) is all-reduced first, so that op sees the
+single-device value on every rank; a row count written as the length (``sum / x.shape[0]``) is made the
+global count the same way; and the length of ``x[mask]`` when only that length is read.
+
+Gradients follow the objective cp_passes trains, the sum of the ranks' losses: the backward of an all-reduce
+is the all-reduce of the ranks' gradients, and a value every rank holds whole (a global sum, anything free of
+the sequence) added to a per-rank share enters as its ``1 / P`` share (:class:`Share`), so that the ranks'
+losses still add up to the single-device loss.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +24,7 @@ import torch.fx
 
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import KINDS
-from .base import Cost, Transport, register_transport
+from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_reduce_sum
 
 aten = torch.ops.aten
@@ -56,12 +63,42 @@ def _(partial, group_name):
     return torch.empty_like(partial)
 
 
+gradient_by(global_sum_op, global_sum_op)
+
+
+@torch.library.custom_op("cp_passes::global_length", mutates_args=())
+def global_length_op(like: torch.Tensor, local: float, group_name: str) -> torch.Tensor:
+    """The sum over ranks of ``local``, a row count each rank computed from its own length (as ``like``'s
+    dtype, a 0-dim tensor)."""
+    return all_reduce_sum(torch.tensor(local, dtype=like.dtype), group_name)
+
+
+@global_length_op.register_fake
+def _(like, local, group_name):
+    return like.new_empty(())
+
+
+global_length_op.register_autograd(lambda ctx, grad: (None, None, None), setup_context=lambda ctx, inputs, output: None)
+
+
 @dataclass
 class GlobalSum:
-    """``node`` reads the integer partial sums ``partial`` non-linearly: it reads their global values instead."""
+    """``node`` reads the partial sums ``partial`` non-linearly: it reads their global values instead, and its
+    arguments named in ``lengths`` (row counts from the local length) their global counts."""
 
     node: torch.fx.Node
     partial: list[torch.fx.Node]
+    origin: torch.fx.Node | None = None
+    """The op that made the sum (a loss that ignores the padded labels does not read the padding)."""
+    lengths: tuple[str, ...] = ()
+
+
+@dataclass
+class Share:
+    """``node`` adds whole values (``whole``: argument names) to a per-rank share: each enters as ``1 / P``."""
+
+    node: torch.fx.Node
+    whole: tuple[str, ...]
 
 
 @dataclass
@@ -75,11 +112,22 @@ class MaskedCount:
     rest: tuple[int, ...]
 
 
+def _set_argument(node: torch.fx.Node, name: str, value) -> None:
+    """Replace ``node``'s argument ``name`` (positional or keyword) with ``value``."""
+    schema = node.target._schema
+    position = next(i for i, a in enumerate(schema.arguments) if a.name == name)
+    if position < len(node.args):
+        node.args = node.args[:position] + (value,) + node.args[position + 1:]
+    else:
+        node.kwargs = {**node.kwargs, name: value}
+
+
 class Reductions(Transport):
     name = "reductions"
     order = 40
     layouts = KINDS  # sums over ranks: the order of positions does not matter
-    runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default)
+    runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default,
+               torch.ops.cp_passes.global_length.default)
 
     def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount) -> None:
         node = request.node
@@ -93,10 +141,24 @@ class Reductions(Transport):
             edit.replace_uses(node, sized)
             return
         if isinstance(request, GlobalSum):
+            like = next((a for a in node.all_input_nodes if isinstance(meta_val(a), torch.Tensor)), None)
             for i, partial in enumerate(map(edit.current, request.partial)):
                 total = edit.insert(torch.ops.cp_passes.global_sum.default, (partial, edit.group_name),
                                     name=f"cp_global_sum_{i}")
                 node.replace_input_with(partial, total)
+            args = bind_args(node)
+            for name in request.lengths:
+                total = edit.insert(torch.ops.cp_passes.global_length.default, (like, args[name], edit.group_name),
+                                    name="cp_global_length")
+                _set_argument(node, name, total)
+            edit.changed(node)
+            return
+        if isinstance(request, Share):
+            args = bind_args(node)
+            for name in request.whole:
+                share = edit.insert(aten.div.Tensor if isinstance(args[name], torch.fx.Node) else operator.truediv,
+                                    (args[name], edit.world), name="cp_share")
+                _set_argument(node, name, share)
             edit.changed(node)
             return
         args = bind_args(node)
@@ -114,9 +176,12 @@ class Reductions(Transport):
             moved = 8 * (layout.world - 1)
             return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
         if isinstance(request, GlobalSum):
-            elements = sum(numel_hint(p) for p in request.partial)
-            moved = sum(numel_hint(p) * meta_val(p).dtype.itemsize for p in request.partial) * (layout.world - 1)
-            return Cost("all_reduce of integer partial sums (no autograd)", elements, moved, moved, moved, moved)
+            elements = sum(numel_hint(p) for p in request.partial) + len(request.lengths)
+            moved = (sum(numel_hint(p) * meta_val(p).dtype.itemsize for p in request.partial)
+                     + 8 * len(request.lengths)) * (layout.world - 1)
+            return Cost("all_reduce of partial sums (backward: all_reduce)", elements, moved, moved, moved, moved)
+        if isinstance(request, Share):
+            return Cost("none: 1 / P of a value every rank holds")
         moved = 8 * (layout.world - 1)
         return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
 
