@@ -162,7 +162,7 @@ def compile_error(error: BaseException, model: torch.nn.Module | None = None) ->
 
 def experts_fix(model: torch.nn.Module | None, said: str) -> str | None:
     """How to run ``model``'s transformers MoE experts without their loop over the experts ``nonzero()``
-    selects (which dynamo cannot trace): the batched_mm implementation, per token, no data-dependent shapes.
+    selects (which dynamo cannot trace): transformers' grouped_mm implementation, which cp_passes proves local.
     Only where dynamo's message ``said`` points into the file that defines the experts."""
     for name, module in (model.named_modules() if model is not None else ()):
         cls = type(module)
@@ -171,12 +171,13 @@ def experts_fix(model: torch.nn.Module | None, said: str) -> str | None:
         if os.path.basename(inspect.getsourcefile(cls)) not in said:
             continue
         if not hasattr(module, "_is_expert_parallel"):  # what transformers' use_experts_implementation sets
+            glob = "*" + ".".join(name.split(".")[-2:])  # every layer's: layers.1.mlp.experts -> *mlp.experts
             return (f"'{name}' ({cls.__name__}) has no experts-implementation switch in this transformers version: "
-                    f"call transformers.integrations.moe.use_experts_implementation({cls.__module__}.{cls.__name__}) "
-                    f"before building the model, and set config._experts_implementation = \"batched_mm\"")
+                    f"name it in the spec, CPSpec(experts=({glob!r},)), and it runs through transformers' grouped_mm "
+                    f"experts forward")
         if getattr(getattr(module, "config", None), "_experts_implementation", None) in (None, "eager"):
-            return (f"'{name}' ({cls.__name__}) runs its eager loop: model.set_experts_implementation(\"batched_mm\") "
-                    f"(or config._experts_implementation = \"batched_mm\")")
+            return (f"'{name}' ({cls.__name__}) runs its eager loop: model.set_experts_implementation(\"grouped_mm\") "
+                    f"(transformers' default)")
     return None
 
 
@@ -209,7 +210,7 @@ def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> C
         )
     if isinstance(error, exc.UserError):
         fix = (f"Fix: {experts}" if experts else "Fix: use a form without it (transformers MoE models: "
-               "experts_implementation=\"batched_mm\"), or run that part outside the compiled module")
+               "experts_implementation=\"grouped_mm\", the default), or run that part outside the compiled module")
         return CPCompileError(
             "dynamo refused a construct in the model (typically Python control flow on tensor values, such as a "
             f"loop over the experts that nonzero() selects). {fix}. Dynamo said:\n{_trimmed(error)}"

@@ -209,6 +209,14 @@ class CPSpec:
     whole). It is called as one op, ``cp_passes::eager_module``, whose output sizes the graph treats as data
     dependent, and its backward runs it again under ``torch.func.vjp`` (the random state restored)."""
 
+    experts: tuple[str, ...] = ()
+    """Module globs of MoE experts that transformers generates without its experts-implementation switch (a
+    Python loop over the experts ``nonzero()`` selects, which dynamo cannot trace: ``Step3p7Experts`` in 5.24).
+    Each runs through transformers' ``grouped_mm`` experts forward instead, the path the families with the switch
+    take by default: the same sum over each token's experts, which cp_passes proves local to each rank. Their
+    weights must be stacked as that path reads them (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
+    ``[E, H, I]``). May match nothing (a config whose MLPs are all dense)."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"CPSpec.name must be a non-empty string, got {self.name!r}")
@@ -223,7 +231,7 @@ class CPSpec:
             raise ValueError(f"CPSpec.sequence_dims must be a tuple of (input name, dim) pairs, got "
                              f"{self.sequence_dims!r}")
         for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs",
-                      "packed_labels", "eager_modules"):
+                      "packed_labels", "eager_modules", "experts"):
             _check_names(field, getattr(self, field))
         if not isinstance(self.doc_key, str) or not self.doc_key:
             raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")

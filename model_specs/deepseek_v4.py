@@ -8,7 +8,8 @@ Every shard must hold whole windows of both, so ``pad_multiple`` is their least 
 graph: the windows' positions become global, the CSA pairing a one-window halo, and each attention's keys
 (the raw positions and the compressed entries, concatenated) are brought part by part with its masks
 (sliding window, the HCA causal block rule, the CSA indexer's top-k) evaluated over the whole sequence.
-The MoE layers need ``config._experts_implementation = "batched_mm"`` (the default loops over experts).
+The MoE layers (routed and hash-routed) run on transformers' default experts implementation, grouped_mm,
+which cp_passes proves local to each rank.
 For a config with other compression rates, ``SPEC.replace(pad_multiple=..., packed_alignment=...)``.
 """
 

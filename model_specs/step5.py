@@ -6,16 +6,11 @@ positions: the sliding layers take a halo of ``window - 1`` rows, the full ones 
 all-gather (one collective for K and V), and nothing else needs declaring. Per-head q/k norms, partial RoPE
 and the gated attention output are position-wise.
 
-MoE layers route each token on its own, which is local under CP when the experts run in a form without
-data-dependent shapes: transformers' ``batched_mm`` (each token's experts' weights gathered, one batched
-matmul). transformers 5.24 generates ``Step3p7Experts`` without its experts-implementation switch, so its
-forward loops over the experts ``nonzero()`` selects, which dynamo cannot trace (cp_passes refuses it and
-says so). Restore the switch before building the model::
-
-    from transformers.integrations.moe import use_experts_implementation
-    from transformers.models.step3p7 import modeling_step3p7
-    use_experts_implementation(modeling_step3p7.Step3p7Experts)
-    config._experts_implementation = "batched_mm"
+MoE layers route each token on its own. transformers 5.24 generates ``Step3p7Experts`` without its
+experts-implementation switch, so its forward loops over the experts ``nonzero()`` selects, which dynamo cannot
+trace; the spec names them in ``experts``, and they run through transformers' ``grouped_mm`` experts forward
+(sort the (token, expert) pairs, grouped matmuls, put the rows back), which cp_passes proves local to each
+rank: no bytes move for the experts.
 
 Packed rows: ``shard_batch`` with this spec adds doc ids and per-document positions; transformers' mask
 functions read the positions' restarts as document starts, on every rank over the whole sequence.
@@ -27,4 +22,5 @@ SPEC = CPSpec(
     name="step5",
     seq_inputs=("input_ids", "position_ids", "labels", "shift_labels", "doc_ids"),
     position_keys=("position_ids",),
+    experts=("*mlp.experts",),
 )

@@ -77,18 +77,6 @@ def hf_llama(seed: int = 0, use_cache: bool = True):
     return LlamaForCausalLM(hf_llama_config(use_cache)).float()
 
 
-def hf_mixtral(seed: int = 0):
-    """A tiny Mixtral (4 experts, top 2) whose experts run as batched matmuls, without data-dependent loops."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           max_position_embeddings=512, attn_implementation="sdpa")
-    config._experts_implementation = "batched_mm"
-    torch.manual_seed(seed)
-    return MixtralForCausalLM(config).float()
-
-
 def hf_gemma2(seed: int = 0):
     """A tiny Gemma2 with attention written by hand (eager): soft-capped scores, sliding-window layers (a
     window of 4, longer than a shard at P = 4) alternating with global ones, masks from position_ids."""
@@ -105,11 +93,10 @@ def hf_inkling2(seed: int = 0):
     """A tiny Inkling2 text model, both layer types: eager attention with a relative-position bias from the
     queries' activations (extent 6, longer than a shard at P = 4), sinks concatenated on the key axis,
     log-scaled queries from position_ids, a short conv (sliding layers, window 4) and a dynamic one written
-    with pad + unfold (full layers); MoE experts as batched matmuls."""
+    with pad + unfold (full layers); MoE experts on transformers' default grouped_mm."""
     from transformers import Inkling2ForCausalLM, Inkling2TextConfig
 
     config = Inkling2TextConfig(**INKLING2_TEXT, attn_implementation="eager")
-    config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
     return _inkling2_weights(Inkling2ForCausalLM(config).float())
 
@@ -137,7 +124,7 @@ def _inkling2_weights(model):
     return model
 
 
-HF_MODELS = {"llama": hf_llama, "mixtral": hf_mixtral, "gemma2": hf_gemma2, "inkling2": hf_inkling2}
+HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
@@ -993,7 +980,7 @@ def hf_deepseek_v4(seed: int = 0):
     """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 12, longer than the tests' shards of 8), a
     compressed-sparse-attention layer (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a
     heavily-compressed one (HCA: windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer
-    and two routed ones (experts as batched matmuls). Every layer's raw keys go by a halo of 11 rows."""
+    and two routed ones (experts on transformers' default grouped_mm). Every layer's raw keys go by a halo of 11 rows."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(
@@ -1004,7 +991,6 @@ def hf_deepseek_v4(seed: int = 0):
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
         layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
         mlp_layer_types=["hash_moe", "moe", "moe"], use_cache=False, pad_token_id=0, num_nextn_predict_layers=0)
-    config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config).float()
     with torch.no_grad():  # a hash table that routes tokens to different experts
@@ -1053,28 +1039,15 @@ def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len:
 STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
 
 
-def hf_step3p7(seed: int = 0, moe: bool = True, traceable_experts: bool = True):
-    """A tiny Step3p7TextModel (Step-5's public relative): sliding-window layers (window 4) and full-attention
-    layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP first, then MoE layers (4
-    experts, top 2, a shared expert). transformers 5.24 generates Step3p7Experts without its experts
-    implementation switch (a loop over nonzero()); ``traceable_experts`` restores it and picks batched_mm."""
+def hf_step3p7(seed: int = 0, moe: bool = True):
+    """A tiny Step3p7TextModel (Step-5's public relative) as transformers 5.24 ships it: sliding-window layers
+    (window 4) and full-attention layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP
+    first, then MoE layers (4 experts, top 2, a shared expert) whose experts loop over nonzero() (the step5 spec
+    runs them through transformers' grouped_mm forward)."""
     from transformers import Step3p7TextConfig, Step3p7TextModel
 
-    if traceable_experts:
-        _traceable_step3p7_experts()
-    config = Step3p7TextConfig(**_step3p7_text(moe))
-    config._experts_implementation = "batched_mm" if traceable_experts else "eager"
     torch.manual_seed(seed)
-    return Step3p7TextModel(config).float()
-
-
-def _traceable_step3p7_experts() -> None:
-    """Restore Step3p7Experts' experts-implementation switch (once per process)."""
-    from transformers.integrations.moe import use_experts_implementation
-    from transformers.models.step3p7 import modeling_step3p7 as step
-
-    if not hasattr(step.Step3p7Experts.forward, "__wrapped__"):
-        use_experts_implementation(step.Step3p7Experts)
+    return Step3p7TextModel(Step3p7TextConfig(**_step3p7_text(moe))).float()
 
 
 def _step3p7_text(moe: bool = True) -> dict:
@@ -1095,12 +1068,10 @@ def hf_step3p7_vlm(seed: int = 0):
     layer, patch 14) whose 112 x 112 images give 4 tokens each."""
     from transformers import Step3p7Config, Step3p7ForConditionalGeneration
 
-    _traceable_step3p7_experts()
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
                   patch_size=14)
     config = Step3p7Config(text_config=_step3p7_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
                            use_cache=False)
-    config.text_config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
     return Step3p7ForConditionalGeneration(config).float()
 
@@ -1133,7 +1104,6 @@ def hf_inkling2_vlm(seed: int = 0):
     config = Inkling2Config(text_config=INKLING2_TEXT, vision_config=vision, image_token_id=IMAGE_TOKEN,
                             use_cache=False)
     config._attn_implementation = "eager"
-    config._experts_implementation = "batched_mm"
     torch.manual_seed(seed)
     return _inkling2_weights(Inkling2ForConditionalGeneration(config).float())
 

@@ -1,5 +1,5 @@
 """Step-5's public relative, transformers' Step3p7TextModel with model_specs/step5.py: sliding-window layers
-by halo, full-attention layers by gather, MoE layers with the traceable (batched_mm) experts. Parity on real
+by halo, full-attention layers by gather, MoE layers with the experts as shipped (the spec runs their loop as grouped_mm). Parity on real
 gloo processes against one device, unpacked and packed; the untraceable experts loop refused with its fix."""
 
 from unittest import mock
@@ -70,13 +70,15 @@ def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
 
 def test_untraceable_experts_are_refused_with_the_fix():
     """transformers 5.24 generates Step3p7Experts without its experts-implementation switch: its forward loops
-    over nonzero(), which dynamo cannot trace. The refusal names the module and the call that restores it."""
+    over nonzero(), which dynamo cannot trace. Without the step5 spec (which names them in experts) the refusal
+    names the module and the spec field that runs them through grouped_mm."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if not dist.is_initialized():
         dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    model = hf_step3p7(traceable_experts=False)
-    compiled = cp_passes.cp_compile(model, "step5", mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), dist.group.WORLD, "step5")
-    with pytest.raises(CPCompileError, match=r"layers\.1\.mlp\.experts.*(use_experts_implementation|batched_mm)"):
+    model = hf_step3p7()
+    spec = cp_passes.load_spec("step5").replace(experts=())
+    compiled = cp_passes.cp_compile(model, spec, mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), dist.group.WORLD, spec)
+    with pytest.raises(CPCompileError, match=r"layers\.1\.mlp\.experts.*CPSpec\(experts=\('\*mlp\.experts',\)\)"):
         compiled(input_ids=local["input_ids"], position_ids=local["position_ids"])

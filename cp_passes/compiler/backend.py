@@ -32,6 +32,7 @@ from ..report.memory import saved_for_backward
 from ..transports import collective_ops
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
+from ..experts import install as install_experts
 from .capture import capture, install_output_hooks
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
@@ -185,6 +186,7 @@ class CPModule(torch.nn.Module):
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
+        install_experts(model, spec.experts)  # experts without transformers' switch: its grouped_mm forward
         install_output_hooks(model)
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
         # graph failed when a call recompiles.
