@@ -7,9 +7,8 @@ call as one op and hands the state on across ranks with the affine carry (one al
 ``[h | M]`` per layer, state-sized). On GPU the same module attribute dispatches to flash-linear-attention's
 ``chunk_kda`` when it is installed. Its indexed-attention layers need nothing declared: the indexer's
 top-k mask carries no gradient, so it is evaluated over the whole sequence from gathered activations, and
-MLA's ``expand_kv`` (copies into slices of an empty tensor) is rewritten out of place. Its MoE layers are
-not covered yet (the grouped-mm dispatch sorts tokens over the flattened sequence): build it with
-``mlp_layer_types=["dense"] * num_hidden_layers``.
+MLA's ``expand_kv`` (copies into slices of an empty tensor) is rewritten out of place. Its MoE layers run
+on transformers' default experts implementation (grouped_mm), which cp_passes proves local to each rank.
 
 With images, every rank passes its slice of ids, positions and labels and the whole ``pixel_values`` and
 ``image_grid_thw``. The vision tower (``model.visual``) splits its attention by lengths from ``.tolist()`` and

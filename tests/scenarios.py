@@ -810,8 +810,8 @@ GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
 def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
     """A tiny Glm5Next text model (GLM-5.3-Flash's public relative): linear-attention (KDA) layers (short
     causal convs, the KDA recurrence) and indexed-attention layers (MLA over the keys a top-k indexer picks
-    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, dense MLPs
-    (its MoE is issue 13's)."""
+    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, a dense MLP
+    first and MoE layers after it (4 experts, top 2, transformers' default grouped_mm)."""
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
 
     n = len(layer_types)
@@ -828,7 +828,7 @@ def _glm5_next_text(layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
         q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4,
         index_head_dim=16, index_n_heads=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
         hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False, layer_types=list(layer_types),
-        mlp_layer_types=["dense"] * n, indexer_types=["full"] * n)
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), indexer_types=["full"] * n)
 
 
 def glm5_next_batch(seq_len: int) -> dict:
