@@ -164,3 +164,34 @@ def hand_moe_parity(group, seq_len: int) -> dict:
         (out.square() * layout.valid[..., None]).sum().backward()  # the padding's rows are no one's loss
         results[variant] = {"logits": out.detach(), "grads": _grads(model), "positions": layout.positions}
     return results
+
+
+GLM5_SHARED = dict(layer_types=["linear_attention", "indexed_attention", "indexed_attention"],
+                   indexer_types=["full", "full", "shared"], mlp_layer_types=["dense", "sparse", "sparse"])
+"""A Glm5Next mix as the family ships it: a KDA layer, an indexed-attention layer with its own (full) indexer
+and one that reuses its top-k (shared), MoE after a dense first layer."""
+
+
+def glm5_next(kpool: int, seed: int = 0):
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+
+    from scenarios import _glm5_next_text
+
+    config = {**_glm5_next_text(tuple(GLM5_SHARED["layer_types"])), **GLM5_SHARED, "index_kpool": kpool,
+              "index_topk": 2 * kpool}
+    torch.manual_seed(seed)
+    return Glm5NextTextModel(Glm5NextTextConfig(**config)).float()
+
+
+def glm5_next_parity(group, kpool: int, seq_len: int) -> dict:
+    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
+    from scenarios import glm5_next_batch
+
+    model = glm5_next(kpool)
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
+    out = compiled(**local).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+            "positions": layout.positions}

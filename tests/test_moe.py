@@ -164,3 +164,26 @@ def test_router_aux_loss_on_a_padded_batch_is_refused(group):
         compiled(**local)
     message = str(info.value)
     assert "a division by a row count" in message and "load_balancing_loss_func" in message, message
+
+
+@pytest.mark.parametrize("P,kpool", [(2, 8), pytest.param(4, 16, marks=pytest.mark.full)])
+def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, P, kpool):
+    """Glm5NextTextModel with a full and a shared indexer (the second layer reuses the first's top-k), pools of
+    8 or 16 keys, MoE layers: the indexers' top-k masks are evaluated over the whole sequence for both
+    attentions, 32 positions a rank. The gradient tolerance is the family's: twice the one-device floor of
+    computing as CP does (the KDA layer's affine carry and block attention, test_recurrence._split_floor)."""
+    from moe_models import glm5_next
+    from scenarios import glm5_next_batch
+    from test_parity import _compare as compare
+    from test_recurrence import _split_floor
+
+    seq_len = 32 * P
+    per_rank = pool.run("moe_models:glm5_next_parity", P, kpool=kpool, seq_len=seq_len)
+    model = glm5_next(kpool)
+    out = model(**glm5_next_batch(seq_len)).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    tolerance = max(GRAD_RTOL, 2 * _split_floor(P, glm5_next_batch(seq_len), None, build=lambda: glm5_next(kpool)))
+    compare(f"hf-Glm5NextTextModel-shared-indexer-kpool{kpool}-moe (grad tol {tolerance:.1e})", per_rank,
+            loss.detach(), out.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)

@@ -74,14 +74,15 @@ def _blocked_sdpa(P: int, sdpa):
     return blocked
 
 
-def _split_floor(P: int, batch: dict, layer_types) -> float:
+def _split_floor(P: int, batch: dict, layer_types, build=None) -> float:
     """How far one device's own gradients move (relative, the largest over parameters) when it computes as CP
     does, on the batch the check compares: its KDA kernel as the affine carry (each of P parts from zero and
     from [0 | I] on values extended by K zero columns, the maps folded, each part run again from its state),
     its attention as block attention (P query chunks, each over P key pieces merged by logsumexp), or both.
     The same math, rounded differently; each is one sample of the rounding noise of a gradient that cancels
     (at P = 4 the three move the indexed layer's hyper-connection scale by 2.1e-4, 7.9e-4 and 2.2e-4 of its
-    size), so the largest of them is the floor. No CP run can be expected closer."""
+    size), so the largest of them is the floor. No CP run can be expected closer. ``build`` makes the model
+    (default: :func:`hf_glm5_next` with ``layer_types``)."""
     from transformers.models.glm5_next import modeling_glm5_next as glm
 
     kernel, sdpa = glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention
@@ -104,7 +105,7 @@ def _split_floor(P: int, batch: dict, layer_types) -> float:
     for fn, attention in ((kernel, sdpa), (affine, sdpa), (kernel, blocked), (affine, blocked)):
         glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention = fn, attention
         try:
-            model = hf_glm5_next(layer_types=layer_types)
+            model = build() if build is not None else hf_glm5_next(layer_types=layer_types)
             model(**batch).last_hidden_state.pow(2).sum().backward()
         finally:
             glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention = kernel, sdpa

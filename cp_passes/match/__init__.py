@@ -72,6 +72,7 @@ def match_graph(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> Matches:
     matches = Matches()
     mask_nodes, mask_anchors = set(), set()
     carry = may_carry_gradient(gm.graph)
+    masks = {bind_args(n)["attn_mask"] for n in gm.graph.find_nodes(op="call_function", target=SDPA)} - {None}
     for node in gm.graph.find_nodes(op="call_function", target=SDPA):
         args = bind_args(node)
         for name in ("key", "value"):
@@ -81,7 +82,7 @@ def match_graph(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> Matches:
         mask = args["attn_mask"]
         sharded = seq_dims(args["query"], sym) and (seq_dims(args["key"], sym) or seq_dims(args["value"], sym))
         if isinstance(mask, torch.fx.Node) and sharded:  # the attention rule replaces this mask
-            found = model_mask(mask, sym, carry, multiple)
+            found = model_mask(mask, sym, carry, multiple, masks)
             matches.masks[node] = found
             if isinstance(found, (MetadataMask, PositionMask)):
                 mask_nodes.update(found.nodes)

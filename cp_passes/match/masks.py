@@ -52,16 +52,17 @@ def may_carry_gradient(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return found
 
 
-def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
-    """The nodes computed only for ``mask``: every use leads to it (a value nothing reads, or a size check,
-    does not count)."""
-    ancestors, stack = set(), [mask]
+def _own(mask: torch.fx.Node, masks: set) -> set[torch.fx.Node]:
+    """The nodes computed only for ``mask`` and the other attention masks ``masks``: every use leads to one of
+    them (a value nothing reads, or a size check, does not count). An indexer whose top-k feeds the next layers'
+    masks too (Glm5Next's shared indexers) is computed only for masks."""
+    ancestors, stack = set(), [mask, *masks]
     while stack:
         n = stack.pop()
         if n not in ancestors:
             ancestors.add(n)
             stack.extend(n.all_input_nodes)
-    own, checks = {mask}, set()
+    own, checks = {mask, *masks}, set()
     for n in reversed(list(mask.graph.nodes)):
         if n in ancestors and n.users and all(u in own or u in checks or (not u.users and not u.is_impure())
                                               for u in n.users):
@@ -72,8 +73,8 @@ def _own(mask: torch.fx.Node) -> set[torch.fx.Node]:
     return own
 
 
-def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
-               multiple: int = 1) -> MetadataMask | PositionMask | str:
+def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int = 1,
+               masks: set = frozenset()) -> MetadataMask | PositionMask | str:
     """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
 
     Its leaves are sharded integer inputs (doc ids, positions) and the lengths it reads. A mask no gradient
@@ -82,13 +83,14 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None,
     leaves like metadata, gathered without an autograd edge; what is computed only for the mask is replayed
     over the whole sequence, and the parameters it reads are passed in. ``carry`` is
     :func:`may_carry_gradient` of the graph (computed here when not given); ``multiple`` is the spec's
-    ``pad_multiple`` (activations in windows of positions are leaves too)."""
+    ``pad_multiple`` (activations in windows of positions are leaves too); ``masks`` are the graph's other
+    attention masks, whose inputs are computed for masks as well."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
     if mask in carry:
         return (f"its mask '{mask.name}' carries a gradient back to what it is computed from (a learned or "
                 f"data-dependent bias, not a mask); masks without one (boolean, or from metadata or indices) "
                 f"are evaluated over the whole sequence")
-    own = _own(mask)
+    own = _own(mask, masks)
     nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
         n = stack.pop()
