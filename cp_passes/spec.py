@@ -369,8 +369,10 @@ def available_specs() -> list[str]:
     return sorted(f[:-3] for f in os.listdir(folder) if f.endswith(".py") and not f.startswith("_"))
 
 
-def load_spec(name_or_path: str) -> CPSpec:
-    """Load ``SPEC`` from ``model_specs/<name>.py`` or from a ``.py`` file path."""
+def load_spec(name_or_path: str, config=None) -> CPSpec:
+    """Load ``SPEC`` from ``model_specs/<name>.py`` or from a ``.py`` file path; given the model's ``config``,
+    the spec the file's ``for_config(config)`` reads from it, where the file defines one (DeepSeek V4's
+    ``pad_multiple`` from its compression rates)."""
     if name_or_path.endswith(".py"):
         if not os.path.exists(name_or_path):
             raise FileNotFoundError(f"no spec file {name_or_path!r}")
@@ -387,15 +389,21 @@ def load_spec(name_or_path: str) -> CPSpec:
     spec = getattr(module, "SPEC", None)
     if not isinstance(spec, CPSpec):
         raise ValueError(f"{name_or_path!r} defines no module-level SPEC = CPSpec(...) (found {type(spec).__name__})")
+    for_config = getattr(module, "for_config", None)
+    if config is not None and for_config is not None:
+        spec = for_config(config)
+        if not isinstance(spec, CPSpec):
+            raise ValueError(f"{name_or_path!r}: for_config returned {type(spec).__name__}, not a CPSpec")
     return spec
 
 
-def resolve_spec(spec) -> CPSpec:
-    """``spec`` as cp_compile takes it: a CPSpec, a spec name or ``.py`` path, or None (the default)."""
+def resolve_spec(spec, config=None) -> CPSpec:
+    """``spec`` as cp_compile takes it: a CPSpec, a spec name or ``.py`` path (read for the model's ``config``
+    where the file can), or None (the default)."""
     if spec is None:
         return CPSpec()
     if isinstance(spec, str):
-        return load_spec(spec)
+        return load_spec(spec, config)
     if not isinstance(spec, CPSpec):
         raise TypeError(f"spec must be a CPSpec, a spec name such as 'llama', or None; got {type(spec).__name__}")
     return spec

@@ -10,8 +10,12 @@ graph: the windows' positions become global, the CSA pairing a one-window halo, 
 (sliding window, the HCA causal block rule, the CSA indexer's top-k) evaluated over the whole sequence.
 The MoE layers (routed and hash-routed) run on transformers' default experts implementation, grouped_mm,
 which cp_passes proves local to each rank.
-For a config with other compression rates, ``SPEC.replace(pad_multiple=..., packed_alignment=...)``.
+``cp_compile(model, "deepseek_v4")`` reads the rates from ``model.config`` (:func:`for_config`); shard with the
+compiled module's spec, ``shard_batch(batch, group, compiled.spec)``, or ``load_spec("deepseek_v4",
+config=model.config)``: the name alone gives ``SPEC``, for the released rates.
 """
+
+import math
 
 from cp_passes.spec import CPSpec
 
@@ -26,3 +30,11 @@ SPEC = CPSpec(
     # above twice the balanced cut's one-device rounding floor (1.4e-3); logits and loss match.
     layout="contiguous",
 )
+
+
+def for_config(config) -> CPSpec:
+    """``SPEC`` for ``config``'s compression rates: shards and packed documents in whole windows of every rate
+    (their least common multiple)."""
+    rates = [int(r) for r in (getattr(config, "compress_rates", None) or {}).values() if r]
+    multiple = math.lcm(*rates) if rates else 1
+    return SPEC.replace(pad_multiple=multiple, packed_alignment=multiple)

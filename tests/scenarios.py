@@ -1002,8 +1002,8 @@ def hf_deepseek_v4(seed: int = 0):
 
 
 def deepseek_v4_spec() -> cp_passes.CPSpec:
-    """model_specs/deepseek_v4.py for the tiny config's rates (windows of 2 and 4)."""
-    return cp_passes.load_spec("deepseek_v4").replace(pad_multiple=4, packed_alignment=4)
+    """model_specs/deepseek_v4.py read for the tiny config's rates (windows of 2 and 4: whole windows of 4)."""
+    return cp_passes.load_spec("deepseek_v4", config=hf_deepseek_v4().config)
 
 
 def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
@@ -1028,9 +1028,9 @@ def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len:
     """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
     doc-id map, per-document positions and labels): this rank's results."""
     model = hf_deepseek_v4()
-    spec = deepseek_v4_spec()
-    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, spec)
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
+    assert compiled.spec.pad_multiple == 4  # read from the config's rates
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
     loss, logits = deepseek_v4_loss(compiled, local)
     loss.backward()
     return _step(model, compiled, loss, logits, layout)

@@ -91,3 +91,17 @@ def test_the_length_comes_from_token_inputs_first_and_never_from_a_replicated_in
     listed = CPSpec(seq_inputs=("mask",))
     assert listed.length_input([("input_ids", ids), ("mask", mask)])[0] == "mask"
     assert listed.length_input([("table", table)]) is None
+
+
+def test_deepseek_v4_spec_reads_the_compression_rates_from_the_config():
+    """Shards hold whole windows of every rate: their least common multiple, for the released rates 128."""
+    from transformers import DeepseekV4Config
+
+    def spec(**rates):
+        config = DeepseekV4Config(compress_rates={"compressed_sparse_attention": rates["csa"],
+                                                  "heavily_compressed_attention": rates["hca"]})
+        return cp_passes.load_spec("deepseek_v4", config=config)
+
+    assert (spec(csa=4, hca=128).pad_multiple, spec(csa=4, hca=128).packed_alignment) == (128, 128)
+    assert spec(csa=8, hca=96).pad_multiple == 96 and spec(csa=2, hca=4).packed_alignment == 4
+    assert cp_passes.load_spec("deepseek_v4").pad_multiple == 128  # the name alone: the released rates

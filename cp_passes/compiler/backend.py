@@ -346,6 +346,6 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    spec = resolve_spec(spec)
+    spec = resolve_spec(spec, getattr(model, "config", None))
     spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
     return CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))
