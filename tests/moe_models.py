@@ -195,3 +195,25 @@ def glm5_next_parity(group, kpool: int, seq_len: int) -> dict:
     loss.backward()
     return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
             "positions": layout.positions}
+
+
+def deepseek_v4(aux: bool = True):
+    """The DeepSeek V4 test model (routed and hash-routed MoE on grouped_mm) with its router loss on."""
+    from scenarios import hf_deepseek_v4
+
+    model = hf_deepseek_v4()
+    model.config.output_router_logits = aux
+    return model
+
+
+def deepseek_v4_aux_parity(group, seq_len: int) -> dict:
+    """model(input_ids, position_ids, labels=shift_labels, shift_labels=...): the loss with the router's."""
+    from scenarios import deepseek_v4_batch
+
+    model = deepseek_v4()
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(seq_len=seq_len), group, compiled.spec)
+    out = compiled(**local, labels=local["shift_labels"])
+    out.loss.backward()
+    return {"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+            "aux_loss": out.aux_loss.detach(), "valid": layout.valid, "positions": layout.positions}

@@ -49,6 +49,20 @@ def test_grouped_mm_moe_matches_one_device(pool, parity_report, family, P, seq_l
     assert not moved, moved  # the experts move nothing between ranks
 
 
+PACKED = [pytest.param(family, P, marks=pytest.mark.full) for family in ("mixtral", "olmoe", "gpt_oss")
+          for P in (2, 4)]
+
+
+@pytest.mark.parametrize("family,P", PACKED, ids=[f"{c.values[0]}-P{c.values[1]}" for c in PACKED])
+def test_grouped_mm_moe_on_packed_rows_matches_one_device(pool, parity_report, family, P):
+    """Packed rows (positions restarting at each document, from which transformers builds its masks; labels
+    shifted inside each document): documents of 3, 9 and 4 positions, one across three ranks at P = 4."""
+    documents = [[3, 9, 4], [8, 5, 3]]
+    per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=[16], documents=documents)
+    _compare(f"hf-{family}-grouped_mm-packed", family, [r[0] for r in per_rank], 16, parity_report,
+             documents=documents)
+
+
 AUX = [("mixtral", 2), pytest.param("mixtral", 4, marks=pytest.mark.full),
        pytest.param("olmoe", 2, marks=pytest.mark.full), pytest.param("olmoe", 4, marks=pytest.mark.full),
        pytest.param("gpt_oss", 2, marks=pytest.mark.full), pytest.param("gpt_oss", 4, marks=pytest.mark.full)]
@@ -187,3 +201,28 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
     tolerance = max(GRAD_RTOL, 2 * _split_floor(P, glm5_next_batch(seq_len), None, build=lambda: glm5_next(kpool)))
     compare(f"hf-Glm5NextTextModel-shared-indexer-kpool{kpool}-moe (grad tol {tolerance:.1e})", per_rank,
             loss.detach(), out.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
+
+
+@pytest.mark.parametrize("P", [pytest.param(2, marks=pytest.mark.full), pytest.param(4, marks=pytest.mark.full)])
+def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
+    """DeepseekV4ForCausalLM with output_router_logits=True: its load-balancing loss over the routed layers
+    joins the loss; loss, aux_loss and gradients match one device, within the family's tolerance (twice the
+    one-device floor of cutting its loss as CP does, test_compressed_attention._cut_floor)."""
+    from moe_models import deepseek_v4
+    from scenarios import deepseek_v4_batch
+    from test_compressed_attention import _cut_floor, _reference
+    from test_parity import _compare as compare
+
+    seq_len = 8 * P
+    per_rank = pool.run("moe_models:deepseek_v4_aux_parity", P, seq_len=seq_len)
+    model = deepseek_v4()
+    batch = deepseek_v4_batch(seq_len=seq_len)
+    ref = model(**batch, labels=batch["shift_labels"])
+    ref.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    floor_batch, _, _, floor_grads = _reference(P, None)  # the model without its router loss, cut as CP cuts it
+    tolerance = max(GRAD_RTOL, 2 * _cut_floor(P, floor_batch, floor_grads))
+    compare(f"hf-DeepseekV4ForCausalLM-router-aux (grad tol {tolerance:.1e})", per_rank, ref.loss.detach(),
+            ref.logits.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
+    for r in per_rank:
+        assert abs(r["aux_loss"].item() - ref.aux_loss.item()) <= OUT_TOL * abs(ref.aux_loss.item())
