@@ -103,7 +103,7 @@ class HandMoE(torch.nn.Module):
     dispatch tokens (``variant``), then a projection to the vocabulary."""
 
     VARIANTS = ("argsort_index_add", "sort_index_put", "argsort_of_perm", "index_select_scatter_back",
-                "fallback_grouped_mm")
+                "fallback_grouped_mm", "boolean_selection")
 
     def __init__(self, variant: str, experts: int = 4, k: int = 2, dim: int = 16):
         super().__init__()
@@ -141,6 +141,12 @@ class HandMoE(torch.nn.Module):
             rows = torch.bmm(x.index_select(0, perm // k).unsqueeze(1), self.w.index_select(0, ids[perm]))
             rows = rows.squeeze(1) * weights.index_select(0, perm).unsqueeze(-1)
             return torch.zeros_like(x).index_add(0, perm // k, rows)
+        if variant == "boolean_selection":  # a loop over the experts: each one's (token, slot) pairs by a mask
+            pairs, out = x.repeat_interleave(k, 0), torch.zeros(x.shape[0] * k, x.shape[1])
+            for e in range(self.w.shape[0]):
+                mask = ids == e
+                out[mask] = (pairs[mask] @ self.w[e]).relu() * weights[mask].unsqueeze(-1)
+            return out.view(-1, k, x.shape[1]).sum(1)
         keys, perm = torch.sort(ids)  # transformers' own steps: histc counts, offsets, its grouped matmul
         counts = torch.histc(keys.float(), bins=self.w.shape[0], min=0, max=self.w.shape[0] - 1)
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)

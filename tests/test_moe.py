@@ -82,7 +82,8 @@ def test_router_aux_loss_is_global(pool, parity_report, family, P):
 
 def test_hand_written_dispatch_matches_one_device(pool):
     """argsort / sort, gathers by perm // k or index_select, put back by index_add, index_put, the inverse as
-    argsort(perm) or inv[perm] = arange(n), experts as per-row weights or transformers' grouped matmul."""
+    argsort(perm) or inv[perm] = arange(n), experts as per-row weights or transformers' grouped matmul; and a
+    loop over the experts selecting each one's rows by a boolean mask and writing them back by it."""
     import transformers.integrations.moe  # noqa: F401
 
     seq_len = 13
@@ -137,6 +138,12 @@ BROKEN = {
         "transformers.grouped_mm_fallback", "not the counts of the sort that ordered its rows"),
     "back_by_another_sorts_inverse": (lambda x, ids: _sorted(x, ids)[2][ids.argsort().argsort()],
                                       "aten.index.Tensor", "other than by the sort's inverse"),
+    "selected_rows_summed": (lambda x, ids: x + x[ids[::2] == 0].sum(0), "aten.sum.dim_IntList",
+                             "other than row by row"),
+    "selected_rows_returned": (lambda x, ids: x[ids[::2] == 0], "returns", "each rank orders only its own rows"),
+    "selected_rows_put_back_by_another_mask": (
+        lambda x, ids: torch.zeros_like(x).index_put((ids[::2] == 1,), x[ids[::2] == 0] * 2),
+        "aten.index_put.default", "not a sort's indices"),
 }
 
 
@@ -152,8 +159,8 @@ class Dispatch(torch.nn.Module):
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_reordering_that_reaches_other_rows_is_refused(group, case):
-    """Each form lets a row the sort moved meet a row in sequence order, a count, a positional transport, a
-    tensor without the sequence, another sort's groups or inverse, or the caller."""
+    """Each form lets a row the sort (or a boolean mask) moved meet a row in sequence order, a count, a positional
+    transport, a tensor without the sequence, another sort's groups or inverse, another mask, or the caller."""
     import transformers.integrations.moe  # noqa: F401
 
     import cp_passes

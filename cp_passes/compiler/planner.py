@@ -206,16 +206,21 @@ def _returns_alias(node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and any(r.alias_info is not None for r in target._schema.returns)
 
 
-def _check_mutation(ctx: RuleContext) -> None:
+def _check_mutation(ctx: RuleContext, write_back: bool = False) -> None:
     """An in-place op is read as the value it returns. That holds only if nothing else observes the mutated
-    tensor afterwards: no view of it (taken before or after), no later reader, and it is no view or input."""
+    tensor afterwards: no view of it (taken before or after), no later reader, and it is no view or input.
+    ``write_back``: reordered rows put back in their places (``out[mask] = rows`` in a loop over experts), which
+    leaves the tensor what it was (rows in sequence order), so later readers and a chain of such writes are
+    fine."""
     order = {n: i for i, n in enumerate(ctx.node.graph.nodes)}
     for arg in ctx.node.target._schema.arguments:
         x = ctx.args.get(arg.name)
         if arg.alias_info is None or not arg.alias_info.is_write or not isinstance(x, torch.fx.Node):
             continue
-        observers = [u for u in x.users if u is not ctx.node and (order[u] > order[ctx.node] or _returns_alias(u))]
-        if x.op == "placeholder" or _returns_alias(x) or observers:
+        observers = [u for u in x.users if u is not ctx.node
+                     and ((order[u] > order[ctx.node] and not write_back) or _returns_alias(u))]
+        chained = write_back and out_of_place(x.target) in permutations.WRITE_BACKS
+        if x.op == "placeholder" or (_returns_alias(x) and not chained) or observers:
             what = ("an input of the compiled module" if x.op == "placeholder" else
                     f"a view ({op_name(x)})" if _returns_alias(x) else
                     f"also read by {', '.join(op_name(u) for u in observers)} at {source_line(observers[0])}")
@@ -348,9 +353,10 @@ def _plan_node(ctx: RuleContext, origins: dict):
     counts = _row_counts(ctx)
     if node.target.overloadpacket is not aten.arange and not counts:
         _check_length_values(ctx)
-    if node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node)):
-        _check_mutation(ctx)
+    mutates = node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node))
     reordered = permutations.involved(ctx)
+    if mutates:
+        _check_mutation(ctx, write_back=reordered and permutations.writes_back(ctx))
     if partial_in and not reordered:
         return _partial_rule(ctx, origins[partial_in[0]], counts)
     if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS and not reordered:

@@ -14,7 +14,8 @@ undone. The planner tracks an :class:`Order` for each value that carries one:
   cumulative sum: the rank's own, right for grouping the rank's own reordered rows and nothing else.
 
 Rows return to sequence order by ``rows[inverse]`` or by scattering them through the index
-(``out.index_add_(0, perm // k, rows)``, ``out[perm] = rows``). Anything else that meets an ordered value is
+(``out.index_add_(0, perm // k, rows)``, ``out[perm] = rows``). Rows a boolean mask picks (``x[mask]``,
+``selected``: an unbacked number of them) pass through row-wise ops only until ``out[mask] = rows``. Anything else that meets an ordered value is
 refused: a reordered row combined with a row in sequence order, a reordered value returned, a count read as
 a number, a transport that moves rows by position.
 """
@@ -30,7 +31,7 @@ import torch.fx
 
 from ..errors import op_name, source_line
 from ..graph.analysis import expr_of, meta_val, seq_dims
-from .registry import NO_RULE_FIX, Rewrite, RuleContext, lookup_rule
+from .registry import NO_RULE_FIX, Rewrite, RuleContext, lookup_rule, out_of_place
 
 aten = torch.ops.aten
 
@@ -61,6 +62,18 @@ _CASTS = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_la
 _GATHERS = {aten.index.Tensor, aten.index_select.default}
 _SCATTERS = {aten.index_add.default, aten.index_add_.default, aten.index_copy.default, aten.index_copy_.default,
              aten.index_put.default, aten.index_put_.default}
+WRITE_BACKS = {aten.index_put.default, aten.index_add.default, aten.index_copy.default}
+
+
+def writes_back(ctx: RuleContext) -> bool:
+    """An in-place write of reordered rows (``out[mask] = rows`` in a loop over experts,
+    ``out.index_add_(0, perm // k, rows)``): if its rule accepts it, the rows go back to their places and
+    ``out`` stays rows in sequence order, so later readers of ``out`` and a chain of such writes are fine."""
+    if out_of_place(ctx.node.target) not in WRITE_BACKS:
+        return False
+    source = ctx.args.get("values", ctx.args.get("source"))
+    order = ctx.orders.get(source)
+    return order is not None and order.kind in ("keys", "rows", "selected")
 _ORDER_FREE_TRANSPORTS = {"reductions"}
 """Transports whose result does not depend on the order of the rows they reduce."""
 
@@ -100,7 +113,29 @@ def involved(ctx: RuleContext) -> bool:
         return True
     if node.target in SORTS:
         return _sortable(ctx)
+    if node.target is aten.index.Tensor:
+        return _selection(ctx) is not None
     return node.target is aten.arange.default and _inverse_numbering(ctx) is not None
+
+
+_SIZES = {aten.sym_size.int, aten.sym_numel.default, aten.sym_size.default}
+_METADATA = {*_SIZES, aten.sym_stride.int, aten._assert_tensor_metadata.default}
+
+
+def _selection(ctx: RuleContext) -> torch.fx.Node | None:
+    """The mask of ``x[mask]``: a boolean mask over x's leading dims, sharded as they are (an expert's tokens,
+    ``x[ids == e]``), when the selected rows are read as values (``x[mask]`` only measured is a count)."""
+    x, indices = ctx.arg("self"), ctx.arg("indices")
+    if len(indices) != 1 or not isinstance(indices[0], torch.fx.Node) or x in ctx.orders:
+        return None
+    mask, val = indices[0], meta_val(indices[0])
+    if val.dtype != torch.bool or not ctx.is_seq(mask) or mask in ctx.orders:
+        return None
+    if tuple(meta_val(x).shape[:val.dim()]) != tuple(val.shape) or ctx.seq_dims(x)[:1] != ctx.seq_dims(mask)[:1]:
+        return None
+    if all(u.target in _SIZES for u in ctx.node.users):
+        return None
+    return mask
 
 
 def _sortable(ctx: RuleContext) -> bool:
@@ -132,6 +167,8 @@ def plan(ctx: RuleContext):
         ctx.orders[node] = replace(_inverse_numbering(ctx), kind="numbers")
         return None
     ordered = {a: ctx.orders[a] for a in node.all_input_nodes if a in ctx.orders}
+    if node.target in _METADATA:
+        return None  # a size or dtype: the same whichever order the rows are in
     if node.target in _GATHERS:
         return _gather(ctx, ordered)
     if node.target in _SCATTERS:
@@ -170,6 +207,10 @@ def _gather(ctx: RuleContext, ordered: dict):
     """``x[perm]``, ``x[perm // k]``, ``index_select(x, 0, perm)``: x's rows in the sort's order;
     ``rows[inverse]``: back in sequence order; ``table[keys]``: a lookup per reordered row."""
     x = ctx.arg("self")
+    mask = _selection(ctx) if ctx.node.target is aten.index.Tensor else None
+    if mask is not None:
+        ctx.orders[ctx.node] = Order("selected", mask)
+        return None
     if ctx.node.target is aten.index.Tensor:
         indices = ctx.arg("indices")
         picked = [(d, i) for d, i in enumerate(indices) if i is not None]
@@ -215,6 +256,8 @@ def _scatter(ctx: RuleContext, ordered: dict):
     out = ctx.arg("self")
     order = ordered.get(index)
     src = ordered.get(source)
+    if src is not None and src.kind == "selected" and index is src.sort and order is None and out not in ordered:
+        return None  # out[mask] = rows selected by the same mask: back in their places
     if order is None or order.kind != "index" or out in ordered or dim != 0:
         return _refuse_use(ctx, ordered, "it writes through an index that is not a sort's indices")
     if src is not None and src.kind == "numbers" and src.sort is order.sort:
@@ -266,10 +309,46 @@ def _divide(ctx: RuleContext, ordered: dict):
     return None
 
 
+_ROWWISE_ON_SELECTIONS = {aten.linear.default, aten.mm.default, aten.matmul.default, aten.chunk.default,
+                          aten.split.Tensor, aten.split_with_sizes.default, aten.unsqueeze.default}
+"""Ops besides the pointwise ones that keep each selected row to itself (the row axis, dim 0, untouched when
+they act on the last dims)."""
+
+
+def _selected_rowwise(ctx: RuleContext, ordered: dict):
+    """Rows picked by a boolean mask (``x[mask]``: an unbacked number of rows, no sequence dim in the shape,
+    so the op rules cannot see the row axis): only ops that keep dim 0 row for row, until ``out[mask] = rows``
+    puts them back."""
+    (order,) = set(ordered.values())
+    target = ctx.node.target
+    pointwise = isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    dim = ctx.args.get("dim")
+    rows = meta_val(next(iter(ordered))).shape[0]
+    outputs = meta_val(ctx.node)
+    outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+    keeps_rows = all(isinstance(o, torch.Tensor) and o.dim() > 0 and _same_length(expr_of(o.shape[0]), expr_of(rows))
+                     for o in outputs)
+    first = ctx.node.args[0] if ctx.node.args else None
+    along_rows = target is not aten.unsqueeze.default and isinstance(dim, int) and dim % ctx.ndim(first) == 0
+    ok = (pointwise or target in _CASTS or target in _ROWWISE_ON_SELECTIONS) and keeps_rows and not along_rows \
+        and not (target in (aten.mm.default, aten.matmul.default) and first not in ordered) \
+        and not any(ctx.is_seq(t) or ctx.is_partial(t) for t in ctx.tensor_inputs())
+    if not ok:
+        ctx.refuse(f"it reads rows that the boolean mask '{order.sort.name}' picked ({op_name(order.sort)} at "
+                   f"{source_line(order.sort)}) other than row by row; cp_passes follows such rows through "
+                   f"row-wise ops only, until out[mask] = rows puts them back",
+                   "use a form without boolean selection (transformers MoE: experts_implementation=\"grouped_mm\"), "
+                   "or keep each selected row to itself until it is written back")
+    ctx.orders[ctx.node] = order
+    return None
+
+
 def _rowwise(ctx: RuleContext, ordered: dict):
     """Any other op: row-wise on rows of one sort's order (and values free of the sequence), as its own rule
     decides; a reordered row never meets a row in sequence order."""
     kinds = {o.kind for o in ordered.values()}
+    if kinds == {"selected"} and len({o.sort for o in ordered.values()}) == 1:
+        return _selected_rowwise(ctx, ordered)
     if not kinds <= {"keys", "rows"}:
         return _refuse_use(ctx, ordered, f"it reads {_kind_words(ordered)} as data")
     sorts = {o.sort for o in ordered.values()}
@@ -301,7 +380,7 @@ def _carries_rows(ctx: RuleContext) -> bool:
 
 
 def _kind_words(ordered: dict) -> str:
-    words = {"index": "a sort's indices", "inverse": "a sort's inverse", "counts": "per-group counts of this "
+    words = {"selected": "rows a boolean mask picked", "index": "a sort's indices", "inverse": "a sort's inverse", "counts": "per-group counts of this "
              "rank's rows", "offsets": "per-group offsets of this rank's rows", "numbers": "local row numbers"}
     return " and ".join(sorted({words.get(o.kind, "reordered rows") for o in ordered.values()}))
 
