@@ -105,15 +105,13 @@ def _partial_rule(ctx: RuleContext, origin: torch.fx.Node, lengths: tuple[str, .
     first = ctx.node.args[0] if ctx.node.args else None
     reads = [a for a in _argument_nodes(ctx.node) if ctx.is_partial(a)]  # by argument: mul(p, p) reads p twice
     ok = False
-    if lengths:
-        ok = False  # a row count from the length: the division needs the global count
-    elif packet in _PARTIAL_LINEAR:
+    if packet in _PARTIAL_LINEAR:
         ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
               and (packet not in _CASTS or _linear_cast(ctx)))
     elif packet is aten.mul:
         ok = len(reads) == 1 and not any(ctx.is_seq(t) for t in others)
-    elif packet is aten.div:
-        ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
+    elif packet is aten.div:  # over a row count from the length (``lengths``) it needs the global count
+        ok = (not lengths and reads == [first] and not any(ctx.is_seq(t) for t in others)
               and ctx.args.get("rounding_mode") is None)
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
