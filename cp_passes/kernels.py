@@ -31,23 +31,43 @@ _KERNELS: dict[str, tuple[object, object]] = {}
 """``Recurrence.kernel`` -> (the original function, its :class:`~cp_passes.spec.Recurrence`)."""
 
 
+def _literal(value) -> str | None:
+    """``value`` as text that :func:`decode_options` reads back, or None for anything but a plain constant (a
+    bool, int, float (infinite too), short string or a tuple of them)."""
+    if isinstance(value, (bool, int)) or value is None:
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("-1e999" if value < 0 else "1e999") if value == value else None
+    if isinstance(value, str):
+        return None if set(value) & set(";=\\'\"") else repr(value)
+    if isinstance(value, tuple):
+        parts = [_literal(v) for v in value]
+        return None if None in parts else "(" + "".join(p + "," for p in parts) + ")"
+    return None
+
+
 def encode_options(what: str, options: dict, hint: str = "") -> str:
-    """Constant arguments of an op-wrapped call (``what``) as op-schema text (``name=repr;...``; dynamo traces
+    """Constant arguments of an op-wrapped call (``what``) as op-schema text (``name=literal;...``; dynamo traces
     f-strings); ValueError for anything but plain constants, with ``hint``."""
-    for name, value in options.items():
-        if not (isinstance(value, (bool, int)) or (isinstance(value, float) and math.isfinite(value))
-                or (isinstance(value, str) and not set(value) & set(";=\\'\""))):
+    text = []
+    for name, value in sorted(options.items()):
+        literal = _literal(value)
+        if literal is None:
             raise ValueError(f"cp_passes passes only plain constants to {what}, and its argument {name!r} is "
                              f"{value!r}{hint}")
-    return ";".join(f"{name}={value!r}" for name, value in sorted(options.items()))
+        text.append(f"{name}={literal}")
+    return ";".join(text)
 
 
 def decode_options(options: str) -> dict:
     return {name: ast.literal_eval(value) for name, value in (o.split("=", 1) for o in options.split(";") if o)}
 
 
-_CONSTANTS_HINT = ("; a tensor argument (cu_seqlens, a parameter) must be declared among the Recurrence's "
-                   "sequence_args if it carries the sequence, or the call changed")
+_CONSTANTS_HINT = ("; a tensor argument must be declared among the Recurrence's sequence_args if it carries the "
+                   "sequence, or its tensor_args if not (a parameter such as Mamba-2's A, D, dt_bias)")
+
+_TENSORS = "_tensors"
+"""The option naming the tensor arguments (``Recurrence.tensor_args``) a call passes after its sequence ones."""
 
 
 def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.Tensor, bool]:
@@ -64,17 +84,27 @@ def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.
 def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
     fn, rec = _KERNELS[kernel]
     kwargs = decode_options(options)
+    tensors = [t for t in kwargs.pop(_TENSORS, "").split(",") if t]
+    sequence, rest = args[:len(rec.sequence_args)], args[len(rec.sequence_args):]
+    kwargs.update(zip(tensors, rest))
     kwargs[rec.output_final_state] = True
     if documents is not None:
-        local, starts = _segments(documents, offset, args[0].shape[rec.seq_dim])
+        local, starts = _segments(documents, offset, sequence[0].shape[rec.seq_dim])
         kwargs[rec.documents] = local
         if initial_state is not None:  # one state per segment: the carried one (or zeros) first
             first = initial_state * 0 if starts else initial_state
             initial_state = torch.cat([first, first.new_zeros(len(local) - 2, *first.shape[1:])])
     kwargs[rec.initial_state] = initial_state
-    # The sequence arguments by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v.
-    out = fn(*args, **kwargs)
+    if _leading(rec, fn):  # by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v
+        out = fn(*sequence, **kwargs)
+    else:
+        out = fn(**dict(zip(rec.sequence_args, sequence)), **kwargs)
     return out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
+
+
+def _leading(rec, fn) -> bool:
+    """Whether the sequence arguments are the kernel's first parameters, in order."""
+    return list(inspect.signature(fn).parameters)[:len(rec.sequence_args)] == list(rec.sequence_args)
 
 
 @torch.library.custom_op("cp_passes::recurrence", mutates_args=())
@@ -92,27 +122,50 @@ def recurrence_op(kernel: str, args: list[torch.Tensor], initial_state: torch.Te
 _SHAPES: dict[tuple, tuple] = {}
 
 
+def _tiny(rec, args, extra: int = 0) -> list[torch.Tensor]:
+    """Zeros shaped as ``args`` with one position (the sequence arguments), the value ``extra`` columns wider."""
+    value = rec.sequence_args.index(rec.value_arg) if rec.value_arg in rec.sequence_args else -1
+    tiny = []
+    for i, a in enumerate(args):
+        shape = [1 if i < len(rec.sequence_args) and d == rec.seq_dim else int(s) for d, s in enumerate(a.shape)]
+        if i == value:
+            shape[-1] += extra
+        tiny.append(torch.zeros(shape, dtype=a.dtype, device=a.device))
+    return tiny
+
+
 def _shapes(kernel: str, args, initial_state, options: str) -> tuple:
-    """``((output shape, dtype), (state shape, dtype))`` of the real kernel at sequence length 1 (concrete and
-    tiny), to shape the fake; cached by the other dims."""
+    """``((output shape, dtype), (state shape, dtype), value axis)`` of the real kernel at sequence length 1
+    (concrete and tiny), to shape the fake, cached by the other dims. The value axis is the state's axis that
+    grows with ``value_arg``'s last dim (None if none does)."""
     _, rec = _KERNELS[kernel]
-    key = (kernel, options, *((str(tuple(a.shape[:rec.seq_dim] + a.shape[rec.seq_dim + 1:])), a.dtype, a.device)
-                              for a in args),
+    n = len(rec.sequence_args)
+    key = (kernel, options, *((str(tuple(a.shape[:rec.seq_dim] + a.shape[rec.seq_dim + 1:])) if i < n
+                               else str(tuple(a.shape)), a.dtype, a.device) for i, a in enumerate(args)),
            None if initial_state is None else (str(tuple(initial_state.shape)), initial_state.dtype))
     if key not in _SHAPES:
         with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
-            tiny = [torch.zeros([1 if d == rec.seq_dim else int(s) for d, s in enumerate(a.shape)], dtype=a.dtype,
-                                device=a.device) for a in args]
             state = None if initial_state is None else torch.zeros(
                 [int(s) for s in initial_state.shape], dtype=initial_state.dtype, device=initial_state.device)
-            out, final = _call(kernel, tiny, state, options)
-        _SHAPES[key] = ((tuple(out.shape), out.dtype), (tuple(final.shape), final.dtype))
+            out, final = _call(kernel, _tiny(rec, args), state, options)
+            value_axis = None
+            if rec.form == "affine" and state is None:
+                _, wider = _call(kernel, _tiny(rec, args, extra=1), None, options)
+                grown = [d - final.dim() for d in range(final.dim()) if wider.shape[d] == final.shape[d] + 1]
+                value_axis = grown[0] if len(grown) == 1 and wider.dim() == final.dim() else None
+        _SHAPES[key] = ((tuple(out.shape), out.dtype), (tuple(final.shape), final.dtype), value_axis)
     return _SHAPES[key]
+
+
+def value_axis(kernel: str, args, options: str) -> int | None:
+    """The axis (-1 or -2, or another negative dim) of the state that the kernel's value widens, read from
+    the kernel at one position (:func:`_shapes`); None when no single axis does."""
+    return _shapes(kernel, args, None, options)[2]
 
 
 @recurrence_op.register_fake
 def _(kernel, args, initial_state, options, documents, offset):
-    (out, out_dtype), (state, state_dtype) = _shapes(kernel, args, initial_state, options)
+    (out, out_dtype), (state, state_dtype), _ = _shapes(kernel, args, initial_state, options)
     _, rec = _KERNELS[kernel]
     length = args[0].shape[rec.seq_dim]
     shape = [length if d == rec.seq_dim else s for d, s in enumerate(out)]
@@ -190,12 +243,14 @@ def install(recurrences) -> None:
 
 
 def _check(rec, fn) -> None:
-    """The declaration must name the kernel's own parameters: its sequence arguments first, in order (they
-    are passed by position), and its initial-state and final-state parameters."""
+    """The declaration must name the kernel's own parameters: its sequence and tensor arguments, and its
+    initial-state and final-state parameters."""
     params = list(inspect.signature(fn).parameters)
-    if params[:len(rec.sequence_args)] != list(rec.sequence_args):
-        raise ValueError(f"Recurrence {rec.kernel}: sequence_args {rec.sequence_args} must be the kernel's first "
-                         f"parameters in order; it takes {params}")
+    for field in ("sequence_args", "tensor_args"):
+        missing = [a for a in getattr(rec, field) if a not in params]
+        if missing:
+            raise ValueError(f"Recurrence {rec.kernel}: {field} {missing} are not parameters of the kernel; it "
+                             f"takes {params}")
     for field in ("initial_state", "output_final_state", *(("documents",) if rec.documents else ())):
         if getattr(rec, field) not in params:
             raise ValueError(f"Recurrence {rec.kernel}: {field}={getattr(rec, field)!r} is not a parameter of the "
@@ -204,10 +259,13 @@ def _check(rec, fn) -> None:
 
 def _wrapper(rec, fn):
     signature = inspect.signature(fn)
-    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, rec.documents, *rec.sequence_args}
+    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, rec.documents,
+                                         *rec.sequence_args, *rec.tensor_args}
+    positional = [p.name for p in signature.parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
     def call(*args, **kwargs):
-        bound = dict(zip(signature.parameters, args), **kwargs)
+        bound = dict(zip(positional, args), **kwargs)
         packed = [k for k in _PACKING if k != rec.documents and bound.get(k) is not None]
         if packed:
             raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents), "
@@ -218,12 +276,17 @@ def _wrapper(rec, fn):
             # One state per document in or out (generation with a cache): the op carries one. Run the kernel
             # itself; under cp_compile its loop then pins the length, which is refused naming the line.
             return fn(*args, **kwargs)
+        tensors = [a for a in rec.tensor_args if bound.get(a) is not None]
         options = {k: v for k, v in bound.items() if k in named and v is not None}
-        out, state = torch.ops.cp_passes.recurrence(rec.kernel, [bound[a] for a in rec.sequence_args],
-                                                    bound.get(rec.initial_state), encode_options(
-                                                        f"the recurrent kernel {rec.kernel}", options, _CONSTANTS_HINT),
-                                                    documents, 0)
-        return out, (state if bound.get(rec.output_final_state) else None)
+        if tensors:
+            options[_TENSORS] = ",".join(tensors)
+        out, state = torch.ops.cp_passes.recurrence(
+            rec.kernel, [bound[a] for a in rec.sequence_args] + [bound[a] for a in tensors],
+            bound.get(rec.initial_state),
+            encode_options(f"the recurrent kernel {rec.kernel}", options, _CONSTANTS_HINT), documents, 0)
+        if bound.get(rec.output_final_state):
+            return out, state
+        return out if rec.output_alone else (out, None)
 
     call.cp_passes_recurrence = rec.kernel
     call.__wrapped__ = fn

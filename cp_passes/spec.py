@@ -65,21 +65,30 @@ class Recurrence:
     """``"package.module:function"``: the module attribute the model's code reads at call time. cp_passes
     replaces it with a captured call of the original (which may itself dispatch to a hub kernel on GPU)."""
     sequence_args: tuple[str, ...]
-    """The kernel's tensor arguments that carry the sequence (on ``seq_dim``), in order; the first gives
-    the output's shape outside its last dim."""
+    """The kernel's parameters that carry the sequence (tensors, on ``seq_dim``), by name, in any order; the
+    first gives the output's shape outside its last dim."""
     form: str = "affine"
-    """How ranks get their initial state. ``"affine"``: the state is ``[batch, heads, K, V]`` for a key
-    ``[batch, seq, heads, K]`` and a value ``[batch, seq, heads, V]`` (the flash-linear-attention layout),
-    and a shard's final state is ``M @ S0 + h``; every rank reads its ``[h | M]`` from one extra call (values
+    """How ranks get their initial state. ``"affine"``: a shard's final state is an affine map of its initial
+    one, acting on the state's key axis: ``M @ S0 + h`` for a state ``[..., K, V]`` (the flash-linear-attention
+    layout: linear attention, the gated delta rule, KDA), ``S0 @ M + h`` for ``[..., V, K]`` (Mamba-2's
+    ``[batch, heads, head_dim, d_state]``). Which of the state's last two axes is V is read from the kernel (the
+    axis that grows when ``value_arg`` does). Every rank reads its ``[h | M]`` from one extra call (values
     extended with K zero columns from the state ``[0 | I]``), one all-gather, then folds its predecessors'
-    maps (linear attention, the gated delta rule, KDA). ``"sequential"``: any state; P - 1 rounds, in each
-    of which every rank runs from its predecessor's last final state (P calls of the kernel per rank)."""
+    maps. ``"sequential"``: any state; P - 1 rounds, in each of which every rank runs from its predecessor's
+    last final state (P calls of the kernel per rank)."""
     initial_state: str = "initial_state"
-    """The argument that takes the initial state."""
+    """The parameter that takes the initial state."""
     output_final_state: str = "output_final_state"
     """The flag that asks for the final state (returned second)."""
     value_arg: str = "value"
-    """For ``"affine"``: the argument whose last dim is the state's V (extended by K zero columns)."""
+    """For ``"affine"``: the sequence argument whose last dim is the state's V (extended by K zero columns)."""
+    tensor_args: tuple[str, ...] = ()
+    """The kernel's tensor parameters that do not carry the sequence (Mamba-2's ``A``, ``D``, ``dt_bias``): passed
+    whole on every rank, with their gradients. Any other argument must be a plain constant (``chunk_size``, a
+    flag, a tuple of numbers)."""
+    output_alone: bool = False
+    """The kernel returns its output alone, not ``(output, None)``, when the final state is not asked for
+    (Mamba-2's ``mamba2_chunk_scan``)."""
     seq_dim: int = 1
     documents: str | None = None
     """The argument that takes packed documents' boundaries, ``cu_seqlens`` in flash-linear-attention's
@@ -92,8 +101,13 @@ class Recurrence:
         if not isinstance(self.kernel, str) or self.kernel.count(":") != 1:
             raise ValueError(f"Recurrence.kernel must be 'package.module:function', got {self.kernel!r}")
         _check_names("sequence_args", self.sequence_args)
+        _check_names("tensor_args", self.tensor_args)
         if not self.sequence_args:
             raise ValueError("Recurrence.sequence_args must name at least one argument")
+        both = set(self.sequence_args) & set(self.tensor_args)
+        if both:
+            raise ValueError(f"Recurrence names {sorted(both)} in both sequence_args and tensor_args; an argument "
+                             f"either carries the sequence or not")
         if self.form not in ("affine", "sequential"):
             raise ValueError(f"Recurrence.form must be 'affine' or 'sequential', got {self.form!r}")
         if self.form == "affine" and self.value_arg not in self.sequence_args:
@@ -372,7 +386,9 @@ def available_specs() -> list[str]:
 def load_spec(name_or_path: str, config=None) -> CPSpec:
     """Load ``SPEC`` from ``model_specs/<name>.py`` or from a ``.py`` file path; given the model's ``config``,
     the spec the file's ``for_config(config)`` reads from it, where the file defines one (DeepSeek V4's
-    ``pad_multiple`` from its compression rates)."""
+    ``pad_multiple`` from its compression rates). A shipped file may list the transformers ``model_type``
+    values it serves in ``MODEL_TYPES`` (default: its name), which ``cp_compile(model, spec=None)`` picks it
+    by."""
     if name_or_path.endswith(".py"):
         if not os.path.exists(name_or_path):
             raise FileNotFoundError(f"no spec file {name_or_path!r}")
@@ -397,11 +413,33 @@ def load_spec(name_or_path: str, config=None) -> CPSpec:
     return spec
 
 
+def model_types(name: str) -> tuple[str, ...]:
+    """The transformers ``model_type`` values shipped spec ``name`` serves: its file's ``MODEL_TYPES``, else its
+    name."""
+    return tuple(getattr(importlib.import_module(f"model_specs.{name}"), "MODEL_TYPES", (name,)))
+
+
+def shipped_spec_for(config) -> str | None:
+    """The name of the shipped spec that serves ``config.model_type`` (a transformers config), or None."""
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model_type, str):
+        return None
+    return next((name for name in available_specs() if model_type in model_types(name)), None)
+
+
+def shipped_spec_declaring(kernel: str) -> str | None:
+    """The name of a shipped spec that declares the recurrent kernel ``kernel`` (``module:function``), or None."""
+    return next((name for name in available_specs()
+                 if any(r.kernel == kernel for r in load_spec(name).recurrences)), None)
+
+
 def resolve_spec(spec, config=None) -> CPSpec:
     """``spec`` as cp_compile takes it: a CPSpec, a spec name or ``.py`` path (read for the model's ``config``
-    where the file can), or None (the default)."""
+    where the file can), or None: the shipped spec for the config's ``model_type`` (:func:`shipped_spec_for`),
+    else the default."""
     if spec is None:
-        return CPSpec()
+        picked = shipped_spec_for(config)
+        return CPSpec() if picked is None else load_spec(picked, config)
     if isinstance(spec, str):
         return load_spec(spec, config)
     if not isinstance(spec, CPSpec):

@@ -23,6 +23,17 @@ def recurrence_rule(ctx: RuleContext):
             ctx.refuse(f"argument {name!r} of the recurrent kernel {rec.kernel} carries the sequence on dims "
                        f"{ctx.seq_dims(arg)}, not on dim {rec.seq_dim} alone",
                        "pass the kernel [batch, seq, ...] tensors, or fix the Recurrence's seq_dim")
+    for arg in args[len(rec.sequence_args):]:
+        if ctx.is_seq(arg):
+            ctx.refuse(f"a tensor argument of the recurrent kernel {rec.kernel} declared in tensor_args "
+                       f"{rec.tensor_args} carries the sequence (dims {ctx.seq_dims(arg)})",
+                       "declare it among the Recurrence's sequence_args")
+    request = Carry(ctx.node, rec)
+    if rec.form == "affine" and request.value_axis not in (-1, -2):
+        ctx.refuse(f"the affine carry of {rec.kernel} extends its value {rec.value_arg!r} by K columns, but no single "
+                   f"one of the state's last two axes {tuple(request.state.shape)} grows with it",
+                   "name the argument whose last dim is the state's V in value_arg, or declare form='sequential' "
+                   "(any state; P kernel calls per rank)")
     if initial_state is not None and ctx.is_seq(initial_state):
         ctx.refuse("its initial state is sharded along the sequence", "pass one state for the whole sequence")
     if documents is not None and ctx.is_seq(documents):
@@ -37,5 +48,5 @@ def recurrence_rule(ctx: RuleContext):
     how = ("every rank's [h | M] gathered and folded; the kernel runs twice per rank, once on K more value "
            "columns, ranks in parallel" if rec.form == "affine"
            else f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
-    return Rewrite(f"carry_{rec.form}", "carry", Carry(ctx.node, rec),
+    return Rewrite(f"carry_{rec.form}", "carry", request,
                    note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")

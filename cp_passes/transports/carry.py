@@ -3,7 +3,7 @@
 The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.kernels`). Two algorithms, as
 the spec's :class:`~cp_passes.spec.Recurrence` chooses:
 
-- ``affine``: a shard's final state is ``M @ S0 + h``. Every rank runs the kernel once more on its shard
+- ``affine``: a shard's final state is ``M @ S0 + h`` (``S0 @ M + h`` for a ``[..., V, K]`` state). Every rank runs the kernel once more on its shard
   with values extended by K zero columns from the state ``[0 | I]``, which returns ``[h | M]``; one
   all-gather of those (backward: a reduce-scatter); each rank folds its predecessors'
   ``S <- M_q @ S + h_q`` and runs the kernel from the true ``S0``. Ranks work in parallel.
@@ -24,6 +24,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val
 from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
+from ..kernels import value_axis as kernel_value_axis
 from ..layout import Layout
 from .base import Cost, Transport, register_transport
 from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
@@ -42,6 +43,12 @@ class Carry:
     def state(self) -> torch.Tensor:
         return meta_val(self.node)[1]
 
+    @property
+    def value_axis(self) -> int | None:
+        """The state's V axis for the affine form (read from the kernel: :func:`cp_passes.kernels.value_axis`)."""
+        kernel, args, _, options, _, _ = self.node.args
+        return kernel_value_axis(kernel, [meta_val(a) for a in args], options)
+
 
 def shard_start(rank: int, world: int, local_len):
     """The global position of this rank's first row (a carry's shards are contiguous)."""
@@ -49,28 +56,35 @@ def shard_start(rank: int, world: int, local_len):
 
 
 def affine_summary(kernel: str, args: list[torch.Tensor], options: str, value: int, state: list[int],
-                   dtype: torch.dtype, documents, offset) -> torch.Tensor:
-    """``[h | M]`` of this rank's shard: the kernel from the state ``[0 | I]`` on values extended by K zero
-    columns (``h``: the final state from zeros; ``M``: how the final state depends on the initial one).
-    ``state`` is the kernel's state shape ``[..., K, V]``. With packed documents, a shard in which a document
-    starts (at its first position or later) has ``M = 0``: the kernel restarts the state there."""
-    *batch, n_k, n_v = state
+                   value_axis: int, dtype: torch.dtype, documents, offset) -> torch.Tensor:
+    """``[h | M]`` of this rank's shard, in the ``[..., K, V]`` layout: the kernel from the state ``[0 | I]`` on
+    values extended by K zero columns (``h``: the final state from zeros; ``M``: how the final state depends on
+    the initial one). ``state`` is the kernel's state shape, whose ``value_axis`` (-1 or -2) is V; a
+    ``[..., V, K]`` state runs from ``[0 ; I]`` and its result is transposed. With packed documents, a shard in
+    which a document starts (at its first position or later) has ``M = 0``: the kernel restarts the state."""
+    *batch, n_k, n_v = state if value_axis == -1 else (*state[:-2], state[-1], state[-2])
     v = args[value]
     extended = list(args)
     extended[value] = torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1)
     start = torch.cat([torch.zeros(*batch, n_k, n_v, dtype=dtype, device=v.device),
                        torch.eye(n_k, dtype=dtype, device=v.device).expand(*batch, n_k, n_k)], -1)
-    return torch.ops.cp_passes.recurrence(kernel, extended, start, options, documents, offset)[1]
+    if value_axis == -1:
+        return torch.ops.cp_passes.recurrence(kernel, extended, start, options, documents, offset)[1]
+    final = torch.ops.cp_passes.recurrence(kernel, extended, start.transpose(-1, -2), options, documents, offset)[1]
+    return final.transpose(-1, -2)
 
 
-def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int) -> torch.Tensor:
-    """This rank's initial state from every rank's ``[h | M]`` (stacked in rank order): the preceding ranks'
-    maps applied in order to the sequence's initial state. Rank 0 reads ``every`` too (times zero), so that
-    no rank's graph drops the all-gather that the others wait in."""
+def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int, value_axis: int = -1) -> torch.Tensor:
+    """This rank's initial state from every rank's ``[h | M]`` (stacked in rank order, ``[..., K, V + K]``): the
+    preceding ranks' maps applied in order to the sequence's initial state, in the kernel's layout (transposed
+    back when its ``value_axis`` is -2). Rank 0 reads ``every`` too (times zero), so that no rank's graph drops
+    the all-gather that the others wait in."""
+    if initial_state is not None and value_axis == -2:
+        initial_state = initial_state.transpose(-1, -2)
     state = every[0, ..., :n_v] * 0 if initial_state is None else initial_state + every[0, ..., :n_v] * 0
     for q in range(rank):
         state = every[q, ..., n_v:] @ state + every[q, ..., :n_v]
-    return state
+    return state if value_axis == -1 else state.transpose(-1, -2).contiguous()
 
 
 def final_state(kernel: str, args: list[torch.Tensor], state, options: str, documents, offset) -> torch.Tensor:
@@ -98,13 +112,13 @@ class CarryTransport(Transport):
         length = edit.insert(aten.sym_size.int, (args[0], rec.seq_dim), name="cp_carry_length")
         offset = edit.insert(shard_start, (edit.rank, edit.world, length), name="cp_carry_offset")
         if rec.form == "affine":
-            state = request.state
+            state, axis = request.state, request.value_axis
             summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.value_arg),
-                                                   [int(s) for s in state.shape], state.dtype, documents, offset),
-                                  name="cp_carry_summary")
+                                                   [int(s) for s in state.shape], axis, state.dtype, documents,
+                                                   offset), name="cp_carry_summary")
             every = self._gather(edit, summary, "cp_carry_summaries")
-            n_v = state.shape[-1]
-            start = edit.insert(affine_fold, (every, initial_state, n_v, edit.rank), name="cp_carry_in")
+            n_v = int(state.shape[axis])
+            start = edit.insert(affine_fold, (every, initial_state, n_v, edit.rank, axis), name="cp_carry_in")
         else:
             start = initial_state
             for round_ in range(edit.world - 1):
@@ -129,7 +143,8 @@ class CarryTransport(Transport):
         bound = elements * itemsize if rank > 0 else 0  # the predecessor's final state
         others = layout.world - 1
         if request.recurrence.form == "affine":
-            per_rank = elements + elements // shape[-1] * shape[-2]  # [h | M]: K more columns
+            axis = request.value_axis
+            per_rank = elements + elements // shape[axis] * shape[-1 if axis == -2 else -2]  # [h | M]: K more
             return Cost("all_gather [h | M] | bw reduce_scatter", per_rank * others, per_rank * others * itemsize,
                         bound, per_rank * others * itemsize)
         moved = elements * others * others  # P - 1 rounds, each receiving every other rank's state
