@@ -36,3 +36,6 @@ SPEC = CPSpec(
                    ("query", "key", "value", "g", "beta"), form="affine"),
     ),
 )
+
+MODEL_TYPES = ('glm5_next', 'glm5_next_text')
+"""transformers' model types this spec serves: ``cp_compile(model)`` picks it for them."""

@@ -20,3 +20,6 @@ SPEC = CPSpec(
     position_keys=("position_ids",),
     eager_modules=("model.vision_tower",),
 )
+
+MODEL_TYPES = ('inkling2', 'inkling2_text')
+"""transformers' model types this spec serves: ``cp_compile(model)`` picks it for them."""

@@ -14,3 +14,7 @@ SPEC = CPSpec(
     label_keys=("labels", "shift_labels"),
     position_keys=("position_ids",),
 )
+
+MODEL_TYPES = ()
+"""Picked by name only: a Llama model compiled with spec=None gets the default CPSpec(), which reads the same
+from the graph and shards every sequence input it finds (attention masks too)."""

@@ -24,3 +24,6 @@ SPEC = CPSpec(
     position_keys=("position_ids",),
     experts=("*mlp.experts",),
 )
+
+MODEL_TYPES = ('step3p7', 'step3p5')
+"""transformers' model types this spec serves: ``cp_compile(model)`` picks it for them."""

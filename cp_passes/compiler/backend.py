@@ -25,7 +25,7 @@ from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
 from ..eager_modules import install as install_eager_modules
 from ..kernels import install
-from ..spec import CPSpec, resolve_spec
+from ..spec import CPSpec, resolve_spec, shipped_spec_for
 from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
 from ..report.memory import saved_for_backward
@@ -173,6 +173,8 @@ class CPModule(torch.nn.Module):
         self.explain_ranks = explain_ranks
         self.module = model
         self.spec = spec
+        self.spec_origin = "given"
+        """Where ``spec`` came from: "given", the default, or the shipped file ``model.config.model_type`` picked."""
         self.cp = cp
         self.backend = backend
         self.dump_dir = dump_dir
@@ -337,8 +339,9 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
                dump_dir: str | os.PathLike | None = None, verbose: bool = True, explain=None) -> CPModule:
     """Compile ``model`` for context parallelism over ``mesh`` (a 1-D DeviceMesh or a ProcessGroup).
 
-    ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None`` for the defaults of
-    a plain causal LM. ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
+    ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None``: the shipped spec for the
+    model's ``config.model_type`` when there is one (``explain`` names it), else the defaults of a plain causal
+    LM (``CPSpec()`` asks for those whatever the model). ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
     ``dump_dir`` receives every graph and the rewrite table. ``explain`` prints the rewrite table to stderr
     when a graph compiles: ``True`` on every rank, or a collection of ranks; ``None`` reads the environment
     variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). Compilation happens on the
@@ -346,6 +349,12 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    spec = resolve_spec(spec, getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    picked = shipped_spec_for(config) if spec is None else None
+    origin = ("given" if spec is not None else "the default: no shipped spec serves this model" if picked is None
+              else f"model_specs/{picked}.py, picked by model_type {config.model_type!r}")
+    spec = resolve_spec(spec, config)
     spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
-    return CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))
+    compiled = CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))
+    compiled.spec_origin = origin
+    return compiled

@@ -75,10 +75,11 @@ def format_graphs(records) -> str:
 def explain(compiled, print_table: bool = True) -> str:
     """The graphs ``compiled`` (a CPModule) has compiled so far, then the rewrite table of each."""
     records = compiled.compile_records
+    spec = f"cp_passes: spec {compiled.spec.name!r} ({compiled.spec_origin})"
     if not records:
-        text = "cp_passes: nothing compiled yet (the first call compiles)"
+        text = spec + "\ncp_passes: nothing compiled yet (the first call compiles)"
     else:
-        text = "\n\n".join([format_graphs(records)] + [format_record(r) for r in records])
+        text = "\n\n".join([spec + "\n" + format_graphs(records)] + [format_record(r) for r in records])
     if print_table:
         print(text)
     return text

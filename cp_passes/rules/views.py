@@ -13,6 +13,7 @@ from torch.utils._sympy.functions import FloorDiv
 
 from ..errors import kernel_call, op_name, source_line
 from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, static_int, window
+from ..spec import shipped_spec_declaring
 from .reductions import masked_count
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
@@ -254,7 +255,7 @@ def _refuse_length_dependent_pad(ctx: RuleContext, d: int, widths: list) -> None
         f"it pads the sequence axis (dim {d}) up to a multiple of {chunk} ([{shown}]): {where} cuts the sequence "
         f"into chunks of {chunk} positions, as a chunked scan or recurrence does; on a shard it would chunk this "
         f"rank's positions alone, and a state carried from chunk to chunk would not reach the next rank",
-        (f"declare the kernel so that it runs as one op whose state is handed from rank to rank: "
+        (f"declare the kernel so that it runs as one op whose state is handed from rank to rank; "
          f"{_recurrence_declaration(kernel)} (README, 'Recurrent kernels')") if kernel else
         (f"run the recurrence as one function the model calls and declare it in the spec "
          "(CPSpec(recurrences=(Recurrence(\"package.module:function\", ...),)), README 'Recurrent kernels')"),
@@ -279,6 +280,10 @@ def _recurrence_declaration(kernel: tuple) -> str:
     """The spec line declaring ``kernel`` (:func:`kernel_call`) a recurrence, its state arguments named as its
     signature names them."""
     path, _, signature = kernel
+    shipped = shipped_spec_declaring(path)
+    if shipped:
+        return (f"use the spec shipped for it, model_specs/{shipped}.py: cp_compile(model) picks it by the "
+                f"config's model_type, or pass spec={shipped!r}")
     params = list(signature.parameters.values()) if signature is not None else []
     names = [p.name for p in params]
     required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)

@@ -74,10 +74,12 @@ def _explain(args) -> int:
 
 
 def _specs(args) -> int:
-    from ..spec import available_specs, load_spec
+    from ..spec import available_specs, load_spec, model_types
 
     for name in available_specs():
-        print(f"{name}: {load_spec(name)}")
+        types = model_types(name)
+        picked = f" (picked for model_type {', '.join(types)})" if types else ""
+        print(f"{name}{picked}: {load_spec(name)}")
     return 0
 
 
@@ -139,7 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "DIR/rank<r>/graph0/")
     explain.set_defaults(run=_explain)
     specs = sub.add_parser("specs", help="list the model specs shipped in model_specs/",
-                           description="Print every spec in model_specs/ with its fields.")
+                           description="Print every spec in model_specs/, the transformers model types cp_compile(model) "
+                                       "picks it for, and its fields.")
     specs.set_defaults(run=_specs)
     return parser
 
