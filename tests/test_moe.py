@@ -2,33 +2,16 @@
 pairs, gather, count per expert, grouped matmul, put back) is proven local to each rank, and MoE models match
 one device, forward and gradients."""
 
-import math
-
 import pytest
 import torch
 
 from moe_models import HandMoE, reference
 from scenarios import in_global_order, toy_batch
-from test_parity import GRAD_RTOL, OUT_TOL
+from test_parity import compare_valid
 
 
 def _compare(name, family, ranks, seq_len, report, aux=False, documents=None):
-    ref, ref_grads, valid = reference(family, seq_len, aux, documents)
-    logits = in_global_order(ranks, "logits")[:, :seq_len]
-    out_err = (logits - ref.logits.detach())[valid].abs().max().item()
-    loss = sum(r["loss"] for r in ranks)
-    loss_err = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
-    errs = {n: ((sum(r["grads"][n] for r in ranks) - g).abs().max() / g.abs().max()).item()
-            for n, g in ref_grads.items()}
-    assert set(ranks[0]["grads"]) == set(ref_grads)
-    grad_err = math.inf if any(map(math.isnan, errs.values())) else max(errs.values())
-    report.append((name, len(ranks), seq_len, out_err, loss_err, grad_err))
-    assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
-    assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
-    assert grad_err <= GRAD_RTOL, f"{name}: gradients differ by {grad_err} ({max(errs, key=errs.get)})"
-    if aux:
-        for r in ranks:  # every rank holds the global router loss
-            assert abs(r["aux_loss"].item() - ref.aux_loss.item()) <= OUT_TOL * abs(ref.aux_loss.item())
+    compare_valid(name, ranks, reference(family, seq_len, aux, documents), seq_len, report, aux)
 
 
 MODELS = [("mixtral", 2, [16, 11]), pytest.param("mixtral", 4, [16, 13], marks=pytest.mark.full),

@@ -49,6 +49,28 @@ def _compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, re
     assert grad_err <= grad_rtol, f"{name}: gradients differ by {grad_err} (relative, {worst})"
 
 
+def compare_valid(name, ranks, reference, seq_len, report, aux=False):
+    """Every rank's result (``logits``, ``loss``, ``grads``, ``aux_loss`` with ``aux``) against the single-device
+    ``reference`` ``(output, gradients, valid positions)`` on the valid positions of a length-``seq_len`` batch
+    (a packed one's documents)."""
+    ref, ref_grads, valid = reference
+    logits = in_global_order(ranks, "logits")[:, :seq_len]
+    out_err = (logits - ref.logits.detach())[valid].abs().max().item()
+    loss = sum(r["loss"] for r in ranks)
+    loss_err = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
+    errs = {n: ((sum(r["grads"][n] for r in ranks) - g).abs().max() / g.abs().max()).item()
+            for n, g in ref_grads.items()}
+    assert set(ranks[0]["grads"]) == set(ref_grads)
+    grad_err = math.inf if any(map(math.isnan, errs.values())) else max(errs.values())
+    report.append((name, len(ranks), seq_len, out_err, loss_err, grad_err))
+    assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
+    assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
+    assert grad_err <= GRAD_RTOL, f"{name}: gradients differ by {grad_err} ({max(errs, key=errs.get)})"
+    if aux:
+        for r in ranks:  # every rank holds the global router loss
+            assert abs(r["aux_loss"].item() - ref.aux_loss.item()) <= OUT_TOL * abs(ref.aux_loss.item())
+
+
 def split_floor(model, losses, grads) -> float:
     """How far one device's own gradients move (relative to each parameter's largest entry, the largest over
     parameters) when they are summed from the per-block ``losses`` of ``model``'s forward, as CP sums each

@@ -27,13 +27,15 @@ _DIM_OPS = {
     aten.chunk: "dim", aten.unbind: "dim", aten.index_select: "dim", aten.gather: "dim",
     aten.scatter: "dim", aten.scatter_add: "dim", aten.scatter_reduce: "dim", aten.index_add: "dim",
     aten.index_copy: "dim", aten.index_fill: "dim", aten.tensor_split: "dim",
-    aten.cat: "dim",
+    aten.cat: "dim", aten.concatenate: "dim", aten.concat: "dim",
 }
 
 _DIM_FIXES = {
     "flip": "reversing the sequence needs the whole sequence; flip outside the compiled module",
     "roll": "rolling the sequence moves positions across ranks; shift before sharding instead",
     "cat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
+    "concatenate": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
+    "concat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
     "mean": "a mean over the sequence needs the global count: use sum (a per-rank partial sum) and divide "
     "by the global number of tokens, e.g. Hugging Face's num_items_in_batch=",
 }
