@@ -2,7 +2,8 @@
 
 Causal attention, causal windows and convolutions, scans, recurrences and shifts that read earlier rows read
 earlier positions only, and a loss that ignores ``ignore_index`` never counts the padded labels: none of them
-sees end padding. These do: attention with no mask and not causal (every query reads the padded keys),
+sees end padding. These do: attention with no mask and not causal (every query reads the padded keys), or
+with a bidirectional mask built from positions alone,
 hand-written attention whose masks do not show it causal (:attr:`~cp_passes.transports.keys.KeyOperand.reads_later`)
 with no mask from the batch's data (``attention_mask``, ``doc_ids``, which shard_batch pads with 0 and -1), a
 shift that reads later rows (the last real rows read the padding in place of the shift's fill) unless it reads
@@ -78,6 +79,8 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     f"place of the fill {request.fill}")
         elif rule == "sdpa_full":
             what = "attention with no mask and is_causal=False: every query reads every key"
+        elif rule == "sdpa_bidirectional" and not request.mask.tensor_leaves:
+            what = "bidirectional attention with a mask from positions alone: queries read the padded keys"
         elif isinstance(request, KeyOperand) and request.reads_later and not data_masks:
             what = ("attention written by hand that lets a query read later keys, with no mask from attention_mask "
                     "or doc_ids")

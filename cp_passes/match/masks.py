@@ -140,12 +140,14 @@ class NotPositional(Exception):
     """The mask reads something other than positions: the node that does."""
 
 
-def one_document(leaf: torch.fx.Node, dim: int, spec, length: int) -> torch.Tensor | None:
+def one_document(leaf: torch.fx.Node, dim: int, spec, length: int, padding: bool = False) -> torch.Tensor | None:
     """A sharded input's value for one unpadded document of ``length`` (the spec's positions ``0..S-1``, its
-    doc ids one document), or None for an input of another role: what a mask is probed with to read which
-    keys it lets a query see."""
+    doc ids one document, and with ``padding`` an ``attention_mask`` of ones), or None for an input of another
+    role: what a mask is probed with to read which keys it lets a query see."""
     val, name = meta_val(leaf), leaf.meta.get(INPUT_NAME)
     shape = [length if d == dim else hint(s) for d, s in enumerate(val.shape)]
+    if padding and name == "attention_mask":
+        return torch.ones(shape, dtype=val.dtype)
     if name in spec.position_keys:
         view = [-1 if d == dim else 1 for d in range(len(shape))]
         return torch.arange(length).reshape(view).expand(shape).to(val.dtype)

@@ -81,6 +81,27 @@ def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared
     return window
 
 
+def _one_document(ctx: RuleContext, found: MetadataMask, length: int, padding: bool = False) -> torch.Tensor | None:
+    """``[length, length]``: the mask of a model-built metadata mask for one unpadded document of ``length``
+    positions (one batch row and head; with ``padding`` an attention_mask of ones too), or None where it cannot
+    be read so (it reads other data, or differs across batch rows and heads)."""
+    leaves = {leaf: one_document(leaf, d, ctx.spec, length, padding)
+              for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
+    if any(v is None for v in leaves.values()):
+        return None
+    try:
+        value = evaluate_position_mask(PositionMask(found.mask, found.nodes, found.size_leaves), ctx.sym, length,
+                                       leaves)
+    except NotPositional:
+        return None
+    flat = value.reshape(-1, *value.shape[-2:])
+    if flat.dtype != torch.bool:
+        flat = flat == 0
+    if tuple(flat.shape[-2:]) != (length, length) or not bool((flat == flat[:1]).all()):
+        return None
+    return flat[0]
+
+
 def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
     """The window of a mask built from positions and doc ids, as it shows for one unpadded document at the
     compile-time length and about half of it (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``), or
@@ -89,23 +110,27 @@ def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
     longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
     widths = []
     for length in (longer, max(2, longer // 2 + 1)):
-        leaves = {leaf: one_document(leaf, d, ctx.spec, length)
-                  for leaf, d in zip(found.tensor_leaves, found.leaf_dims)}
-        if any(v is None for v in leaves.values()):
+        allowed = _one_document(ctx, found, length)
+        if allowed is None:
             return None
-        try:
-            value = evaluate_position_mask(PositionMask(found.mask, found.nodes, found.size_leaves), ctx.sym, length,
-                                           leaves)
-        except NotPositional:
-            return None
-        flat = value.reshape(-1, *value.shape[-2:])
-        if tuple(flat.shape[-2:]) != (length, length) or not bool((flat == flat[:1]).all()):
-            return None
-        width = int(flat[0, -1].sum())
-        if not 1 <= width < length or not torch.equal(flat[0], band(length, width)):
+        width = int(allowed[-1].sum())
+        if not 1 <= width < length or not torch.equal(allowed, band(length, width)):
             return None
         widths.append(width)
     return widths[0] if widths[0] == widths[1] else None
+
+
+def document_sees_later_keys(ctx: RuleContext, found: MetadataMask) -> bool:
+    """Whether a mask built from metadata lets a query see a later key for one unpadded document at the
+    compile-time length (an encoder's padding mask, a bidirectional window): then every key is brought."""
+    allowed = _one_document(ctx, found, min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN), padding=True)
+    return allowed is not None and bool(allowed.triu(1).any())
+
+
+def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
+    """Whether a mask built from positions alone lets a query see a later key (bidirectional attention)."""
+    length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+    return bool(_allowed(_evaluate(ctx, found, length), ctx).triu(1).any())
 
 
 @register_rule(aten.scaled_dot_product_attention)
@@ -147,11 +172,21 @@ def sdpa_rule(ctx: RuleContext):
                 f"sequence only as a boolean (which keys each query sees), and an additive one may hold any bias",
                 "pass scaled_dot_product_attention a boolean mask (True = attend): for a causal additive mask of 0 "
                 "and finfo.min (Hugging Face's padding and causal masks), attn_mask=(additive_mask == 0), or build "
-                "it as (input_ids != pad_token_id)[:, None, None, :] & causal. A mask that reads data is served "
-                "inside the causal envelope (each query is brought the keys before it): a padding-only mask "
-                "that lets queries see later keys (an encoder's) is not, and fails its run-time check",
+                "it as (input_ids != pad_token_id)[:, None, None, :] & causal (an encoder's: without the "
+                "causal term)",
             )
-        window, causal = (declared.window if declared else document_window(ctx, metadata)), True
+        causal = bool(declared) or not document_sees_later_keys(ctx, metadata)
+        window = declared.window if declared else document_window(ctx, metadata) if causal else None
+    elif isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
+        # Bidirectional (an encoder's window): every key is brought and the model's mask, a function of
+        # positions alone, is evaluated at this rank's rows.
+        if declared is not None:
+            said = f"window {declared.window}" if declared.window else "causal attention"
+            ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
+                       f"queries see later keys (bidirectional attention)",
+                       "remove the AttentionRule: a bidirectional mask is read from the model")
+        metadata = MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
+        causal = False
     elif isinstance(found_mask, PositionMask):
         global_len = ctx.layout.global_len(ctx.local_len())
         window = read_window(ctx, found_mask, global_len, declared.window if declared else None)
@@ -186,12 +221,14 @@ def sdpa_rule(ctx: RuleContext):
     if window and not halo:
         notes.append("the spec asks for a gather")
     if metadata is not None:
-        names = ", ".join(leaf.name for leaf in metadata.tensor_leaves)
+        names = ", ".join(leaf.name for leaf in metadata.tensor_leaves) or "positions"
         envelope = (f"window {window} (spec)" if declared and declared.window else
-                    f"window {window} read from the model's mask for one document" if window else "causal envelope")
+                    f"window {window} read from the model's mask for one document" if window else
+                    "causal envelope" if causal else "bidirectional: every key")
         where = ("at this rank's rows and the keys brought" if evaluated_locally(metadata, window, halo, ctx.arg("dropout_p"))
                  else "over the whole sequence")
-        notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}, checked at run time")
+        notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
+                     + (", checked at run time" if causal else ""))
     elif window:
         notes.append(f"window {window} read from the model's mask")
     left_padding = declared.left_padding if declared is not None and halo else 0
@@ -199,5 +236,5 @@ def sdpa_rule(ctx: RuleContext):
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,
                           ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes, left_padding)
-    rule = "sdpa_data_mask" if metadata else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
+    rule = "sdpa_bidirectional" if metadata and not causal else "sdpa_data_mask" if metadata else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
     return Rewrite(rule, "halo" if halo else "sequence_gather", request, note="; ".join(notes))

@@ -99,8 +99,8 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         return
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
-        mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding),
-                           name="cp_mask_block")
+        mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding,
+                                        request.causal), name="cp_mask_block")
     elif halo:
         mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding),
                            name="cp_window_mask")
@@ -142,7 +142,7 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
         keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
         values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")
     if request.mask is not None:
-        mask = local_mask(edit, request.mask, q)
+        mask = local_mask(edit, request.mask, q, request.causal)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
     # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
@@ -220,22 +220,25 @@ def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, ch
                               kinds, scale)
 
 
-def local_mask(edit, found: MetadataMask, q: torch.fx.Node) -> torch.fx.Node:
-    """The model's mask at this rank's query rows and the keys a causal gather brings, ``[.., L, keys]``, its
-    rows and keys picked where the mask's terms are still per position (:mod:`~cp_passes.graph.selection`).
-    No rank evaluates a future key for its own queries, so each checks the transposed block instead: the
-    queries of the keys it brings against its own keys, where a key after its query must be masked. Every
-    causal violation falls in one rank's block; the ranks add their counts (one all-reduce) and all fail
-    together. Masks whose sizes depend on data take the whole-sequence path (:func:`global_mask`)."""
+def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True) -> torch.fx.Node:
+    """The model's mask at this rank's query rows and the keys a causal gather brings (every key, not
+    ``causal``), ``[.., L, keys]``, its rows and keys picked where the mask's terms are still per position
+    (:mod:`~cp_passes.graph.selection`). No rank evaluates a future key for its own queries, so each checks the
+    transposed block instead: the queries of the keys it brings against its own keys, where a key after its
+    query must be masked. Every causal violation falls in one rank's block; the ranks add their counts (one
+    all-reduce) and all fail together. Masks whose sizes depend on data take the whole-sequence path
+    (:func:`global_mask`)."""
     kind = edit.layout.kind
     if _sized_by_data(found):
-        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False),
-                           name="cp_mask_block")
+        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
+                                        causal), name="cp_mask_block")
     leaves = _mask_leaves(edit, found)
     name, module = f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
-    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind), name="cp_key_positions")
+    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind, causal), name="cp_key_positions")
     mask = edit.call_module(name, module, leaves + [positions, brought])
+    if not causal:
+        return mask
     transposed = edit.call_module(name, module, leaves + [brought, positions])
     count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
     total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")

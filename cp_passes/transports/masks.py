@@ -72,14 +72,15 @@ def global_shaped(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
 
 
 def key_positions(local, rank: int, world: int, kind: str, halo: int | None, device=None,
-                  left_padding: int = 0) -> torch.Tensor:
+                  left_padding: int = 0, causal: bool = True) -> torch.Tensor:
     """The global positions of the keys a transport brings: for each of the rank's ranges ``[left_padding
     rows, halo rows, its rows]`` after a halo (negative before the sequence start, -1 for a zero row in
-    front), else the gathered rows a causal query can see."""
+    front), else the gathered rows a causal query can see (every gathered row when not ``causal``)."""
     layout = Layout(world, kind)
     if halo is not None:
         return layout.halo_positions(halo, rank, local, device, left_padding)
-    return layout.gathered_positions(local, device).narrow(0, 0, layout.visible_prefix(rank, local))
+    gathered = layout.gathered_positions(local, device)
+    return gathered.narrow(0, 0, layout.visible_prefix(rank, local)) if causal else gathered
 
 
 def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0):
@@ -127,9 +128,10 @@ def query_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> to
     return Layout(world, kind).positions(rank, query.shape[-2], query.device)
 
 
-def visible_key_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> torch.Tensor:
-    """The global positions of the gathered keys a causal query on ``rank`` can see, in gather order."""
-    return key_positions(query.shape[-2], rank, world, kind, None, query.device)
+def visible_key_positions(query: torch.Tensor, rank: int, world: int, kind: str, causal: bool = True) -> torch.Tensor:
+    """The global positions of the gathered keys a causal query on ``rank`` can see (every key's when not
+    ``causal``), in gather order."""
+    return key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=causal)
 
 
 def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, kind: str, query: torch.Tensor) -> torch.Tensor:
@@ -143,19 +145,22 @@ def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> 
 
 
 def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, window: int | None,
-               halo: bool, left_padding: int = 0) -> torch.Tensor:
+               halo: bool, left_padding: int = 0, causal: bool = True) -> torch.Tensor:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
     (columns before the sequence start are False). Fails at run time if the model allows a key outside the
     causal (window) envelope the transport was planned for: every rank checks every row of the global mask,
-    so all ranks reach the same verdict and none is left waiting in a collective."""
-    envelope = band(global_mask.shape[-1], window, query.device)
-    torch._assert_async((global_mask & ~envelope).logical_not().all(),
-                        "cp_passes: the model's attention mask allows a key outside the causal window that the "
-                        "spec declares or its mask showed for one document when compiling (or outside causal "
-                        "attention); declare the window these modules really use in an AttentionRule "
-                        "(window=None: every preceding key)")
+    so all ranks reach the same verdict and none is left waiting in a collective. Not ``causal`` (a
+    bidirectional mask, every key brought): nothing lies outside."""
+    if causal:
+        envelope = band(global_mask.shape[-1], window, query.device)
+        torch._assert_async((global_mask & ~envelope).logical_not().all(),
+                            "cp_passes: the model's attention mask allows a key outside the causal window that the "
+                            "spec declares or its mask showed for one document when compiling (or outside causal "
+                            "attention); declare the window these modules really use in an AttentionRule "
+                            "(window=None: every preceding key)")
     rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
-    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding)
+    k_pos = (_key_positions(query, rank, world, kind, window, halo, left_padding) if causal
+             else key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=False))
     block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
     own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding) if halo else None
     return block if own is None else block & own

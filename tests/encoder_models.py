@@ -1,0 +1,146 @@
+"""Bidirectional encoders as transformers ships them (ModernBERT: global layers over every key, local layers over
+a two-sided window), and the parity task the worker pool runs for them (``pool.run("encoder_models:parity",
+...)``)."""
+
+from __future__ import annotations
+
+import torch
+
+import cp_passes
+
+from scenarios import _grads
+
+VOCAB = 128
+
+
+def modernbert(attention: str = "sdpa"):
+    """Three layers: global, local, local (a window of 4: each query sees 2 keys on either side), so that a
+    shard of 4 positions reaches across its neighbours."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                              intermediate_size=64, local_attention=4, global_attn_every_n_layers=3, pad_token_id=0,
+                              attn_implementation=attention)
+    return ModernBertForMaskedLM(config)
+
+
+def build(attention: str = "sdpa", seed: int = 0):
+    torch.manual_seed(seed)
+    return modernbert(attention).float()
+
+
+def batch(seq_len: int, padded: bool = False) -> dict:
+    """Token ids, masked-LM labels at every third position (-100 elsewhere), and with ``padded`` an
+    ``attention_mask`` whose second row ends in 3 pad tokens."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, VOCAB, (2, seq_len), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, ::3] = ids[:, ::3]
+    out = {"input_ids": ids, "labels": labels}
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+        ids[1, -3:] = 0
+        labels[1, -3:] = -100
+        out["attention_mask"] = mask
+    return out
+
+
+def parity(group, seq_lens: list[int], attention: str = "sdpa", padded: bool = False, layout: str = "auto") -> list:
+    """The model compiled with spec=None (``layout`` overriding the default's), one step per length."""
+    model = build(attention)
+    spec = None if layout == "auto" else cp_passes.CPSpec(layout=layout)
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout_ = cp_passes.shard_batch(batch(seq_len, padded), group, compiled.spec)
+        model.zero_grad()
+        out = compiled(**local)
+        out.loss.backward()
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+                        "valid": layout_.valid, "positions": layout_.positions,
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.source)
+                                    for r in compiled.compile_records[-1].records]})
+    return results
+
+
+def reference(seq_len: int, attention: str = "sdpa", padded: bool = False):
+    """One device: the output, the gradients and the positions compared: the tokens the attention_mask keeps.
+    A pad token's output is not defined: where every key its window reaches is padding (the last pad token's
+    local window, under shard_batch's padding as well), eager attention's additive mask spreads it evenly over
+    all keys, a number of keys that padding changes."""
+    model = build(attention)
+    b = batch(seq_len, padded)
+    out = model(**b)
+    out.loss.backward()
+    return out, _grads(model), b["attention_mask"].bool() if padded else torch.ones(2, seq_len, dtype=torch.bool)
+
+
+class ToyEncoder(torch.nn.Module):
+    """Embeddings, one bidirectional SDPA layer whose mask is built in one of the ways encoders build it
+    (``variant``), a projection to the vocabulary: the loss is the sum of squares of the logits at every
+    position the padding mask keeps."""
+
+    VARIANTS = ("two_sided_band", "doc_ids", "band_and_padding", "band_in_a_helper", "prefix_lm")
+
+    def __init__(self, variant: str, dim: int = 16, window: int = 3):
+        super().__init__()
+        self.variant, self.window = variant, window
+        self.embed = torch.nn.Embedding(VOCAB, dim)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, VOCAB)
+
+    def band(self, positions):
+        return (positions[:, None] - positions[None, :]).abs() <= self.window
+
+    def forward(self, input_ids, attention_mask=None, doc_ids=None):
+        x = self.embed(input_ids)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        if self.variant == "two_sided_band":
+            mask = (pos[None, :] <= pos[:, None] + self.window) & (pos[None, :] >= pos[:, None] - self.window)
+        elif self.variant == "doc_ids":
+            mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
+        elif self.variant == "band_and_padding":
+            mask = self.band(pos)[None, None] & attention_mask.bool()[:, None, None, :]
+        elif self.variant == "prefix_lm":  # causal, but the first 6 positions (a prompt) seen by every query
+            mask = (pos[None, :] <= pos[:, None]) | (pos[None, :] < 6)
+        else:
+            mask = self.band(pos)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        logits = self.out(y.transpose(1, 2).flatten(-2))
+        keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        return logits, (logits.pow(2).sum(-1) * keep).sum()
+
+
+def toy_batch(variant: str, seq_len: int) -> dict:
+    """Token ids; a padding mask (the second row's last 3 tokens) or doc ids (documents of 5, 7 and the rest)."""
+    ids = torch.randint(1, VOCAB, (2, seq_len), generator=torch.Generator().manual_seed(9))
+    if variant == "doc_ids":
+        docs = torch.tensor([0] * 5 + [1] * 7 + [2] * (seq_len - 12))
+        return {"input_ids": ids, "doc_ids": docs.expand(2, seq_len).clone()}
+    if variant == "band_and_padding":
+        mask = torch.ones_like(ids)
+        mask[1, -3:] = 0
+        return {"input_ids": ids, "attention_mask": mask}
+    return {"input_ids": ids}
+
+
+def toy_parity(group, variant: str, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    model = ToyEncoder(variant)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(toy_batch(variant, seq_len), group)
+    logits, loss = compiled(**local)
+    loss.backward()
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": _grads(model), "positions": layout.positions,
+            "rules": [r.rule for r in compiled.compile_records[-1].records if r.rule.startswith("sdpa")]}
+
+
+def toy_reference(variant: str, seq_len: int):
+    torch.manual_seed(0)
+    model = ToyEncoder(variant)
+    batch = toy_batch(variant, seq_len)
+    logits, loss = model(**batch)
+    loss.backward()
+    return logits, loss, _grads(model), batch.get("attention_mask", torch.ones(2, seq_len)).bool()
