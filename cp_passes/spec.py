@@ -231,6 +231,13 @@ class CPSpec:
     weights must be stacked as that path reads them (``gate_up_proj`` ``[E, 2I, H]``, ``down_proj``
     ``[E, H, I]``). May match nothing (a config whose MLPs are all dense)."""
 
+    positionwise_functions: tuple[str, ...] = ()
+    """``"package.module:Class"`` of ``torch.autograd.Function`` subclasses the model calls with ``.apply`` that
+    never mix positions (each output row reads only the same row of each input: an activation with a
+    hand-written backward, Bloom's ``GeLUFunction``). Each runs as one op, ``cp_passes::function``, with the
+    Function's own backward (:mod:`cp_passes.functions`); undeclared, such a call is refused, since cp_passes'
+    re-trace would keep its forward only."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"CPSpec.name must be a non-empty string, got {self.name!r}")
@@ -245,8 +252,11 @@ class CPSpec:
             raise ValueError(f"CPSpec.sequence_dims must be a tuple of (input name, dim) pairs, got "
                              f"{self.sequence_dims!r}")
         for field in ("seq_inputs", "replicated_inputs", "token_keys", "label_keys", "position_keys", "causal_convs",
-                      "packed_labels", "eager_modules", "experts"):
+                      "packed_labels", "eager_modules", "experts", "positionwise_functions"):
             _check_names(field, getattr(self, field))
+        bad = [f for f in self.positionwise_functions if f.count(":") != 1]
+        if bad:
+            raise ValueError(f"CPSpec.positionwise_functions entries must be 'package.module:Class', got {bad}")
         if not isinstance(self.doc_key, str) or not self.doc_key:
             raise ValueError(f"CPSpec.doc_key must be a non-empty string, got {self.doc_key!r}")
         if len(self.packed_labels) != 2:

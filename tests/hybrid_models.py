@@ -1,5 +1,6 @@
 """State-space and linear-attention hybrids as transformers ships them (Mamba-2's chunked scan, the gated delta
-rule, Kimi Delta Attention), compiled with spec=None: the shipped spec is picked by the config's model_type.
+rule, Kimi Delta Attention), and BLOOM's ALiBi, compiled with spec=None: the shipped spec is picked by the config's
+model_type.
 The parity task the worker pool runs for them is ``pool.run("hybrid_models:parity", ...)``."""
 
 from __future__ import annotations
@@ -106,6 +107,18 @@ FAMILIES = {"mamba2": mamba2, "bamba": bamba, "nemotron_h": nemotron_h, "falcon_
             "kimi_linear": kimi_linear}
 
 
+def bloom():
+    """ALiBi attention written by hand on [batch * heads, S, S] (no SDPA), and an autograd.Function GeLU."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    return BloomForCausalLM(BloomConfig(vocab_size=128, hidden_size=64, n_layer=2, n_head=4, pad_token_id=0,
+                                        use_cache=False))
+
+
+OTHERS = {"bloom": bloom}
+"""Models without a recurrence that run the same parity task."""
+
+
 STATES = {"mamba2": (4, 8, 32), "qwen3_next": (2, 8, 8), "olmo_hybrid": (2, 8, 8), "kimi_linear": (2, 8, 8)}
 """(heads, K, V) of each family's recurrent state per layer, as the configs above make it: Mamba-2's K is its
 d_state and V its head_dim; the other Mamba-2 hybrids here have 4 heads of 16 with a d_state of 8."""
@@ -117,7 +130,7 @@ def state_shape(family: str) -> tuple[int, int, int]:
 
 def build(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    return FAMILIES[family]().float()
+    return {**FAMILIES, **OTHERS}[family]().float()
 
 
 def batch(seq_len: int, documents: list[list[int]] | None = None) -> dict:

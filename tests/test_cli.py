@@ -32,7 +32,7 @@ def test_specs_lists_shipped_specs():
     out = run("-m", "cp_passes", "specs")
     assert out.returncode == 0
     names = [line.split(":")[0].split(" (")[0] for line in out.stdout.splitlines()]
-    assert names == ["bamba", "deepseek_v4", "falcon_h1", "glm5_next", "granitemoehybrid", "inkling2", "kimi_linear",
+    assert names == ["bamba", "bloom", "deepseek_v4", "falcon_h1", "glm5_next", "granitemoehybrid", "inkling2", "kimi_linear",
                      "llama", "mamba2", "nemotron_h", "olmo_hybrid", "qwen3_next", "step5", "zamba2"]
     assert "llama: CPSpec(name='llama'" in out.stdout and "Recurrence(kernel='transformers.models" in out.stdout
     assert "step5 (picked for model_type step3p7, step3p5): CPSpec(name='step5'" in out.stdout

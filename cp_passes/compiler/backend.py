@@ -24,6 +24,7 @@ from ..graph.checkpoint import inline_checkpoints
 from ..graph.provenance import format_graph
 from ..group import CPGroup, resolve_group
 from ..eager_modules import install as install_eager_modules
+from ..functions import install as install_functions
 from ..kernels import install
 from ..spec import CPSpec, resolve_spec, shipped_spec_for
 from ..report.dump import trace_record, write_dump
@@ -187,6 +188,7 @@ class CPModule(torch.nn.Module):
         self._padding = None  # how shard_batch padded this call's batch (the same on every rank), or None
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
+        install_functions(spec.positionwise_functions)  # and the declared autograd.Functions
         self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
         install_experts(model, spec.experts)  # experts without transformers' switch: its grouped_mm forward
         install_output_hooks(model)

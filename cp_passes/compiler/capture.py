@@ -89,7 +89,8 @@ def _refuse_custom_backwards(gm: torch.fx.GraphModule) -> None:
                 f"graph to ATen ops, which keeps the Function's forward but not its backward, so every gradient "
                 f"through it would be lost. Fix: write it with torch ops (autograd derives its backward), or make "
                 f"it a custom op (torch.library.custom_op with register_autograd), which stays one op, and declare "
-                f"it with cp_passes.positionwise(op) if it is position-wise")
+                f"it with cp_passes.positionwise(op) if it is position-wise; a Function that is position-wise may "
+                f"instead be declared as it is: CPSpec(positionwise_functions=('package.module:Class',))")
 
 
 def _refuse_float_lengths(gm: torch.fx.GraphModule, shape_env, sym) -> None:

@@ -5,9 +5,22 @@ from __future__ import annotations
 import torch
 import torch.fx
 
+from ..functions import function_op  # noqa: F401  (registers cp_passes::function)
 from .registry import NO_RULE_FIX, RuleContext, positionwise, register_rule
 
 aten = torch.ops.aten
+
+
+
+@register_rule(torch.ops.cp_passes.function.default)
+def _declared_function(ctx: RuleContext):
+    """A Function the spec declares position-wise (:mod:`cp_passes.functions`): nothing moves."""
+    name = ctx.node.args[0]
+    if name not in ctx.spec.positionwise_functions:
+        ctx.refuse(f"it runs the autograd.Function {name}, which this spec does not declare position-wise (another "
+                   f"cp_compile in this process did)", f"declare it in this spec too: "
+                   f"CPSpec(positionwise_functions=({name!r},))")
+    return None
 
 
 positionwise(
