@@ -12,6 +12,18 @@ def pool():
     workers.close()
 
 
+@pytest.fixture(scope="module")
+def fake_group():
+    """Rank 3 of a fake 8-rank process group (structure tests: collectives return placeholders). A process
+    holds one default group: every fake-group test module shares this one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
+    return dist.group.WORLD
+
+
 _PARITY: list[tuple] = []
 
 

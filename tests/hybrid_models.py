@@ -1,18 +1,15 @@
 """State-space and linear-attention hybrids as transformers ships them (Mamba-2's chunked scan, the gated delta
-rule, Kimi Delta Attention), and BLOOM's ALiBi, compiled with spec=None: the shipped spec is picked by the config's
-model_type.
-The parity task the worker pool runs for them is ``pool.run("hybrid_models:parity", ...)``."""
+rule, Kimi Delta Attention), BLOOM's and MPT's ALiBi, and learned position tables sliced to the sequence length,
+compiled with spec=None: the shipped spec, if any, is picked by the config's model_type. The parity task the worker pool runs for them is ``pool.run("hybrid_models:parity", ...)``."""
 
 from __future__ import annotations
 
 import torch
+from transformers.modeling_outputs import CausalLMOutput
 
 import cp_passes
 
-from cp_passes.data.checks import check_batch
-from cp_passes.data.packing import pack
-
-from scenarios import _grads, packed_batch, packed_model_inputs, toy_batch
+from scenarios import _grads, hf_one_device, packed_batch, packed_model_inputs, toy_batch
 
 TINY = dict(vocab_size=128, hidden_size=64, pad_token_id=0, eos_token_id=None, bos_token_id=None, use_cache=False)
 ATTENTION = dict(num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
@@ -115,7 +112,50 @@ def bloom():
                                         use_cache=False))
 
 
-OTHERS = {"bloom": bloom}
+def mpt():
+    """ALiBi from a table of max_seq_len positions sliced to the keys' length (``table[..., n - S:]``), eager
+    attention written by hand."""
+    from transformers import MptConfig, MptForCausalLM
+
+    return MptForCausalLM(MptConfig(vocab_size=128, d_model=64, n_layers=2, n_heads=4, max_seq_len=64,
+                                    use_cache=False))
+
+
+class PositionTable(torch.nn.Module):
+    """A learned absolute position table sliced to the sequence length in one of the ways models do
+    (``variant``), added to token embeddings, then causal SDPA and a projection to the vocabulary."""
+
+    VARIANTS = ("prefix", "suffix", "clamped_suffix")
+
+    def __init__(self, variant: str, max_len: int = 32, dim: int = 16):
+        super().__init__()
+        self.variant = variant
+        self.embed = torch.nn.Embedding(128, dim)
+        self.table = torch.nn.Parameter(torch.randn(1, max_len, dim))
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, 128)
+
+    def forward(self, input_ids, labels=None):
+        s, n = input_ids.shape[1], self.table.shape[1]
+        if self.variant == "prefix":
+            pos = self.table[:, :s]
+        elif self.variant == "suffix":
+            pos = self.table[:, n - s:]
+        else:
+            pos = self.table[:, max(0, n - s):]
+        x = self.embed(input_ids) + pos
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        logits = self.out(y.transpose(1, 2).flatten(-2))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def table(variant: str):
+    return PositionTable(variant)
+
+
+OTHERS = {"bloom": bloom, "mpt": mpt, **{f"table_{v}": (lambda v=v: table(v)) for v in PositionTable.VARIANTS}}
 """Models without a recurrence that run the same parity task."""
 
 
@@ -166,10 +206,4 @@ def parity(group, family: str, seq_lens: list[int], documents: list | None = Non
 
 def reference(family: str, seq_len: int, documents: list | None = None):
     """One device: the output, the gradients and which positions are real (all, or the packed documents')."""
-    model = build(family)
-    b = batch(seq_len, documents)
-    if documents:
-        b = pack(check_batch(b, cp_passes.CPSpec(), ()))
-    out = model(**_inputs(b, bool(documents)))
-    out.loss.backward()
-    return out, _grads(model), b["valid"] if documents else torch.ones(2, seq_len, dtype=torch.bool)
+    return hf_one_device(build(family), batch(seq_len, documents), seq_len, bool(documents))

@@ -7,10 +7,7 @@ from __future__ import annotations
 import torch
 
 import cp_passes
-from cp_passes.data.checks import check_batch
-from cp_passes.data.packing import pack
-
-from scenarios import _grads, packed_batch, packed_model_inputs, toy_batch
+from scenarios import _grads, hf_one_device, packed_batch, packed_model_inputs, toy_batch
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, use_cache=False, pad_token_id=0, eos_token_id=None,
@@ -89,13 +86,7 @@ def parity(group, family: str, seq_lens: list[int], aux: bool = False, documents
 
 def reference(family: str, seq_len: int, aux: bool = False, documents: list | None = None):
     """One device: the output, the gradients and which positions are real (all, or the packed documents')."""
-    model = build(family, aux)
-    b = batch(seq_len, documents)
-    if documents:
-        b = pack(check_batch(b, cp_passes.CPSpec(), ()))
-    out = model(**_inputs(b, bool(documents)))
-    out.loss.backward()
-    return out, _grads(model), b["valid"] if documents else torch.ones(2, seq_len, dtype=torch.bool)
+    return hf_one_device(build(family, aux), batch(seq_len, documents), seq_len, bool(documents))
 
 
 class HandMoE(torch.nn.Module):

@@ -548,6 +548,19 @@ def packed_model_inputs(batch: dict, hf: bool) -> dict:
     return inputs
 
 
+def hf_one_device(model, batch: dict, seq_len: int, packed: bool) -> tuple:
+    """A transformers model on one device: its output, its gradients and which positions are real (all, or the
+    documents of a ``packed`` batch, which is packed here as shard_batch would)."""
+    from cp_passes.data.checks import check_batch
+    from cp_passes.data.packing import pack
+
+    if packed:
+        batch = pack(check_batch(batch, cp_passes.CPSpec(), ()))
+    out = model(**(packed_model_inputs(batch, hf=True) if packed else batch))
+    out.loss.backward()
+    return out, _grads(model), batch["valid"] if packed else torch.ones(2, seq_len, dtype=torch.bool)
+
+
 def packed_parity(group, model: str, backend: str, cases: list, config: dict | None = None) -> list[dict]:
     """One compiled model run on several packed batches (seq_len, layout)."""
     hf = model == "hf"

@@ -5,7 +5,6 @@ device; structure on the fake process group."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cp_passes
 
@@ -54,12 +53,8 @@ def test_bidirectional_masks_written_by_hand_match_one_device(pool):
 
 
 @pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
+def group(fake_group):
+    return fake_group
 
 
 def test_a_padded_batch_without_attention_mask_is_refused(group):

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cp_passes
 from cp_passes.kernels import decode_options, encode_options
@@ -57,12 +56,8 @@ def test_hybrid_on_packed_rows_matches_one_device(pool, parity_report, family, P
 
 
 @pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
+def group(fake_group):
+    return fake_group
 
 
 def test_the_shipped_spec_is_picked_by_model_type_and_explain_names_it(group):

@@ -9,7 +9,8 @@ with no mask from the batch's data (``attention_mask``, ``doc_ids``, which shard
 shift that reads later rows (the last real rows read the padding in place of the shift's fill) unless it reads
 an input shard_batch pads with that fill (labels shifted with ``ignore_index``), a mean over the sequence that
 ignores nothing, a sum over the sequence returned as this rank's share or read whole (it adds the padded rows)
-unless it is a loss that ignores the padded labels or a count of a mask, and a division by a row count.
+unless it is a loss that ignores the padded labels or a count of a mask, a division by a row count, and a table
+sliced from its end by the sequence length (``table[n - S:]``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
 from ..spec import CPSpec
 from ..transports.keys import KeyMask, KeyOperand
+from ..transports.positions import TableRows
 from ..transports.reductions import GlobalMean, GlobalSum
 from ..transports.shift import Shift
 from .planner import Plan
@@ -86,6 +88,9 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     "or doc_ids")
         elif isinstance(request, GlobalMean) and request.ignore_index is None:
             what = "a mean over the sequence that ignores no target: it counts the padded rows"
+        elif isinstance(request, TableRows) and request.per_length:
+            what = ("a table sliced from its end by the sequence length: the padded length moves every row it "
+                    "reads")
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
         elif isinstance(request, GlobalSum) and not _counts_a_mask(request.origin) \

@@ -20,6 +20,7 @@ from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
 from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.registry import ALWAYS, out_of_place, registered
+from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum, Share
 from .keys import KeyPlan, plan_keys
@@ -183,6 +184,8 @@ def _check_length_positions(ctx: RuleContext) -> None:
     src, dim = ctx.args.get("self"), ctx.args.get("dim")
     if isinstance(src, torch.fx.Node) and isinstance(dim, int) and dim % max(ctx.ndim(src), 1) in seq_dims(src, ctx.sym):
         return  # along a sequence or key axis: the op's rule decides
+    if ctx.node.target is torch.ops.aten.slice.Tensor and table_start(ctx, src, dim % ctx.ndim(src)) is not None:
+        return  # a table sliced to the sequence length: its rule reads this rank's rows of it
     for arg in ctx.node.target._schema.arguments:
         value = ctx.args.get(arg.name)
         values = [v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, torch.fx.Node)]

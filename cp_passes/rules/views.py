@@ -15,6 +15,7 @@ from ..errors import kernel_call, op_name, source_line
 from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, static_int, window
 from ..spec import shipped_spec_declaring
 from .reductions import masked_count
+from ..transports.positions import TableRows
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -137,12 +138,40 @@ def _slice(ctx: RuleContext):
             "a shift is read as pad(x, (a, b))[..., start:start + seq] along the sequence (the length kept); "
             "otherwise pass the sliced tensor in pre-sliced, or slice outside the compiled module",
         )
-    ctx.refuse(
-        f"it slices a non-sharded tensor to the local sequence length, giving local positions 0..{out.shape[dim]}-1 "
-        f"on every rank (an absolute position table?)",
-        "index the table with position ids (embedding(position_ids)) or an arange over the sequence, "
-        "which cp_passes offsets to global positions",
-    )
+    start = table_start(ctx, src, dim)
+    if start is None:
+        ctx.refuse(
+            f"it slices a non-sharded tensor to the local sequence length, giving local positions "
+            f"0..{out.shape[dim]}-1 on every rank (an absolute position table?), from a start that is neither a "
+            f"constant nor a constant minus the length",
+            "index the table with position ids (embedding(position_ids)) or an arange over the sequence, "
+            "which cp_passes offsets to global positions",
+        )
+    first, per_length = start
+    where = "its first rows" if start == (0, 0) else f"rows from {first} {per_length:+d} x the global length"
+    return Rewrite("table_positions", "positions", TableRows(ctx.node, src, dim, first, per_length),
+                   note=f"a table sliced to the sequence length: this rank's positions of {where}")
+
+
+def table_start(ctx: RuleContext, src, dim: int) -> tuple[int, int] | None:
+    """``(a, b)`` when ``src[dim]`` is sliced from ``a + b * s`` for ``s`` positions, ``b`` 0 or -1
+    (``table[:s]``, ``table[a:a + s]``, ``table[n - s:]``, ``table[max(0, n - s):]`` while ``s <= n``) with step 1,
+    else None."""
+    start, step = ctx.args.get("start"), ctx.args.get("step")
+    size = static_int(meta_val(src).shape[dim])
+    expr = 0 if start is None else expr_of(meta_val(start)) if isinstance(start, torch.fx.Node) else start
+    if step not in (None, 1) or size is None or not isinstance(expr, (int, sympy.Expr)):
+        return None
+    out = sympy.sympify(expr_of(meta_val(ctx.node).shape[dim]))
+    lengths = range(1, min(size, 64) + 1)
+    if any(out.subs(ctx.sym, n) != n for n in lengths):  # s rows (a min() with the table's size aside)
+        return None
+    values = [int(sympy.sympify(expr).subs(ctx.sym, n)) for n in lengths]
+    first, per_length = values[0] - (values[1] - values[0] if len(values) > 1 else 0), (
+        values[1] - values[0] if len(values) > 1 else 0)
+    if any(v != first + per_length * n for n, v in enumerate(values, 1)) or per_length not in (0, -1):
+        return None
+    return first, per_length
 
 
 @register_rule(aten.slice_scatter, aten.select_scatter)

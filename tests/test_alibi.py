@@ -1,17 +1,18 @@
-"""BLOOM as transformers ships it: ALiBi attention written by hand on ``[batch * heads, S, S]``
-(``alibi.baddbmm(q, k^T)``, the bias brought to the key axis with the keys) and an MLP whose GeLU is a
-``torch.autograd.Function`` with its own backward, declared position-wise in ``model_specs/bloom.py``
-(``CPSpec.positionwise_functions``). Parity on real gloo processes; the Function's declaration on the fake
-process group."""
+"""Position biases on the key axis as transformers ships them. BLOOM: ALiBi attention written by hand on
+``[batch * heads, S, S]`` (``alibi.baddbmm(q, k^T)``, the bias brought to the key axis with the keys) and an MLP
+whose GeLU is a ``torch.autograd.Function`` with its own backward, declared position-wise in
+``model_specs/bloom.py`` (``CPSpec.positionwise_functions``). MPT: ALiBi from a table of ``max_seq_len``
+positions sliced to the keys' length from its end, read as this rank's rows of the table; learned absolute
+position tables sliced so too. Parity on real gloo processes; declarations and refusals on the fake process
+group."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import cp_passes
 
-from hybrid_models import reference
+from hybrid_models import batch, build, reference
 from test_parity import compare_valid
 
 
@@ -22,6 +23,20 @@ def test_bloom_matches_one_device(pool, parity_report, P, seq_lens):
     assert per_rank[0][0]["origin"] == "model_specs/bloom.py, picked by model_type 'bloom'"
     for i, seq_len in enumerate(seq_lens):
         compare_valid("hf-bloom-alibi", [r[i] for r in per_rank], reference("bloom", seq_len), seq_len, parity_report)
+
+
+@pytest.mark.parametrize("family,P,seq_lens", [
+    ("table_prefix", 2, [11]),
+    *[pytest.param(f, P, [16], marks=pytest.mark.full) for f in ("mpt", "table_suffix", "table_clamped_suffix")
+      for P in (2, 4)],
+    pytest.param("table_prefix", 4, [16, 13], marks=pytest.mark.full)])
+def test_tables_sliced_to_the_sequence_length_match_one_device(pool, parity_report, family, P, seq_lens):
+    """``table[:, :S]`` (a learned absolute position table; an odd length, padded), ``table[:, n - S:]`` and
+    ``table[:, max(0, n - S):]`` (the same from its end), MPT's ALiBi table sliced from its end."""
+    per_rank = pool.run("hybrid_models:parity", P, family=family, seq_lens=seq_lens)
+    for i, seq_len in enumerate(seq_lens):
+        compare_valid(f"{family}", [r[i] for r in per_rank], reference(family, seq_len), seq_len, parity_report)
+        assert any(rule == "table_positions" for rule, *_ in per_rank[0][i]["records"])
 
 
 class RoundStraightThrough(torch.autograd.Function):
@@ -54,12 +69,8 @@ class Quantized(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
+def group(fake_group):
+    return fake_group
 
 
 def test_a_declared_function_runs_its_own_backward(group):
@@ -86,6 +97,30 @@ def test_an_undeclared_function_is_refused_naming_the_declaration(group):
     compiled = cp_passes.cp_compile(Quantized(), cp_passes.CPSpec(), mesh=group, backend="aot_eager", verbose=False)
     with pytest.raises(cp_passes.CPCompileError, match="which this spec does not declare position-wise"):
         compiled(input_ids=torch.arange(4).expand(2, 4))
+
+
+def test_a_table_sliced_from_its_end_on_a_padded_batch_is_refused(group):
+    """17 positions padded to 24: the slice from the end would start 7 rows earlier than on one device."""
+    compiled = cp_passes.cp_compile(build("table_suffix"), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(batch(17), group)
+    with pytest.raises(cp_passes.CPCompileError, match="a table sliced from its end by the sequence length"):
+        compiled(**local)
+
+
+class SlicedByTwiceTheLength(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(1, 64, 4))
+
+    def forward(self, x):
+        s = x.shape[1]
+        return (x + self.table[:, s:2 * s]).sum()
+
+
+def test_a_table_sliced_from_another_function_of_the_length_is_refused(group):
+    compiled = cp_passes.cp_compile(SlicedByTwiceTheLength(), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(cp_passes.CPCompileError, match="neither a constant nor a constant minus the length"):
+        compiled(torch.randn(2, 4, 4))
 
 
 def test_a_positionwise_function_declaration_is_checked():
