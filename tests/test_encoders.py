@@ -4,7 +4,6 @@ SDPA and eager attention, with and without a padding attention_mask. Parity on r
 device; structure on the fake process group."""
 
 import pytest
-import torch
 
 import cp_passes
 

@@ -7,7 +7,7 @@ import torch
 
 from moe_models import HandMoE, reference
 from scenarios import in_global_order, toy_batch
-from test_parity import compare_valid
+from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
 
 
 def _compare(name, family, ranks, seq_len, report, aux=False, documents=None):

@@ -67,22 +67,28 @@ def linear_hybrid(name):
     pytest.param("Bamba", "bamba.modeling_bamba:mamba2_chunk_scan", 16, marks=pytest.mark.full),
 ])
 def test_a_chunked_recurrence_without_a_spec_is_refused_naming_the_kernel(group, name, kernel, chunk):
-    """Without a spec, the torch fallback of a linear-attention or Mamba-2 layer pads the sequence up to whole
-    chunks by a width computed in the graph: that is refused naming the kernel and the Recurrence that declares
-    it, where cp_passes used to fail comparing the width (an FX node) to 0."""
-    compiled = cp_passes.cp_compile(linear_hybrid(name), mesh=group, backend="aot_eager", verbose=False)
+    """With the defaults (CPSpec(); spec=None picks the shipped spec), the torch fallback of a linear-attention or
+    Mamba-2 layer pads the sequence up to whole chunks by a width computed in the graph: that is refused naming
+    the kernel and the shipped spec that declares it, where cp_passes used to fail comparing the width (an FX
+    node) to 0."""
+    compiled = cp_passes.cp_compile(linear_hybrid(name), cp_passes.CPSpec(), mesh=group, backend="aot_eager",
+                                    verbose=False)
     with pytest.raises(CPCompileError) as info:
         compiled(input_ids=torch.randint(3, 128, (1, 64)))
     first = info.value.problems[0]
     assert first.op == "aten.pad.default" and f"up to a multiple of {chunk}" in first.reason, str(info.value)
-    assert f"Recurrence('transformers.models.{kernel}'" in first.fix, first.fix
+    assert kernel.split(":")[1] in first.reason, first.reason
+    spec = kernel.split(".")[0]
+    assert f"model_specs/{spec}.py: cp_compile(model) picks it" in first.fix, first.fix
     assert "cp_passes bug" not in str(info.value)
 
 
 def test_a_model_that_fixes_the_sequence_length_is_refused_naming_the_line(group):
     """Kimi Delta Attention's torch fallback loops over 64-token chunks: the activations' length becomes the
-    constant 64 while position_ids keep a symbol. This ran with no exchange at all and wrong logits."""
-    compiled = cp_passes.cp_compile(kimi_linear(), mesh=group, backend="aot_eager", verbose=False)
+    constant 64 while position_ids keep a symbol. This ran with no exchange at all and wrong logits (with the
+    defaults: spec=None picks model_specs/kimi_linear.py, which declares the kernel)."""
+    compiled = cp_passes.cp_compile(kimi_linear(), cp_passes.CPSpec(), mesh=group, backend="aot_eager",
+                                    verbose=False)
     with pytest.raises(CPCompileError) as info:
         compiled(input_ids=torch.randint(0, 128, (1, 64)), position_ids=torch.arange(64)[None] + 3 * 64)
     message = str(info.value)
