@@ -152,7 +152,7 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
     results = []
     for seq_len in seq_lens:
         global_batch = hf_batch(seq_len, labels_in_model=labels_in_model)
-        local, layout = cp_passes.shard_batch(global_batch, group)
+        local, layout = cp_passes.shard_batch(global_batch, group, compiled.spec)
         model.zero_grad()
         if labels_in_model:
             out = compiled(**local, **call)

@@ -99,9 +99,10 @@ def test_explain_counts_graphs_and_says_why_a_length_recompiled():
         text = cp_passes.explain(compiled, print_table=False)
     assert [r.local_len for r in compiled.compile_records] == [2, 3]
     lines = text.splitlines()
-    assert lines[:2] == ["cp_passes: 2 graphs compiled", "  graph 0: local length 2"]
-    assert lines[2].startswith("  graph 1: local length 3; recompiled because ") and "input_ids" in lines[2]
-    assert "expected 2, actual 3" in lines[2]  # the causal reading pinned the length
+    assert lines[0] == "cp_passes: spec 'default' (given)"
+    assert lines[1:3] == ["cp_passes: 2 graphs compiled", "  graph 0: local length 2"]
+    assert lines[3].startswith("  graph 1: local length 3; recompiled because ") and "input_ids" in lines[3]
+    assert "expected 2, actual 3" in lines[3]  # the causal reading pinned the length
 
 
 CONFIGS = {"window6": dict(window=6), "window10_conv4": dict(window=10, conv_kernel=4),
