@@ -26,7 +26,7 @@ def test_bloom_matches_one_device(pool, parity_report, P, seq_lens):
 
 
 @pytest.mark.parametrize("family,P,seq_lens", [
-    ("table_prefix", 2, [11]),
+    pytest.param("table_prefix", 2, [11], marks=pytest.mark.full),
     *[pytest.param(f, P, [16], marks=pytest.mark.full) for f in ("mpt", "table_suffix", "table_clamped_suffix")
       for P in (2, 4)],
     pytest.param("table_prefix", 4, [16, 13], marks=pytest.mark.full)])
