@@ -18,6 +18,7 @@ does.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import inspect
 import math
@@ -102,8 +103,10 @@ def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, do
     return out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
 
 
+@functools.cache
 def _leading(rec, fn) -> bool:
-    """Whether the sequence arguments are the kernel's first parameters, in order."""
+    """Whether the sequence arguments are the kernel's first parameters, in order (read once per kernel: the op
+    runs it on every forward and backward)."""
     return list(inspect.signature(fn).parameters)[:len(rec.sequence_args)] == list(rec.sequence_args)
 
 
