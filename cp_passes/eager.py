@@ -11,13 +11,14 @@ from .transports.gather import sequence_gather_op
 from .transports.halo import halo_op
 
 
-def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0, layout=None) -> torch.Tensor:
-    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x]`` along ``dim``,
-    for each of the rank's ranges of ``layout`` (the ``ShardLayout`` from :func:`cp_passes.shard_batch`;
-    contiguous shards without it)."""
+def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0, layout=None,
+                after: int = 0) -> torch.Tensor:
+    """Eager halo exchange (differentiable): ``[left_padding zeros, halo preceding positions, x, after following
+    positions]`` along ``dim`` (positions outside the sequence are zeros), for each of the rank's ranges of
+    ``layout`` (the ``ShardLayout`` from :func:`cp_passes.shard_batch`; contiguous shards without it)."""
     cp = resolve_group(mesh)
     kind = layout.layout.kind if layout is not None else CONTIGUOUS
-    return halo_op(x, dim, halo, left_padding, cp.rank, cp.size, cp.name, kind)
+    return halo_op(x, dim, halo, left_padding, cp.rank, cp.size, cp.name, kind, after)
 
 
 def gather_sequence(local: torch.Tensor, mesh, dim: int = 1, layout=None) -> torch.Tensor:

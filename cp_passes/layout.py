@@ -170,20 +170,22 @@ class Layout:
         over its own rows (it holds the sequence's first positions and sees nothing else)."""
         return rank == 0 and self.chunks == 1
 
-    def halo_sources(self, halo: int, rank: int, local_len: int) -> list[list[tuple[int | None, int, int]]]:
-        """For each of rank ``rank``'s ranges, where the ``halo`` positions before it are held
-        (:meth:`sources` pieces: owner ``None`` before the sequence start, owner ``rank`` for rows it holds
-        itself). ``local_len`` is concrete."""
-        return [self.sources(start - halo, start, local_len) if halo > 0 else []
-                for start, _ in self.ranges(rank, local_len)]
+    def halo_sources(self, halo: int, rank: int, local_len: int, after: int = 0) -> list[list[tuple[int | None, int, int]]]:
+        """For each of rank ``rank``'s ranges, where the ``halo`` positions before it (then the ``after``
+        positions after it: a two-sided halo) are held (:meth:`sources` pieces: owner ``None`` outside the
+        sequence, owner ``rank`` for rows it holds itself). ``local_len`` is concrete."""
+        return [(self.sources(start - halo, start, local_len) if halo > 0 else [])
+                + (self.sources(stop, stop + after, local_len) if after > 0 else [])
+                for start, stop in self.ranges(rank, local_len)]
 
-    def halo_counts(self, halo: int, rank: int, local_len: int) -> tuple[list[int], list[int], int]:
+    def halo_counts(self, halo: int, rank: int, local_len: int, after: int = 0) -> tuple[list[int], list[int], int]:
         """Rows rank ``rank`` sends to and receives from every other rank for a halo of the ``halo``
-        positions before each of its ranges, and how many of those precede the sequence start (zeros).
-        Exactly the needed rows move; rows it holds itself are copied. ``local_len`` is concrete."""
+        positions before each of its ranges (and ``after`` after it), and how many of those lie outside the
+        sequence (zeros). Exactly the needed rows move; rows it holds itself are copied. ``local_len`` is
+        concrete."""
         send, recv, zeros = [0] * self.world, [0] * self.world, 0
         for other in range(self.world):
-            for pieces in self.halo_sources(halo, other, local_len):
+            for pieces in self.halo_sources(halo, other, local_len, after):
                 for owner, _, rows in pieces:
                     if other == rank and owner is None:
                         zeros += rows
@@ -198,19 +200,24 @@ class Layout:
         return sum(rows for pieces in self.halo_sources(halo, rank, local_len)
                    for owner, _, rows in pieces if owner is None)
 
-    def halo_positions(self, halo: int, rank: int, local_len, device=None, left_padding: int = 0) -> torch.Tensor:
+    def halo_positions(self, halo: int, rank: int, local_len, device=None, left_padding: int = 0,
+                       after: int = 0) -> torch.Tensor:
         """Global positions of the rows of a halo: for each range, ``[left_padding rows (-1), halo rows,
-        the range's rows]`` (positions before the sequence start are negative)."""
+        the range's rows, after rows]`` (positions before the sequence start are negative, those after its
+        end -1)."""
         pieces = []
         for start, stop in self.ranges(rank, local_len):
             if left_padding:
                 pieces.append(torch.full((left_padding,), -1, device=device))
-            pieces.append(torch.arange(stop - start + halo, device=device) + (start - halo))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            pieces.append(torch.arange(stop - start + halo + after, device=device) + (start - halo))
+        positions = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if after:
+            positions = torch.where(positions < self.global_len(local_len), positions, -1)
+        return positions
 
-    def halo_segments(self, halo: int, local_len, device=None, left_padding: int = 0) -> torch.Tensor:
+    def halo_segments(self, halo: int, local_len, device=None, left_padding: int = 0, after: int = 0) -> torch.Tensor:
         """Which range each row of a halo (:meth:`halo_positions`) belongs to (``[rows]`` int64)."""
-        size = self.chunk_len(local_len) + halo + left_padding
+        size = self.chunk_len(local_len) + halo + after + left_padding
         return torch.arange(self.chunks * size, device=device) // size
 
     def query_segments(self, local_len, device=None) -> torch.Tensor:

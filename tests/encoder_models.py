@@ -77,11 +77,19 @@ def reference(seq_len: int, attention: str = "sdpa", padded: bool = False):
 
 
 class ToyEncoder(torch.nn.Module):
-    """Embeddings, one bidirectional SDPA layer whose mask is built in one of the ways encoders build it
+    """Embeddings, one bidirectional attention layer (SDPA, or written by hand) whose mask is built in one of the
+    ways encoders build it
     (``variant``), a projection to the vocabulary: the loss is the sum of squares of the logits at every
     position the padding mask keeps."""
 
-    VARIANTS = ("two_sided_band", "doc_ids", "band_and_padding", "band_in_a_helper", "prefix_lm")
+    VARIANTS = ("two_sided_band", "doc_ids", "band_and_padding", "band_in_a_helper", "asymmetric_band", "prefix_lm",
+                "eager_additive_band", "eager_masked_fill_band", "eager_where_asymmetric", "eager_padding_band")
+    ADVERSARIAL = ("band_or_marked",)
+    """A band for one document whose data widens it: ``band | (attention_mask == 2)`` (a key marked 2 is seen
+    by every query)."""
+    """The ``eager_`` ones write attention by hand (``softmax(q @ k^T * scale + mask) @ v``): a band added as
+    0 / finfo.min, filled in with ``masked_fill``, picked with ``where`` (one later key, ``window`` earlier), and
+    a band added to a padding mask (every key: the padding mask is data)."""
 
     def __init__(self, variant: str, dim: int = 16, window: int = 3):
         super().__init__()
@@ -103,11 +111,37 @@ class ToyEncoder(torch.nn.Module):
             mask = (doc_ids[:, :, None] == doc_ids[:, None, :])[:, None]
         elif self.variant == "band_and_padding":
             mask = self.band(pos)[None, None] & attention_mask.bool()[:, None, None, :]
+        elif self.variant == "band_or_marked":
+            mask = self.band(pos)[None, None] | (attention_mask == 2)[:, None, None, :]
+        elif self.variant == "asymmetric_band":  # window keys before, 1 after, written as a distance
+            distance = pos[:, None] - pos[None, :]
+            mask = (distance >= -1) & (distance <= self.window)
         elif self.variant == "prefix_lm":  # causal, but the first 6 positions (a prompt) seen by every query
             mask = (pos[None, :] <= pos[:, None]) | (pos[None, :] < 6)
+        elif self.variant.startswith("eager_"):
+            return self.eager(input_ids, q, k, v, pos, attention_mask)
         else:
             mask = self.band(pos)
         y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.head(y, input_ids, attention_mask)
+
+    def eager(self, input_ids, q, k, v, pos, attention_mask):
+        scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+        low = torch.finfo(scores.dtype).min
+        if self.variant == "eager_additive_band":
+            scores = scores + torch.zeros(pos.shape[0], pos.shape[0]).masked_fill(~self.band(pos), low)
+        elif self.variant == "eager_masked_fill_band":
+            scores = scores.masked_fill(~self.band(pos), low)
+        elif self.variant == "eager_where_asymmetric":
+            distance = pos[:, None] - pos[None, :]
+            scores = torch.where((distance >= -1) & (distance <= self.window), scores, low)
+        else:
+            keep = self.band(pos)[None, None] & attention_mask.bool()[:, None, None, :]
+            scores = scores + (~keep).float() * low
+        y = scores.softmax(-1) @ v
+        return self.head(y, input_ids, attention_mask)
+
+    def head(self, y, input_ids, attention_mask):
         logits = self.out(y.transpose(1, 2).flatten(-2))
         keep = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         return logits, (logits.pow(2).sum(-1) * keep).sum()
@@ -119,27 +153,45 @@ def toy_batch(variant: str, seq_len: int) -> dict:
     if variant == "doc_ids":
         docs = torch.tensor([0] * 5 + [1] * 7 + [2] * (seq_len - 12))
         return {"input_ids": ids, "doc_ids": docs.expand(2, seq_len).clone()}
-    if variant == "band_and_padding":
+    if variant == "band_or_marked":
+        mask = torch.ones_like(ids)
+        mask[0, 1] = 2
+        return {"input_ids": ids, "attention_mask": mask}
+    if variant in ("band_and_padding", "eager_padding_band"):
         mask = torch.ones_like(ids)
         mask[1, -3:] = 0
         return {"input_ids": ids, "attention_mask": mask}
     return {"input_ids": ids}
 
 
-def toy_parity(group, variant: str, seq_len: int) -> dict:
+def toy_parity(group, variant: str, seq_len: int, window: int = 3) -> dict:
     torch.manual_seed(0)
-    model = ToyEncoder(variant)
+    model = ToyEncoder(variant, window=window)
     compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
     local, layout = cp_passes.shard_batch(toy_batch(variant, seq_len), group)
     logits, loss = compiled(**local)
     loss.backward()
+    records = compiled.compile_records[-1].records
     return {"logits": logits.detach(), "loss": loss.detach(), "grads": _grads(model), "positions": layout.positions,
-            "rules": [r.rule for r in compiled.compile_records[-1].records if r.rule.startswith("sdpa")]}
+            "rules": [r.rule for r in records if r.rule.startswith(("sdpa", "key_"))],
+            "halo": any(r.rule == "key_operand" and "a halo of" in r.note for r in records)}
 
 
-def toy_reference(variant: str, seq_len: int):
+def toy_error(group, variant: str, seq_len: int) -> str:
+    """The error of one step (or "no error")."""
     torch.manual_seed(0)
-    model = ToyEncoder(variant)
+    compiled = cp_passes.cp_compile(ToyEncoder(variant), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(toy_batch(variant, seq_len), group)
+    try:
+        compiled(**local)[1].backward()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def toy_reference(variant: str, seq_len: int, window: int = 3):
+    torch.manual_seed(0)
+    model = ToyEncoder(variant, window=window)
     batch = toy_batch(variant, seq_len)
     logits, loss = model(**batch)
     loss.backward()

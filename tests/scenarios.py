@@ -513,12 +513,12 @@ def shift_roundtrip(group, seq_len: int, offsets: list[int], kind: str = "contig
     return results
 
 
-def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str = "contiguous") -> dict:
+def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str = "contiguous", after: int = 0) -> dict:
     """gather_halo against slicing the global tensor; gradients go back to the owners."""
     x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
     local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
     x = local["x"].requires_grad_()
-    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding, layout=shard)
+    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding, layout=shard, after=after)
     (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
     return {"out": out.detach(), "grad": x.grad, "ranges": shard.slices[shard.rank], "positions": shard.positions,
             "padded": shard.padded_len}

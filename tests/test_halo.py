@@ -1,4 +1,5 @@
-"""Halo exchange: exactly the preceding positions, across as many ranks as the halo spans."""
+"""Halo exchange: exactly the preceding positions (and for a two-sided window the following ones), across as
+many ranks as the halo spans."""
 
 import pytest
 import torch
@@ -25,6 +26,19 @@ def test_every_rank_receives_exactly_the_halo(halo, local, world):
             assert sends[q][r] == recvs[r][q]
 
 
+@pytest.mark.parametrize("halo,after,local,world", [(2, 2, 6, 2), (6, 3, 6, 2), (9, 10, 3, 4), (0, 4, 4, 4)])
+def test_a_two_sided_halo_receives_exactly_the_rows_on_both_sides(halo, after, local, world):
+    """A bidirectional window: ``halo`` rows before and ``after`` after each rank's, from as many ranks as they
+    span; positions outside the sequence are zeros, not moved."""
+    layout = Layout(world)
+    counts = [layout.halo_counts(halo, rank, local, after) for rank in range(world)]
+    for rank, (send, recv, zeros) in enumerate(counts):
+        assert sum(recv) + zeros == halo + after
+        assert sum(recv) == min(halo, rank * local) + min(after, (world - 1 - rank) * local)
+        for q in range(world):
+            assert counts[q][0][rank] == recv[q]
+
+
 @pytest.mark.parametrize("halo,local,world", [(1, 4, 2), (2, 4, 2), (5, 4, 4), (9, 2, 4), (3, 8, 8)])
 def test_balanced_halos_move_exactly_the_rows_other_ranks_hold(halo, local, world):
     """Two ranges per rank, each with its own halo: rows held by another rank move, a row the rank holds
@@ -48,11 +62,13 @@ def _padded(seq_len: int, padded: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["contiguous", "balanced"])
-@pytest.mark.parametrize("P,halo,left_padding", [(2, 2, 0), (2, 6, 2), (4, 9, 0), (4, 10, 1)])
-def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, left_padding, kind):
+@pytest.mark.parametrize("P,halo,left_padding,after", [(2, 2, 0, 0), (2, 6, 2, 0), (4, 9, 0, 0), (4, 10, 1, 0),
+                                                       (4, 4, 0, 9), pytest.param(2, 3, 0, 5, marks=pytest.mark.full)])
+def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, left_padding, after, kind):
     """Each of a rank's ranges gets its own halo (a balanced layout's two: rows from several ranks, and on the
-    middle rank the tail's halo from its own head)."""
-    per_rank = pool.run("halo_roundtrip", P, seq_len=12, halo=halo, left_padding=left_padding, kind=kind)
+    middle rank the tail's halo from its own head); with ``after``, the rows after each range too (a two-sided
+    window), zeros past the end."""
+    per_rank = pool.run("halo_roundtrip", P, seq_len=12, halo=halo, left_padding=left_padding, kind=kind, after=after)
     x = _padded(12, per_rank[0]["padded"])
     expected_grad = torch.zeros(x.shape[1])
     for r in per_rank:
@@ -60,9 +76,10 @@ def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, 
         for start, stop in r["ranges"]:
             pieces.append(torch.zeros(2, left_padding, 3))
             at += left_padding
-            for p in range(start - halo, stop):
-                pieces.append(torch.zeros(2, 1, 3) if p < 0 else x[:, p:p + 1])
-                if p >= 0:
+            for p in range(start - halo, stop + after):
+                inside = 0 <= p < x.shape[1]
+                pieces.append(x[:, p:p + 1] if inside else torch.zeros(2, 1, 3))
+                if inside:
                     expected_grad[p] += at
                 at += 1
         assert torch.equal(r["out"], torch.cat(pieces, 1)), (kind, r["ranges"])

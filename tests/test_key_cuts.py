@@ -154,6 +154,10 @@ def test_the_run_time_check_fails_on_a_visible_key_left_out_and_on_a_row_that_hi
     check_hidden([~(causal & ~causal.tril(-3))], (TRUE,), ((0, 1),), 2)  # a window of 3
     with pytest.raises(RuntimeError, match="outside the window of 3"):
         check_hidden([~causal], (TRUE,), ((0, 1),), 2)
+    two_sided = (torch.arange(6)[:, None] - torch.arange(6)[None, :]).abs() >= 3  # hidden
+    check_hidden([two_sided], (TRUE,), ((0, 1),), 2, after=2)  # an encoder's band: 2 keys on either side
+    with pytest.raises(RuntimeError, match="outside the window of 2 keys before and 1 after"):
+        check_hidden([two_sided], (TRUE,), ((0, 1),), 2, after=1)
     additive = torch.zeros(6, 6).masked_fill(~causal, NEG)
     additive[2] = NEG  # query 2 sees nothing: uniform over every key on one device
     with pytest.raises(RuntimeError, match="hides every key from some query"):

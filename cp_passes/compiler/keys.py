@@ -9,8 +9,8 @@ softmax over keys, soft-capping and ``probs @ v`` are correct on ``[local querie
 Which keys: every key, unless the model's masks provably give the others zero probability
 (:mod:`cp_passes.match.key_cuts`). Then the masks are evaluated here, as the single device would at the
 compile-time length (capped at ``PROBE_MAX_LEN``) for one unpadded document (positions ``0..S-1``, one doc
-id), to read what they let a query see: a window of ``w`` keys takes a halo of ``w - 1`` rows, causal
-attention the causal prefix of a gather. The run-time check in the transport holds the model to it.
+id), to read what they let a query see: a window of ``w`` keys takes a halo of ``w - 1`` rows (a two-sided
+band, an encoder's, rows from both sides), causal attention the causal prefix of a gather. The run-time check in the transport holds the model to it.
 
 Keys concatenated from positions and windows of them (compressed attention's ``[raw K | compressed K]``)
 are cut in their first part, the positions, by the masks' first part along the key axis; the windows come
@@ -31,7 +31,7 @@ from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
-from ..rules.attention import PROBE_MAX_LEN
+from ..rules.attention import PROBE_MAX_LEN, two_sided_band
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
 from ..transports.masks import band
 
@@ -138,16 +138,22 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     for length in (longer, shorter):
         if (seen, length) not in probes:
             probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
-    window, again = probes[(seen, longer)], probes[(seen, shorter)]
-    for found in (window, again):
+    for found in (probes[(seen, longer)], probes[(seen, shorter)]):
         if isinstance(found, str):
             return None, found
-    if again != (window if window is not None and window < shorter else None):
+    (window, ahead), (again, ahead_again) = probes[(seen, longer)], probes[(seen, shorter)]
+    if (ahead, again) != (ahead_again, window if ahead or window is not None and window < shorter else None):
         return None, f"the window its masks show changes with the sequence length ({window} at {longer}, {again} at " \
                      f"{shorter})"
     masking, first = tuple(cut.masking), concat is not None
+    side = _side_operand(cut, ctx.matches.blocks, ctx.sym) if window is not None else None
+    if ahead:
+        sides = f"two-sided window: {window - 1} keys before and {ahead} after"
+        if ctx.spec.window_transport != "halo" or side is not None:
+            return None, sides + (f"; '{side.name}' is read on the key axis besides K and V" if side is not None
+                                  else ", by gather as the spec asks")
+        return KeyRange(window - 1, masking, first, ahead), sides + " read from the model's mask"
     if window is not None and ctx.spec.window_transport == "halo":
-        side = _side_operand(cut, ctx.matches.blocks, ctx.sym)
         if side is None:
             return KeyRange(window - 1, masking, first), f"window {window} read from the model's mask"
         return KeyRange(None, masking, first), (f"window {window}; '{side.name}' is read on the key axis besides K "
@@ -180,10 +186,10 @@ def _first_part(mask: torch.fx.Node, key_dim: int) -> torch.fx.Node | None:
     return mask.args[0][0] if dim == key_dim else None
 
 
-def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.Node | None) -> int | None | str:
-    """The window of keys the masks let a query see for one document of ``length`` (None: causal, no
-    narrower), or why cp_passes cannot say. On keys concatenated by ``concat``, the window over its first
-    part."""
+def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.Node | None) -> tuple | str:
+    """``(window, ahead)``: the keys the masks let a query see for one document of ``length``: the ``window - 1``
+    before it (window None: causal, no narrower) and the ``ahead`` after it (a two-sided band), or why
+    cp_passes cannot say. On keys concatenated by ``concat``, the window over its first part (causal only)."""
     blocks, spec = ctx.matches.blocks, ctx.spec
     if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
         return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
@@ -212,10 +218,11 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
         return "its masks hide every key from some query (checked for one document)"
     seen = seen.any(0)
     if bool((seen & ~band(length, None)).any()):
-        return "its masks let a query see later keys (not causal)"
+        sides = two_sided_band(seen) if concat is None else None
+        return "its masks let a query see later keys (not causal)" if sides is None else (sides[0] + 1, sides[1])
     distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
     window = int(distance[seen].max()) + 1
-    return window if window < length else None
+    return (window if window < length else None), 0
 
 
 def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
@@ -245,7 +252,8 @@ def _reads_later(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> bool:
         seen = (cut.masking, concat is not None)
         if (seen, length) not in state.probes:
             state.probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
-        state.later[cut.softmax] = isinstance(state.probes[(seen, length)], str)
+        found = state.probes[(seen, length)]
+        state.later[cut.softmax] = isinstance(found, str) or found[1] > 0
     return state.later[cut.softmax]
 
 
@@ -291,7 +299,7 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                            f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
                            f"part by part as well", "concatenate once and read the result as both K and V (as "
                            "DeepSeek V4 does)")
-            later = keys is None and _reads_later(ctx, state, node)
+            later = _reads_later(ctx, state, node) if keys is None else keys.after > 0
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
                                                                         reads_later=later, concat=concat)
             brings = keys.describe() if keys is not None else "every key"

@@ -81,7 +81,7 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     f"place of the fill {request.fill}")
         elif rule == "sdpa_full":
             what = "attention with no mask and is_causal=False: every query reads every key"
-        elif rule == "sdpa_bidirectional" and not request.mask.tensor_leaves:
+        elif rule.startswith("sdpa_bidirectional") and (request.mask is None or not request.mask.tensor_leaves):
             what = "bidirectional attention with a mask from positions alone: queries read the padded keys"
         elif isinstance(request, KeyOperand) and request.reads_later and not data_masks:
             what = ("attention written by hand that lets a query read later keys, with no mask from attention_mask "

@@ -2,7 +2,9 @@
 
 ``scaled_dot_product_attention`` over sharded K/V is causal (``is_causal``, or a causal mask the model
 builds), a causal sliding window (a band mask the model builds, or an ``AttentionRule`` in the spec),
-or full. A window takes the halo transport (``spec.window_transport``); the rest a sequence gather.
+bidirectional (an encoder's mask), a two-sided window (a bidirectional band, ``|i - j| <= w``), or full. A
+window takes the halo transport (``spec.window_transport``; a two-sided one from both sides); the rest a
+sequence gather.
 Masks the model builds from metadata (doc ids) are evaluated at the rank's query rows and the keys brought
 (over the whole sequence where a window or sizes that depend on data need it).
 """
@@ -133,6 +135,34 @@ def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
     return bool(_allowed(_evaluate(ctx, found, length), ctx).triu(1).any())
 
 
+def two_sided_band(allowed: torch.Tensor) -> tuple[int, int] | None:
+    """``(before, after)`` where ``allowed`` (``[n, n]``) is exactly the two-sided band ``-after <= i - j <=
+    before``, with a later key seen and both sides narrower than the sequence; else None."""
+    n = allowed.shape[-1]
+    if not bool(allowed.any()):
+        return None
+    distance = (torch.arange(n)[:, None] - torch.arange(n)[None, :])[allowed]
+    before, after = int(distance.max()), -int(distance.min())
+    if not (0 <= before < n - 1 and 0 < after < n - 1) or not torch.equal(allowed, band(n, before + 1, ahead=after)):
+        return None
+    return before, after
+
+
+def bidirectional_window(ctx: RuleContext, evaluate) -> tuple[int, int] | None:
+    """``(window, ahead)`` of a bidirectional mask that is the same two-sided band at the compile-time length
+    and about half of it (``evaluate(length)``: the ``[length, length]`` mask for one document, or None):
+    each query sees ``window - 1`` earlier and ``ahead`` later keys. None: no such band (every key is brought)."""
+    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+    sides = []
+    for length in (longer, max(2, longer // 2 + 1)):
+        allowed = evaluate(length)
+        sides.append(None if allowed is None else two_sided_band(allowed))
+    if sides[0] is None or sides[0] != sides[1]:
+        return None
+    before, after = sides[0]
+    return before + 1, after
+
+
 @register_rule(aten.scaled_dot_product_attention)
 def sdpa_rule(ctx: RuleContext):
     q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
@@ -161,9 +191,11 @@ def sdpa_rule(ctx: RuleContext):
         ctx.refuse(found_mask + "; masks are evaluated from positions and gathered metadata only",
                    "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
                    "doc_ids), or pass is_causal=True")
+    ahead = 0
+    halo_allowed = ctx.spec.window_transport == "halo"
     if metadata is not None:
-        # The envelope (causal, or the declared window) plans the transport; the model's own mask, evaluated
-        # from gathered metadata, is checked against it at run time.
+        # The envelope (causal, the declared window, or a two-sided window) plans the transport; the model's own
+        # mask, evaluated from gathered metadata, is checked against it at run time.
         if meta_val(mask).dtype != torch.bool:
             read = ", ".join(f"'{leaf.meta.get(INPUT_NAME, leaf.name)}'" for leaf in metadata.tensor_leaves)
             ctx.refuse(
@@ -176,17 +208,26 @@ def sdpa_rule(ctx: RuleContext):
                 "causal term)",
             )
         causal = bool(declared) or not document_sees_later_keys(ctx, metadata)
-        window = declared.window if declared else document_window(ctx, metadata) if causal else None
+        if causal:
+            window = declared.window if declared else document_window(ctx, metadata)
+        else:
+            window, ahead = bidirectional_window(
+                ctx, lambda n: _one_document(ctx, metadata, n, padding=True)) or (None, 0)
     elif isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
-        # Bidirectional (an encoder's window): every key is brought and the model's mask, a function of
-        # positions alone, is evaluated at this rank's rows.
+        # Bidirectional (an encoder's attention): a two-sided band becomes a halo from both sides and a mask made
+        # here; any other mask, a function of positions alone, is evaluated at this rank's rows, every key brought.
         if declared is not None:
             said = f"window {declared.window}" if declared.window else "causal attention"
             ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
                        f"queries see later keys (bidirectional attention)",
                        "remove the AttentionRule: a bidirectional mask is read from the model")
-        metadata = MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
         causal = False
+        sides = bidirectional_window(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed \
+            else None
+        if sides is None:
+            metadata = MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
+        else:
+            window, ahead = sides
     elif isinstance(found_mask, PositionMask):
         global_len = ctx.layout.global_len(ctx.local_len())
         window = read_window(ctx, found_mask, global_len, declared.window if declared else None)
@@ -217,24 +258,30 @@ def sdpa_rule(ctx: RuleContext):
         and meta_val(k_src).dtype == meta_val(v_src).dtype
         and all(same_size(a, b) for a, b in zip(meta_val(k_src).shape[:-1], meta_val(v_src).shape[:-1]))
     )
-    halo = bool(window) and ctx.spec.window_transport == "halo"
+    halo = bool(window) and halo_allowed
     if window and not halo:
         notes.append("the spec asks for a gather")
+    sides = f"two-sided window: {window - 1} keys before and {ahead} after" if ahead else None
     if metadata is not None:
         names = ", ".join(leaf.name for leaf in metadata.tensor_leaves) or "positions"
         envelope = (f"window {window} (spec)" if declared and declared.window else
+                    f"{sides} read from the model's mask for one document" if ahead else
                     f"window {window} read from the model's mask for one document" if window else
                     "causal envelope" if causal else "bidirectional: every key")
         where = ("at this rank's rows and the keys brought" if evaluated_locally(metadata, window, halo, ctx.arg("dropout_p"))
                  else "over the whole sequence")
         notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
-                     + (", checked at run time" if causal else ""))
+                     + (", checked at run time" if causal or window else ""))
+    elif ahead:
+        notes.append(f"{sides} read from the model's mask")
     elif window:
         notes.append(f"window {window} read from the model's mask")
     left_padding = declared.left_padding if declared is not None and halo else 0
     if left_padding:
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,
-                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes, left_padding)
-    rule = "sdpa_bidirectional" if metadata and not causal else "sdpa_data_mask" if metadata else "sdpa_window" if window else ("sdpa_causal" if causal else "sdpa_full")
+                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes, left_padding, ahead)
+    rule = ("sdpa_bidirectional_window" if not causal and window else
+            "sdpa_bidirectional" if metadata and not causal else "sdpa_data_mask" if metadata else
+            "sdpa_window" if window else "sdpa_causal" if causal else "sdpa_full")
     return Rewrite(rule, "halo" if halo else "sequence_gather", request, note="; ".join(notes))

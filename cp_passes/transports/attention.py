@@ -1,7 +1,7 @@
 """The attention edit both K/V transports share: move K/V, mask at the rank's global positions.
 
 A rule asks for :class:`AttentionKV` with transport ``halo`` (a sliding window: the ``window - 1``
-preceding rows) or ``sequence_gather`` (everything, then the rows a causal query can see); the transport
+preceding rows, and for a two-sided window the ``ahead`` rows after) or ``sequence_gather`` (everything, then the rows a causal query can see); the transport
 supplies the function that moves one tensor, this module rewires the attention call. Gathered keys without
 a window are attended block by block (:mod:`.block_attention`): the pieces a query sees whole, its own
 causally, no ``[queries, keys]`` mask built or saved unless the model's own mask reads data.
@@ -53,6 +53,9 @@ class AttentionKV:
     notes: list[str] = field(default_factory=list)
     left_padding: int = 0
     """Zero rows in front of a halo (hidden by the mask)."""
+    ahead: int = 0
+    """Not ``causal``, with a ``window``: each query sees ``window - 1`` earlier and ``ahead`` later keys (a
+    two-sided window, brought by a halo from both sides)."""
 
     @property
     def kv_label(self) -> str:
@@ -100,10 +103,10 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
         mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding,
-                                        request.causal), name="cp_mask_block")
+                                        request.causal, request.ahead), name="cp_mask_block")
     elif halo:
-        mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding),
-                           name="cp_window_mask")
+        mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding,
+                                         request.ahead), name="cp_window_mask")
     if request.causal and not halo:
         keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
         values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")

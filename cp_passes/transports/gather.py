@@ -69,7 +69,7 @@ class SequenceGather(Transport):
         total = request.elements
         row = request.row_bytes(local_len)
         if request.window:
-            needed = sum(layout.halo_counts(request.window - 1, rank, local_len)[1]) * row
+            needed = sum(layout.halo_counts(request.window - 1, rank, local_len, request.ahead)[1]) * row
         elif request.causal:
             needed = layout.seen_before(rank, local_len) * row
         else:

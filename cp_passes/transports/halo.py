@@ -1,9 +1,10 @@
-"""Halo: the positions just before each of this rank's ranges, from as many ranks as they span.
+"""Halo: the positions just before (and after) each of this rank's ranges, from as many ranks as they span.
 
-Serves causal convolutions (``(k - 1) * dilation`` rows replace the left pad) and sliding-window
-attention (``window - 1`` rows of K/V). Exactly the needed rows move, in one ``all_to_all`` with exact
+Serves causal convolutions (``(k - 1) * dilation`` rows replace the left pad), causal sliding-window
+attention (``window - 1`` rows of K/V) and two-sided windows (an encoder's local attention: rows from both
+sides, ``[halo, range, after]``). Exactly the needed rows move, in one ``all_to_all`` with exact
 split sizes (:meth:`Layout.halo_sources`); rows a rank holds itself (a balanced layout's tail range follows
-its head on the middle rank) are copied, and positions before the sequence start are zeros. The counts are
+its head on the middle rank) are copied, and positions outside the sequence are zeros. The counts are
 computed at run time from the concrete local length, so one graph serves every length. With two ranges per
 rank the halo is ``[halo, head, halo, tail]``: a convolution then drops the outputs that straddle the
 two (:func:`drop_seams`) and attention masks every key outside a query's own range.
@@ -27,10 +28,11 @@ aten = torch.ops.aten
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(world: int, kind: str, halo: int, local_len: int) -> tuple:
+def _plans(world: int, kind: str, halo: int, local_len: int, after: int = 0) -> tuple:
     """Every rank's :meth:`Layout.halo_sources`: the same on every rank, computed once per length."""
     layout = Layout(world, kind)
-    return tuple(tuple(tuple(pieces) for pieces in layout.halo_sources(halo, r, local_len)) for r in range(world))
+    return tuple(tuple(tuple(pieces) for pieces in layout.halo_sources(halo, r, local_len, after))
+                 for r in range(world))
 
 
 def _counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], bool]:
@@ -43,6 +45,16 @@ def _counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], 
     return send, recv, moves
 
 
+def _placed(pieces: tuple, halo: int, size: int) -> list[tuple[int | None, int, int, int]]:
+    """``(owner, row, rows, offset)``: where each source piece of one range lands in its segment ``[halo rows,
+    the range's size rows, the rows after]`` (after any left padding)."""
+    placed, at = [], 0
+    for owner, row, n in pieces:
+        placed.append((owner, row, n, at if at < halo else at + size))
+        at += n
+    return placed
+
+
 def _split(rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
     out, start = [], 0
     for n in counts:
@@ -53,13 +65,14 @@ def _split(rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
 
 @torch.library.custom_op("cp_passes::halo", mutates_args=())
 def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, world: int,
-            group_name: str, kind: str = CONTIGUOUS) -> torch.Tensor:
+            group_name: str, kind: str = CONTIGUOUS, after: int = 0) -> torch.Tensor:
     """For each of this rank's ranges (one, or two in a balanced layout), ``[left_padding zeros, the halo
-    positions before it, its rows]`` along ``dim``; positions before the sequence start are zeros."""
+    positions before it, its rows, the after positions after it]`` along ``dim``; positions outside the
+    sequence are zeros."""
     dim = dim % x.dim()
     rows = x.movedim(dim, 0)
     local_len = rows.shape[0]
-    plans = _plans(world, kind, halo, local_len)
+    plans = _plans(world, kind, halo, local_len, after)
     send, recv, moves = _counts(plans, rank, world)
     received = {}
     if moves:  # the same on every rank: all take part
@@ -72,7 +85,11 @@ def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, 
     for i, sources in enumerate(plans[rank]):
         if left_padding:
             pieces.append(rows.new_zeros((left_padding, *rows.shape[1:])))
-        for owner, row, n in sources:
+        own = rows.narrow(0, i * size, size)
+        for owner, row, n, at in _placed(sources, halo, size):
+            if at >= halo and own is not None:
+                pieces.append(own)
+                own = None
             if owner is None:
                 pieces.append(rows.new_zeros((n, *rows.shape[1:])))
             elif owner == rank:
@@ -80,39 +97,39 @@ def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, 
             else:
                 pieces.append(received[owner].narrow(0, taken[owner], n))
                 taken[owner] += n
-        pieces.append(rows.narrow(0, i * size, size))
+        if own is not None:
+            pieces.append(own)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
 @halo_op.register_fake
-def _(x, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS):
+def _(x, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS, after=0):
     shape = list(x.shape)
-    shape[dim % x.dim()] += Layout(world, kind).chunks * (left_padding + halo)
+    shape[dim % x.dim()] += Layout(world, kind).chunks * (left_padding + halo + after)
     return x.new_empty(shape)
 
 
 @torch.library.custom_op("cp_passes::halo_backward", mutates_args=())
 def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, world: int,
-                     group_name: str, kind: str = CONTIGUOUS) -> torch.Tensor:
+                     group_name: str, kind: str = CONTIGUOUS, after: int = 0) -> torch.Tensor:
     """The gradient of :func:`halo_op`: each halo row's gradient returns to the rank that holds the row."""
     dim = dim % grad.dim()
     rows = grad.movedim(dim, 0)
     chunks = Layout(world, kind).chunks
-    local_len = rows.shape[0] - chunks * (left_padding + halo)
+    local_len = rows.shape[0] - chunks * (left_padding + halo + after)
     size = local_len // chunks
-    plans = _plans(world, kind, halo, local_len)
+    plans = _plans(world, kind, halo, local_len, after)
     send, recv, moves = _counts(plans, rank, world)
-    segment = left_padding + halo + size
+    segment = left_padding + halo + size + after
     out = torch.cat([rows.narrow(0, i * segment + left_padding + halo, size) for i in range(chunks)])
     back = {q: [] for q in range(world)}
     for i, sources in enumerate(plans[rank]):
-        at = i * segment + left_padding
-        for owner, row, n in sources:
+        for owner, row, n, at in _placed(sources, halo, size):
+            at += i * segment + left_padding
             if owner == rank:
                 out.narrow(0, row, n).add_(rows.narrow(0, at, n))
             elif owner is not None:
                 back[owner].append(rows.narrow(0, at, n))
-            at += n
     if moves:
         returning = [piece for q in range(world) for piece in back[q]]
         buffer = torch.cat(returning) if returning else rows.narrow(0, 0, 0)
@@ -128,9 +145,9 @@ def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int,
 
 
 @halo_backward_op.register_fake
-def _(grad, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS):
+def _(grad, dim, halo, left_padding, rank, world, group_name, kind=CONTIGUOUS, after=0):
     shape = list(grad.shape)
-    shape[dim % grad.dim()] -= Layout(world, kind).chunks * (left_padding + halo)
+    shape[dim % grad.dim()] -= Layout(world, kind).chunks * (left_padding + halo + after)
     return grad.new_empty(shape)
 
 
@@ -178,12 +195,14 @@ class Halo(Transport):
 
         assert isinstance(request, AttentionKV), request
         rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, request.window - 1,
-                                                                     f"{name}_halo", left_padding=request.left_padding))
+                                                                     f"{name}_halo", left_padding=request.left_padding,
+                                                                     after=request.ahead))
 
-    def insert(self, edit, x, dim: int, halo: int, name: str, before=None, left_padding: int = 0) -> torch.fx.Node:
+    def insert(self, edit, x, dim: int, halo: int, name: str, before=None, left_padding: int = 0,
+               after: int = 0) -> torch.fx.Node:
         return edit.insert(torch.ops.cp_passes.halo.default,
-                           (x, dim, halo, left_padding, edit.rank, edit.world, edit.group_name, edit.layout.kind),
-                           name=name, before=before)
+                           (x, dim, halo, left_padding, edit.rank, edit.world, edit.group_name, edit.layout.kind)
+                           + ((after,) if after else ()), name=name, before=before)
 
     def _conv(self, edit, match: ConvHalo) -> None:
         node = match.conv
@@ -207,12 +226,13 @@ class Halo(Transport):
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         if isinstance(request, ConvHalo):
-            halo, row, what = request.halo, row_bytes(request.source, local_len), f"{request.halo} rows"
+            halo, after, row, what = request.halo, 0, row_bytes(request.source, local_len), f"{request.halo} rows"
             itemsize = meta_val(request.source).dtype.itemsize
         else:
-            halo, what = request.window - 1, f"{request.window - 1} rows of {request.kv_label}"
+            halo, after = request.window - 1, request.ahead
+            what = f"{halo} rows" + (f" before and {after} after" if after else "") + f" of {request.kv_label}"
             row, itemsize = request.row_bytes(local_len), request.itemsize
-        send, recv, _ = layout.halo_counts(halo, rank, local_len)
+        send, recv, _ = layout.halo_counts(halo, rank, local_len, after)
         cost = Cost(f"all_to_all {what} | bw all_to_all", sum(recv) * row // itemsize, sum(recv) * row,
                     sum(recv) * row, sum(send) * row)
         return cost if isinstance(request, ConvHalo) else cost + request.metadata_cost(layout.world)

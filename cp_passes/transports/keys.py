@@ -7,7 +7,8 @@ smallest (before a GQA head repeat and any transposes), then the ops between are
 a mask is evaluated over the whole sequence from gathered metadata and this rank's query rows taken.
 
 Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
-says which keys come: the ``window - 1`` rows before this rank's (a halo) or the causal prefix of a gather.
+says which keys come: the ``window - 1`` rows before this rank's (a halo; for a two-sided window the rows after
+too) or the causal prefix of a gather.
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
 at run time over the whole sequence, on every rank alike, so no rank goes on while another fails. Keys
 concatenated from positions and windows of them are cut in their first part (the positions); the windows
@@ -44,11 +45,15 @@ class KeyRange:
     first_part: bool = False
     """The key axis concatenates positions and windows of them: the cut applies to the first part, the
     positions (as many keys as the sequence has queries); the other parts come whole."""
+    after: int = 0
+    """A two-sided window (an encoder's): the halo brings the ``after`` rows after this rank's too."""
 
     def describe(self) -> str:
         part = " in its positions and every window entry" if self.first_part else ""
         if self.halo is None:
             return "the causal prefix of a gather" + part
+        if self.after:
+            return f"a halo of the {self.halo} rows before this rank's and the {self.after} after (a two-sided window)"
         return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})" + part
 
 
@@ -138,18 +143,19 @@ def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> tor
 
 
 def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
-                 first_part: bool = False) -> None:
+                 first_part: bool = False, after: int = 0) -> None:
     """Fail unless the masks together (:func:`hidden_together`) hide every key a cut attention leaves out: a
-    later key, or (with ``halo``) one ``halo + 1`` or more positions back (with ``first_part``, among the
-    first keys, one per query). Every rank checks the whole sequence, so all reach the same verdict and none
-    is left waiting in a collective."""
+    later key (more than ``after`` positions on), or (with ``halo``) one ``halo + 1`` or more positions back
+    (with ``first_part``, among the first keys, one per query). Every rank checks the whole sequence, so all
+    reach the same verdict and none is left waiting in a collective."""
     if first_part:
         masks = [mask.narrow(k, 0, mask.shape[q]) for mask, (q, k) in zip(masks, dims)]
     together = hidden_together(masks, steps, dims)
-    kept = band(together.shape[-1], None if halo is None else halo + 1, together.device)
+    kept = band(together.shape[-1], None if halo is None else halo + 1, together.device, after)
     torch._assert_async((together | kept).all(),
                         "cp_passes: the model's attention mask lets a query see a key outside the "
-                        + ("causal prefix" if halo is None else f"window of {halo + 1}")
+                        + ("causal prefix" if halo is None else
+                           f"window of {halo} keys before and {after} after" if after else f"window of {halo + 1}")
                         + " it showed when compiling (for one document), so the keys brought would be wrong; "
                         "if the data decides which keys a query sees, set CPSpec(attention_keys='all')")
     # A row that hides every key is uniform over all keys on one device (finfo.min) but not over fewer.
@@ -161,20 +167,20 @@ def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
              halo: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
-             first_part: bool) -> torch.Tensor:
+             first_part: bool, after: int = 0) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
     before the sequence start (a halo's zeros), or in another of the rank's ranges' halos (a row two ranges
     share counts once), takes the hiding value (``fill``: how this mask hides keys) or, for a mask that
     hides none, the value of query 0 and the last key."""
     if checked:
-        check_hidden(checked, steps, dims, halo, first_part)
+        check_hidden(checked, steps, dims, halo, first_part, after)
     query_dim, key_dim = query_dim % global_mask.dim(), key_dim % global_mask.dim()
     rows = query_rows(global_mask, query_dim, rank, world, kind)
     local = rows.shape[query_dim]
-    positions = key_positions(local, rank, world, kind, halo, global_mask.device)
+    positions = key_positions(local, rank, world, kind, halo, global_mask.device, after=after)
     before = positions < 0
-    own = own_segment(local, world, kind, halo, global_mask.device) if halo is not None else None
+    own = own_segment(local, world, kind, halo, global_mask.device, after=after) if halo is not None else None
     if first_part:
         length, total = global_mask.shape[query_dim], global_mask.shape[key_dim]
         positions = torch.cat([positions, torch.arange(length, total, device=positions.device)])
@@ -247,7 +253,7 @@ class KeyGather(Transport):
         if keys is not None and keys.halo is not None:
             return edit.insert(torch.ops.cp_passes.halo.default,
                                (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name,
-                                edit.layout.kind), name=name)
+                                edit.layout.kind) + ((keys.after,) if keys.after else ()), name=name)
         brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
         if keys is not None:  # the causal prefix, in gather order, as cut_mask picks the mask's keys
             return edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world, edit.layout.kind),
@@ -274,7 +280,8 @@ class KeyGather(Transport):
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
                                           edit.layout.kind, request.keys.halo, checked,
                                           tuple(c[1] for c in request.checks),
-                                          tuple(c[2] for c in request.checks), fill, request.keys.first_part),
+                                          tuple(c[2] for c in request.checks), fill, request.keys.first_part,
+                                          request.keys.after),
                                    name="cp_mask_keys")
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
@@ -299,8 +306,9 @@ class KeyGather(Transport):
         row = row_bytes(source, local_len)
         itemsize = meta_val(source).dtype.itemsize
         if keys is not None and keys.halo is not None:
-            send, recv, _ = layout.halo_counts(keys.halo, rank, local_len)
-            return Cost(f"all_to_all {keys.halo} rows" + ("" if request.metadata else " | bw all_to_all"),
+            send, recv, _ = layout.halo_counts(keys.halo, rank, local_len, keys.after)
+            rows = f"{keys.halo} rows" + (f" before and {keys.after} after" if keys.after else "")
+            return Cost(f"all_to_all {rows}" + ("" if request.metadata else " | bw all_to_all"),
                         sum(recv) * row // itemsize, sum(recv) * row, sum(recv) * row, sum(send) * row)
         moved = (layout.world - 1) * local_len * row
         needed = layout.seen_before(rank, local_len) * row if keys is not None else moved

@@ -72,54 +72,57 @@ def global_shaped(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
 
 
 def key_positions(local, rank: int, world: int, kind: str, halo: int | None, device=None,
-                  left_padding: int = 0, causal: bool = True) -> torch.Tensor:
+                  left_padding: int = 0, causal: bool = True, after: int = 0) -> torch.Tensor:
     """The global positions of the keys a transport brings: for each of the rank's ranges ``[left_padding
-    rows, halo rows, its rows]`` after a halo (negative before the sequence start, -1 for a zero row in
-    front), else the gathered rows a causal query can see (every gathered row when not ``causal``)."""
+    rows, halo rows, its rows, after rows]`` after a halo (negative before the sequence start, -1 for a zero
+    row in front or after the end), else the gathered rows a causal query can see (every gathered row when not
+    ``causal``)."""
     layout = Layout(world, kind)
     if halo is not None:
-        return layout.halo_positions(halo, rank, local, device, left_padding)
+        return layout.halo_positions(halo, rank, local, device, left_padding, after)
     gathered = layout.gathered_positions(local, device)
     return gathered.narrow(0, 0, layout.visible_prefix(rank, local)) if causal else gathered
 
 
-def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0):
+def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0, after: int = 0):
     """``[local, keys]``: whether each key of a halo (:func:`key_positions`) belongs to the query's own range:
     a query sees keys of its own segment only, so a row two segments share (a window longer than the gap
     between a rank's ranges) counts once. None when the rank holds one range."""
     layout = Layout(world, kind)
     if layout.chunks == 1:
         return None
-    keys = layout.halo_segments(halo, local, device, left_padding)
+    keys = layout.halo_segments(halo, local, device, left_padding, after)
     return layout.query_segments(local, device)[:, None] == keys[None, :]
 
 
 def _key_positions(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
-                   left_padding: int = 0) -> torch.Tensor:
+                   left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
     """The global position of every key the transport brings; -1 for a zero row in front of a halo (and, as
-    ever, for a halo row before the sequence start)."""
+    ever, for a halo row outside the sequence)."""
     return key_positions(query.shape[-2], rank, world, kind, window - 1 if halo else None, query.device,
-                         left_padding)
+                         left_padding, after=ahead if halo else 0)
 
 
-def band(size: int, window: int | None, device=None) -> torch.Tensor:
-    """``[size, size]``: key ``j`` may be visible to query ``i`` (``0 <= i - j``, ``< window`` for a window)."""
-    visible = torch.ones(size, size, dtype=torch.bool, device=device).tril()
+def band(size: int, window: int | None, device=None, ahead: int = 0) -> torch.Tensor:
+    """``[size, size]``: key ``j`` may be visible to query ``i`` (``-ahead <= i - j``, ``< window`` for a
+    window): causal with ``ahead`` 0, a two-sided band of ``ahead`` later keys otherwise."""
+    visible = torch.ones(size, size, dtype=torch.bool, device=device).tril(ahead)
     return visible if window is None else visible.triu(1 - window)
 
 
 def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
-                left_padding: int = 0) -> torch.Tensor:
+                left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
     """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
-    ``0 <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding never is), and,
-    after a halo, the key is in the query's own segment (:func:`own_segment`)."""
+    ``-ahead <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding and rows
+    outside the sequence never are), and, after a halo, the key is in the query's own segment
+    (:func:`own_segment`). ``ahead`` > 0: a two-sided window."""
     q_pos = Layout(world, kind).positions(rank, query.shape[-2], query.device)
-    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding)
+    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding, ahead)
     distance = q_pos[:, None] - k_pos[None, :]
-    visible = (distance >= 0) & (k_pos[None, :] >= 0)
+    visible = (distance >= -ahead) & (k_pos[None, :] >= 0)
     if window is not None:
         visible = visible & (distance < window)
-    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding) if halo else None
+    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
     return visible if own is None else visible & own
 
 
@@ -145,22 +148,24 @@ def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> 
 
 
 def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, window: int | None,
-               halo: bool, left_padding: int = 0, causal: bool = True) -> torch.Tensor:
+               halo: bool, left_padding: int = 0, causal: bool = True, ahead: int = 0) -> torch.Tensor:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
-    (columns before the sequence start are False). Fails at run time if the model allows a key outside the
-    causal (window) envelope the transport was planned for: every rank checks every row of the global mask,
-    so all ranks reach the same verdict and none is left waiting in a collective. Not ``causal`` (a
-    bidirectional mask, every key brought): nothing lies outside."""
-    if causal:
-        envelope = band(global_mask.shape[-1], window, query.device)
+    (columns outside the sequence are False). Fails at run time if the model allows a key outside the
+    envelope the transport was planned for (causal, a causal window, or a two-sided window of ``window - 1``
+    earlier and ``ahead`` later keys): every rank checks every row of the global mask, so all ranks reach the
+    same verdict and none is left waiting in a collective. Bidirectional with no window (every key brought):
+    nothing lies outside."""
+    if causal or window is not None:
+        envelope = band(global_mask.shape[-1], window, query.device, ahead)
         torch._assert_async((global_mask & ~envelope).logical_not().all(),
-                            "cp_passes: the model's attention mask allows a key outside the causal window that the "
-                            "spec declares or its mask showed for one document when compiling (or outside causal "
-                            "attention); declare the window these modules really use in an AttentionRule "
+                            "cp_passes: the model's attention mask allows a key outside the "
+                            + ("causal window" if ahead == 0 else f"window of {window - 1} keys before and {ahead} after")
+                            + " that the spec declares or its mask showed for one document when compiling (or outside "
+                            "causal attention); declare the window these modules really use in an AttentionRule "
                             "(window=None: every preceding key)")
     rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
-    k_pos = (_key_positions(query, rank, world, kind, window, halo, left_padding) if causal
+    k_pos = (_key_positions(query, rank, world, kind, window, halo, left_padding, ahead) if causal or halo
              else key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=False))
     block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
-    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding) if halo else None
+    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
     return block if own is None else block & own
