@@ -1,5 +1,5 @@
-"""Bytes each rank receives for sliding-window attention and causal convolutions: halo against a full
-all-gather, next to the lower bound. Counted from the rewritten graphs of a dry run (fake tensors, a
+"""Bytes each rank receives for sliding-window attention and causal convolutions: halo against a gather of
+the causal prefix (``window_transport="gather"``), next to the lower bound. Counted from the rewritten graphs of a dry run (fake tensors, a
 fake process group), so any sequence length and world size plan in seconds on a laptop.
 
     python benchmarks/halo_bytes.py                       # S = 32768, P = 8, window 1024, conv kernel 4
@@ -58,12 +58,12 @@ def main() -> None:
     print(f"S = {args.seq_len}, P = {args.world_size} ({local} tokens per rank), window {args.window}, conv kernel "
           f"{args.conv_kernel}, batch {args.batch}, fp32, layout {record.layout}; MiB received per rank per forward "
           f"(backward moves the same)")
-    print(tabulate(rows, headers=("rank", "module", "rule", "halo MiB", "all-gather MiB", "lower bound MiB",
-                                  "halo / bound", "all-gather / bound")))
+    print(tabulate(rows, headers=("rank", "module", "rule", "halo MiB", "gather MiB", "lower bound MiB",
+                                  "halo / bound", "gather / bound")))
     print()
     print(tabulate([(r, mib(h), mib(g), mib(b), f"{h / b:.2f}", f"{g / b:.1f}") for r, (h, g, b) in totals.items()],
-                   headers=("rank", "halo total MiB", "all-gather total MiB", "bound MiB", "halo / bound",
-                            "all-gather / bound")))
+                   headers=("rank", "halo total MiB", "gather total MiB", "bound MiB", "halo / bound",
+                            "gather / bound")))
 
 
 if __name__ == "__main__":

@@ -146,12 +146,15 @@ class Layout:
         return gathered.index_select(dim, order)
 
     # -- what a transport moves -------------------------------------------------------------
+    def prefix_chunks(self, rank: int) -> int:
+        """How many chunks (``1 / chunks`` of a local length each) from the sequence start to the end of rank
+        ``rank``'s last range."""
+        return max(self.chunk_indices(rank)) + 1
+
     def visible_prefix(self, rank: int, local_len):
-        """How many leading rows of a gather a causal query on ``rank`` can see: the rows of every rank
-        whose positions all precede (or are) this rank's last position."""
-        if self.kind == BALANCED:
-            return self.global_len(local_len)  # rank 0's tail is the sequence's last chunk
-        return (rank + 1) * local_len
+        """How many positions a causal query on ``rank`` can see: every position before the end of its last
+        range (what :func:`~cp_passes.transports.gather.prefix_gather_op` brings, in global order)."""
+        return self.prefix_chunks(rank) * self.chunk_len(local_len)
 
     def seen_before(self, rank: int, local_len):
         """How many rows of other ranks causal queries on ``rank`` see: those of every range before its last

@@ -187,14 +187,15 @@ class CPSpec:
     Undeclared attention is read from the graph alone: ``is_causal`` or a window mask the model builds."""
 
     gathered_keys: str = "regather"
-    """What the backward does with keys and values all-gathered for attention: "regather" (autograd keeps this
-    rank's slice and the backward gathers again: the K/V saved stay S/P, the forward's bytes move twice; 1.01x
-    the step time of "save" at P = 2 on CPU, benchmarks/attention_step_time.py) or "save" (autograd keeps the
-    gathered copy: S positions per rank and layer, one gather)."""
+    """What the backward does with keys and values gathered for attention (a causal prefix, or every key):
+    "regather" (autograd keeps this rank's slice and the backward gathers again: the K/V saved stay S/P, the
+    forward's bytes move twice; 1.01x the step time of "save" at P = 2 on CPU, benchmarks/attention_step_time.py)
+    or "save" (autograd keeps the gathered copy: up to S positions per rank and layer, one gather)."""
 
     window_transport: str = "halo"
-    """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, the lower bound)
-    or "gather" (the whole preceding sequence, masked; for comparison and debugging)."""
+    """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, and for an encoder's
+    two-sided window the following ones, the lower bound) or "gather" (the whole preceding sequence, or every
+    key for a two-sided window, masked; for comparison and debugging)."""
 
     attention_keys: str = "visible"
     """Which keys attention written by hand (``softmax(q @ k^T + mask) @ v``) brings: "visible" (those its

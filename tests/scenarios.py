@@ -524,6 +524,18 @@ def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str 
             "padded": shard.padded_len}
 
 
+def prefix_roundtrip(group, seq_len: int, kind: str) -> dict:
+    """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners."""
+    from cp_passes.transports.gather import prefix_gather_op
+
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
+    x = local["x"].requires_grad_()
+    out = prefix_gather_op(x, 1, group.rank(), group.size(), group.group_name, kind)
+    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
+    return {"out": out.detach(), "grad": x.grad, "positions": shard.positions, "padded": shard.padded_len}
+
+
 def packed_batch(seq_len: int, layout: list, vocab: int, seed: int = 3) -> dict:
     """One packed row per entry of ``layout`` (lists of (slot, length)); unused slots -1000."""
     rows, width = len(layout), max(len(r) for r in layout)
@@ -702,7 +714,7 @@ def compile_fails_on_one_rank(group) -> str:
 
 
 def schedules_differ(group) -> str:
-    """The last rank's model has a sliding window (a halo) where the others gather the whole sequence."""
+    """The last rank's model has a sliding window (a halo) where the others gather their causal prefix."""
     window = 3 if group.rank() == group.size() - 1 else None
     compiled = cp_passes.cp_compile(toy_model(window=window), mesh=group, backend="aot_eager", verbose=False)
     local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)

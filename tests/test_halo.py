@@ -107,3 +107,19 @@ def test_shift_reads_position_t_plus_offset_across_ranks_and_returns_gradients(p
         for results in per_rank:
             want = expected_grad[results[k]["positions"]][None, :, None].expand(2, -1, 3)
             assert torch.equal(results[k]["grad"], want), (offset, kind)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
+def test_prefix_gather_brings_every_earlier_position_and_returns_gradients(pool, kind):
+    """Causal attention's keys at P = 4: every position before the end of the rank's last range, in global order
+    (a balanced rank's tail range sees all but the chunks after it), and no other; each row's gradient returns
+    to its owner, summed over the ranks that read it."""
+    per_rank = pool.run("prefix_roundtrip", 4, seq_len=16, kind=kind)
+    x = _padded(16, per_rank[0]["padded"])
+    expected_grad = torch.zeros(x.shape[1])
+    for r in per_rank:
+        last = int(r["positions"].max()) + 1
+        assert torch.equal(r["out"], x[:, :last]), (kind, last)
+        expected_grad[:last] += torch.arange(last, dtype=torch.float32)
+    for r in per_rank:
+        assert torch.equal(r["grad"], expected_grad[r["positions"]][None, :, None].expand_as(r["grad"]))

@@ -275,7 +275,7 @@ def test_a_mask_from_a_boolean_input_lowers_with_inductor(group):
     out.sum().backward()
     assert out.shape == (2, 8, 16)
     forward = compiled.compile_records[0].aot_ops["forward"]
-    assert forward["cp_passes.sequence_gather.default"] == 1 and forward["cp_passes.metadata_gather.default"] == 1
+    assert forward["cp_passes.prefix_gather.default"] == 1 and forward["cp_passes.metadata_gather.default"] == 1
 
 
 def test_inside_an_outer_torch_compile_the_model_is_still_rewritten(group):

@@ -130,8 +130,8 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     its size. (In fp64, where only the KDA fallback's own fp32 rounding remains, CP at P = 4 differs from one
     device by 3.80e-4, and one device computing as CP does by 3.76e-4.) Every KDA layer's short conv goes by
     halo and its recurrence by the affine carry; the indexed layer receives the other ranks' rows of what its
-    indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and of K and V
-    (2 heads x 16 each): batch 2, fp32."""
+    indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and the earlier
+    ranks' rows of K and V (2 heads x 16 each): batch 2, fp32."""
     model = hf_glm5_next(layer_types=GLM5_LAYERS)
     out = model(**batch).last_hidden_state
     loss = out.pow(2).sum()
@@ -146,9 +146,9 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
     assert rules.count("sdpa_data_mask") == 1, rules
     local = seq_len // P
-    for results in results_by_rank:
+    for rank, results in enumerate(results_by_rank):  # contiguous: rank r's causal prefix is r shards of K, V
         (indexed,) = [rec for rec in results["records"] if rec[0] == "sdpa_data_mask"]
-        assert indexed[2] == (P - 1) * local * 2 * (64 + 16 + 64) * 4, indexed
+        assert indexed[2] == ((P - 1) * (64 + 16) + rank * 64) * local * 2 * 4, indexed
 
 
 @pytest.mark.parametrize("P", [pytest.param(P, marks=pytest.mark.full) for P in (1, 2, 4)])

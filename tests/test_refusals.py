@@ -288,10 +288,10 @@ def test_hf_packed_sequence_mask_is_evaluated_from_gathered_positions(group):
     record = compiled.compile_records[0]
     assert [r.rule for r in record.records if r.rule.startswith("sdpa")] == ["sdpa_data_mask"] * 2
     assert "cumsum" in record.history[1][1] and "cp_mask_fn_" in record.history[-1][1]
-    # per layer: one all-gather of K+V together; the position ids (metadata) both layers gather are the same
+    # per layer: one causal prefix of K+V together; the position ids (metadata) both layers gather are the same
     # value, which the partitioner's common-subexpression elimination gathers once
     forward = record.aot_ops["forward"]
-    assert forward["cp_passes.sequence_gather.default"] == 2 and forward["cp_passes.metadata_gather.default"] == 1
+    assert forward["cp_passes.prefix_gather.default"] == 2 and forward["cp_passes.metadata_gather.default"] == 1
     assert [r.rule for r in record.records if r.metadata_bytes] == ["sdpa_data_mask"] * 2
 
 

@@ -13,8 +13,8 @@ from cp_passes.report.explain import format_record
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 WORLD, RANK = 8, 3
-GATHER = "cp_passes.sequence_gather.default"
-REDUCE_SCATTER = "cp_passes.sequence_reduce_scatter.default"
+GATHER = "cp_passes.prefix_gather.default"
+GATHER_BACKWARD = "cp_passes.prefix_gather_backward.default"
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +41,13 @@ def compile_toy(group, seq=16, spec=None, **config):
 
 
 @pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
-def test_one_gather_per_layer_forward_one_reduce_scatter_backward(fake_world, kv_repeat):
-    """By default the backward gathers each layer's K/V again (the forward's gathered copy is not saved)."""
+def test_one_gather_per_layer_forward_one_return_backward(fake_world, kv_repeat):
+    """Causal attention brings its causal prefix of K/V (one all_to_all a layer); the backward returns each row's
+    gradient to its owner and, by default, gathers each layer's K/V again (the forward's copy is not saved)."""
     record = compile_toy(fake_world, kv_repeat=kv_repeat, n_layers=3)
     assert record.aot_ops["forward"][GATHER] == 3
-    assert record.aot_ops["forward"][REDUCE_SCATTER] == 0
-    assert record.aot_ops["backward"][REDUCE_SCATTER] == 3
+    assert record.aot_ops["forward"][GATHER_BACKWARD] == 0
+    assert record.aot_ops["backward"][GATHER_BACKWARD] == 3
     assert record.aot_ops["backward"][GATHER] == 3
     gathers = [r for r in record.records if r.transport == "sequence_gather"]
     assert [r.module for r in gathers] == [f"layers.{i}.attn" for i in range(3)]
@@ -58,19 +59,20 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
     record = compile_toy(fake_world, kv_repeat=kv_repeat)
     local_kv = 2 * batch * kv_heads * seq * head_dim  # K and V at kv_heads, not at n_heads
     for r in (r for r in record.records if r.transport == "sequence_gather"):
-        assert r.elements == (WORLD - 1) * local_kv
-        assert r.bytes == (WORLD - 1) * local_kv * 4
-        assert r.lower_bound_bytes == RANK * local_kv * 4  # causal: rank 3 needs ranks 0..2
+        assert r.elements == RANK * local_kv  # causal: rank 3 needs ranks 0..2, and receives only those
+        assert r.bytes == r.lower_bound_bytes == RANK * local_kv * 4
+        assert r.sent_bytes == (WORLD - 1 - RANK) * local_kv * 4  # to every later rank
     after = record.history[-1][1]
-    assert "torch.ops.cp_passes.sequence_gather.default(cp_kv" in after
-    assert "autocast_like_sdpa(cp_k_visible)" in after and "autocast_like_sdpa(cp_v_visible)" in after
+    assert "torch.ops.cp_passes.prefix_gather.default(cp_kv" in after
+    assert "autocast_like_sdpa(cp_k)" in after and "autocast_like_sdpa(cp_v)" in after  # no cut: all visible
+    assert "cp_k_visible" not in after
     assert "gathered_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, None" in after
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
     record = compile_toy(fake_world, spec=dict(gather_kv_together=False))
     assert record.aot_ops["forward"][GATHER] == 4
-    assert record.aot_ops["backward"][REDUCE_SCATTER] == 4
+    assert record.aot_ops["backward"][GATHER_BACKWARD] == 4
 
 
 def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
@@ -86,9 +88,9 @@ def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
 
 
 def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(fake_world):
-    """Rank 3 of 8, balanced: chunks 3 and 12 of 16 (8 positions each). The gather brings every rank's K/V
-    (rank 0's tail is the last chunk), of which causal queries here see 11 chunks of other ranks (the lower
-    bound); block attention computes 2P + 1 = 17 chunk pieces and skips the rest."""
+    """Rank 3 of 8, balanced: chunks 3 and 12 of 16 (8 positions each). Causal queries here see chunks 0..12, 11
+    of them other ranks' (the lower bound), and only those come: every other rank's head (7 chunks), and the tails
+    of ranks 4..7 (chunks 11..8); block attention computes 2P + 1 = 17 chunk pieces and skips the rest."""
     from cp_passes.layout import Layout
     from cp_passes.transports.block_attention import SKIP
 
@@ -98,8 +100,7 @@ def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(f
     assert record.layout.startswith("balanced (the spec asks for it")
     local_kv = 2 * 2 * 2 * 16 * 16  # K and V, batch 2, 2 KV heads, 16 positions, head dim 16
     for r in (r for r in record.records if r.transport == "sequence_gather"):
-        assert r.bytes == (WORLD - 1) * local_kv * 4
-        assert r.lower_bound_bytes == 11 * 8 * local_kv // 16 * 4
+        assert r.bytes == r.lower_bound_bytes == 11 * 8 * local_kv // 16 * 4
     after = record.history[-1][1]
     lists = r"(\[[^]]*\]), (\[[^]]*\]), (\[[^]]*\])"
     (pieces,) = set(re.findall(r"gathered_attention\(\S+, \S+, \S+, None, " + lists + r", None, 2\)", after))
@@ -147,7 +148,7 @@ def test_explain_table_lists_rewrites(fake_world, capsys):
     assert capsys.readouterr().out.strip() == text.strip()
     assert f"rank {RANK} of {WORLD}" in text
     assert text.count("sdpa_causal") == 2 and "layers.1.attn" in text and "models.py" in text
-    assert "all_gather K+V" in text
+    assert "all_to_all K+V (causal prefix)" in text
 
 
 HALO, HALO_BACKWARD = "cp_passes.halo.default", "cp_passes.halo_backward.default"
@@ -164,7 +165,7 @@ def test_halo_moves_exactly_the_window_across_hops(fake_world):
         assert r.elements == rows * (batch * dim if r.rule == "causal_conv_slice" else kv_row)
         assert r.bytes == r.lower_bound_bytes == r.elements * 4
     assert record.aot_ops["forward"][HALO] == 4 and record.aot_ops["backward"][HALO_BACKWARD] == 4
-    assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][REDUCE_SCATTER] == 0
+    assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][GATHER_BACKWARD] == 0
 
 
 def test_window_by_gather_moves_more_than_the_halo(fake_world):
@@ -173,7 +174,7 @@ def test_window_by_gather_moves_more_than_the_halo(fake_world):
     (h,) = {r.bytes for r in halo.records if r.rule == "sdpa_window"}
     (g,) = {r.bytes for r in gather.records if r.rule == "sdpa_window"}
     (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
-    assert h == bound and g == (WORLD - 1) * 16 * bound // 4  # 7 ranks x 16 rows against 4 rows
+    assert h == bound and g == RANK * 16 * bound // 4  # the causal prefix: 3 ranks x 16 rows against 4 rows
     assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][HALO] == 0
 
 
@@ -228,7 +229,7 @@ def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world)
         forward, backward = record.aot_ops["forward"], record.aot_ops["backward"]
         assert forward[GATHER] == 2 and forward[HALO] == 1
         assert backward[GATHER] == 2 * again and backward[HALO] == again
-        assert backward[REDUCE_SCATTER] == 2 and backward[HALO_BACKWARD] == 1
+        assert backward[GATHER_BACKWARD] == 2 and backward[HALO_BACKWARD] == 1
     text = format_record(checkpointed)
     assert "recomputed in the backward instead of saved" in text and "3 rewrites' collectives" in text
     assert "repeated in backward" in text and "saved for backward on this rank" in text
@@ -346,32 +347,32 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
     assert len(_gathered_kv_saved(saved)) == 4  # K and V of 2 layers, the causal prefix of ranks 0..3
     assert _gathered_kv_saved(regathered) == []
     assert saved.aot_ops["backward"][GATHER] == 0 and regathered.aot_ops["backward"][GATHER] == 2
-    assert regathered.aot_ops["forward"][GATHER] == 2 and regathered.aot_ops["backward"][REDUCE_SCATTER] == 2
+    assert regathered.aot_ops["forward"][GATHER] == 2 and regathered.aot_ops["backward"][GATHER_BACKWARD] == 2
     rows = [r.backward for r in regathered.records if r.transport == "sequence_gather"]
     assert rows == ["gathered again in backward, not saved"] * 2
     text = format_record(regathered)
     assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text
 
 
-@pytest.mark.parametrize("layout,prefix", [pytest.param("contiguous", RANK + 1, marks=pytest.mark.full),
-                                           ("balanced", WORLD)])
+@pytest.mark.parametrize("layout,prefix", [pytest.param("contiguous", (RANK + 1) * 64, marks=pytest.mark.full),
+                                           ("balanced", 13 * 32)])
 def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world, layout, prefix):
     """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: the
     largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is this rank's
-    rows by its causal prefix, [64, 4 * 64] (contiguous) or [64, 8 * 64] (balanced: rank 0's tail is the last
-    chunk, so every rank's prefix is every key), where one device builds [512, 512]; what the rank saves for
-    the backward is at most one device's divided by P, and no gathered K/V is among it."""
+    rows by its causal prefix, [64, 4 * 64] (contiguous) or [64, 13 * 32] (balanced: chunks 0..12 of 32
+    positions, up to its tail), where one device builds [512, 512]; what the rank saves for the backward is at
+    most one device's divided by P, and no gathered K/V is among it."""
     from cp_passes.tools.dryrun import dry_run
 
     local = 64
     inputs = {name: ((1, local), torch.long) for name in ("input_ids", "labels", "doc_ids")}
     memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, cp_passes.CPSpec(layout=layout),
                      mesh=fake_world, memory=True).memory
-    assert memory.quadratic.elements == local * prefix * local, memory.quadratic
+    assert memory.quadratic.elements == local * prefix, memory.quadratic
     assert memory.single_quadratic.elements >= (WORLD * local) ** 2, memory.single_quadratic
     assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
     assert not [s for s in memory.saved if re.search(r"\d+\*s\d+", s.shape)], memory.saved  # k * s: gathered
-    assert memory.collective.what.startswith("cp_passes.sequence_gather.default (1, 2, 8*s")
+    assert memory.collective.what.startswith("cp_passes.prefix_gather.default (1, 2, "), memory.collective
 
 
 class _PaddedDocuments(torch.nn.Module):

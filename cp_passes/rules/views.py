@@ -286,7 +286,7 @@ def _refuse_length_dependent_pad(ctx: RuleContext, d: int, widths: list) -> None
         f"rank's positions alone, and a state carried from chunk to chunk would not reach the next rank",
         (f"declare the kernel so that it runs as one op whose state is handed from rank to rank; "
          f"{_recurrence_declaration(kernel)} (README, 'Recurrent kernels')") if kernel else
-        (f"run the recurrence as one function the model calls and declare it in the spec "
+        ("run the recurrence as one function the model calls and declare it in the spec "
          "(CPSpec(recurrences=(Recurrence(\"package.module:function\", ...),)), README 'Recurrent kernels')"),
     )
 

@@ -25,7 +25,7 @@ from ..graph.selection import Selector
 from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from ..layout import CONTIGUOUS
 from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, query_positions,
-                    visible_key_positions, visible_keys)
+                    visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
 aten = torch.ops.aten
@@ -107,9 +107,7 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     elif halo:
         mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding,
                                          request.ahead), name="cp_window_mask")
-    if request.causal and not halo:
-        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
-        values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")
+    if request.causal and not halo:  # the keys a causal query can see came (prefix_gather)
         if mask is None and (request.window or not edit.layout.first_is_local(rank)):
             mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, False), name="cp_causal_mask")
     # Where the visible keys are only this rank's own, causal attention needs no mask.
@@ -138,12 +136,10 @@ def _sized_by_data(found: MetadataMask) -> bool:
 
 def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
     """Causal (or full) attention over gathered keys as :func:`block_attention_op`: the SDPA call's uses read
-    its output. The keys are cut to those a causal query can see; a model-built mask is cut to them too."""
-    node, rank, world, kind = request.node, edit.rank, edit.world, edit.layout.kind
+    its output. Causal, the keys are those a causal query can see (the transport brought only them); a
+    model-built mask is cut to them too."""
+    node, rank = request.node, edit.rank
     mask = None
-    if request.causal:
-        keys = edit.insert(visible_keys, (keys, request.dim, rank, world, kind, q), name="cp_k_visible")
-        values = edit.insert(visible_keys, (values, request.dim, rank, world, kind, q), name="cp_v_visible")
     if request.mask is not None:
         mask = local_mask(edit, request.mask, q, request.causal)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
@@ -163,15 +159,16 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
 def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[list[int], list[int], list[int]]:
     """How :func:`block_attention_op` splits rank ``rank``'s queries and the keys it attends to, in units of
     one range (``1 / layout.chunks`` of the local length): query pieces (the layout's ranges, in local order),
-    key pieces (every rank's ranges in gather order, up to the visible prefix when causal), and each pair's
-    kind. Causal pairs are ``FULL`` when the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP``
+    key pieces (causal: every chunk up to the rank's last, in global order; else every rank's ranges in gather
+    order), and each pair's kind. Causal pairs are ``FULL`` when the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP``
     after (computed not at all); adjacent ``FULL`` key pieces are one call unless a mask is cut per piece
     (``masked``: it then decides, and may skip a piece)."""
     units = layout.chunks
     q_ranges = layout.ranges(rank, units)
-    k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, units)]
-    if causal:
-        k_ranges = k_ranges[:layout.visible_prefix(rank, units)]
+    if causal:  # every chunk up to this rank's last, in global order
+        k_ranges = [(c, c + 1) for c in range(layout.prefix_chunks(rank))]
+    else:
+        k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, units)]
     q_bounds = [0]
     for start, stop in q_ranges:
         q_bounds.append(q_bounds[-1] + stop - start)

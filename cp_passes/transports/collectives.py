@@ -30,3 +30,55 @@ def reduce_scatter(rows: torch.Tensor, world: int, group_name: str) -> torch.Ten
 
 def all_reduce_sum(value: torch.Tensor, group_name: str) -> torch.Tensor:
     return _waited(funcol.all_reduce(value, "sum", group_name))
+
+
+def piece_counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], bool]:
+    """For plans of pieces (``plans[r]``: rank ``r``'s segments, each a list of ``(owner, owner's row, rows)``,
+    owner None for zeros): the rows this rank sends to and receives from every other rank, and whether any
+    rank receives any (the same on every rank: all take part in the exchange, or none)."""
+    send = [sum(n for pieces in plans[d] for owner, _, n in pieces if owner == rank) if d != rank else 0
+            for d in range(world)]
+    recv = [sum(n for pieces in plans[rank] for owner, _, n in pieces if owner == q) if q != rank else 0
+            for q in range(world)]
+    moves = any(owner not in (None, r) for r, plan in enumerate(plans) for pieces in plan for owner, _, _ in pieces)
+    return send, recv, moves
+
+
+def split_rows(rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
+    """``rows`` cut along dim 0 into consecutive pieces of ``counts`` rows."""
+    out, start = [], 0
+    for n in counts:
+        out.append(rows.narrow(0, start, n))
+        start += n
+    return out
+
+
+def exchange(rows: torch.Tensor, plans: tuple, rank: int, world: int, group_name: str) -> dict[int, torch.Tensor]:
+    """One ``all_to_all`` that moves the pieces of ``plans`` (see :func:`piece_counts`): what this rank received
+    from each owner, its pieces in plan order."""
+    send, recv, moves = piece_counts(plans, rank, world)
+    if not moves:
+        return {}
+    outgoing = [rows.narrow(0, row, n) for d in range(world) if d != rank
+                for pieces in plans[d] for owner, row, n in pieces if owner == rank]
+    buffer = torch.cat(outgoing) if outgoing else rows.narrow(0, 0, 0)
+    return dict(enumerate(split_rows(all_to_all(buffer, recv, send, group_name), recv)))
+
+
+def return_rows(back: dict[int, list[torch.Tensor]], out: torch.Tensor, plans: tuple, rank: int, world: int,
+                group_name: str) -> None:
+    """The reverse of :func:`exchange` for gradients: ``back[owner]`` holds this rank's gradients of the pieces
+    it received from ``owner`` (plan order); each returns to its owner and is added at its rows of ``out``."""
+    send, recv, moves = piece_counts(plans, rank, world)
+    if not moves:
+        return
+    returning = [piece for q in range(world) for piece in back.get(q, [])]
+    buffer = torch.cat(returning) if returning else out.narrow(0, 0, 0)
+    returned = split_rows(all_to_all(buffer, send, recv, group_name), send)  # the rows this rank sent
+    for d in range(world):
+        offset = 0
+        for pieces in (plans[d] if d != rank else ()):
+            for owner, row, n in pieces:
+                if owner == rank:
+                    out.narrow(0, row, n).add_(returned[d].narrow(0, offset, n))
+                    offset += n

@@ -1,17 +1,23 @@
-"""Sequence gather: every rank's shard of K/V, concatenated in the layout's gather order.
+"""Sequence gather: the keys and values attention reads from other ranks.
 
-Serves causal (and full) attention. Backward is a reduce-scatter: each rank gets the sum of every use
-of its shard. A causal query then keeps only the gathered rows it can see (:meth:`Layout.visible_prefix`).
+Full (bidirectional) attention all-gathers every rank's shard in the layout's gather order; its backward is a
+reduce-scatter (each rank gets the sum of every use of its shard). Causal attention brings only what its queries
+can see (:func:`prefix_gather_op`: every position before the end of the rank's last range, in global order),
+in one ``all_to_all`` of exactly the rows other ranks hold, whose backward returns each row's gradient to its
+owner: the causal lower bound on every layout (a balanced rank's tail range sees all but the chunks after it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 import torch.fx
 
-from ..layout import KINDS
+from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather, exchange, piece_counts, reduce_scatter, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum: a mask's causal check)
 
@@ -48,35 +54,120 @@ def _(grad, dim, world, group_name):
 gradient_by(sequence_gather_op, sequence_reduce_scatter_op)
 
 
+@functools.lru_cache(maxsize=256)
+def _prefix_plans(world: int, kind: str, local_len: int) -> tuple:
+    """Every rank's one segment: where the positions before the end of its last range are held."""
+    layout = Layout(world, kind)
+    return tuple((tuple(layout.sources(0, layout.visible_prefix(r, local_len), local_len)),) for r in range(world))
+
+
+@torch.library.custom_op("cp_passes::prefix_gather", mutates_args=())
+def prefix_gather_op(x: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
+                     kind: str = CONTIGUOUS) -> torch.Tensor:
+    """The keys a causal query on this rank can see: every global position before the end of its last range, in
+    global order along ``dim`` (:meth:`Layout.visible_prefix` rows). Only the rows another rank holds move, in
+    one ``all_to_all``: the causal lower bound, on every layout."""
+    dim = dim % x.dim()
+    rows = x.movedim(dim, 0)
+    plans = _prefix_plans(world, kind, rows.shape[0])
+    received, taken, pieces = exchange(rows, plans, rank, world, group_name), dict.fromkeys(range(world), 0), []
+    for owner, row, n in plans[rank][0]:
+        if owner == rank:
+            pieces.append(rows.narrow(0, row, n))
+        else:
+            pieces.append(received[owner].narrow(0, taken[owner], n))
+            taken[owner] += n
+    return torch.cat(pieces).movedim(0, dim).contiguous()
+
+
+@prefix_gather_op.register_fake
+def _(x, dim, rank, world, group_name, kind=CONTIGUOUS):
+    shape = list(x.shape)
+    shape[dim % x.dim()] = Layout(world, kind).visible_prefix(rank, shape[dim % x.dim()])
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("cp_passes::prefix_gather_backward", mutates_args=())
+def prefix_gather_backward_op(grad: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
+                              kind: str = CONTIGUOUS) -> torch.Tensor:
+    """The gradient of :func:`prefix_gather_op`: each row's gradient returns to the rank that holds the row."""
+    dim = dim % grad.dim()
+    rows = grad.movedim(dim, 0)
+    local_len = _local_len(Layout(world, kind), rank, rows.shape[0])
+    plans = _prefix_plans(world, kind, local_len)
+    out = rows.new_zeros((local_len, *rows.shape[1:]))
+    back, at = {q: [] for q in range(world)}, 0
+    for owner, row, n in plans[rank][0]:
+        if owner == rank:
+            out.narrow(0, row, n).add_(rows.narrow(0, at, n))
+        else:
+            back[owner].append(rows.narrow(0, at, n))
+        at += n
+    return_rows(back, out, plans, rank, world, group_name)
+    return out.movedim(0, dim).contiguous()
+
+
 class SequenceGather(Transport):
     name = "sequence_gather"
     order = 30
     layouts = KINDS
-    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
-               torch.ops.cp_passes.global_sum.default)
+    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.prefix_gather.default,
+               torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.global_sum.default)
     gathers_keys = True
 
-    def insert(self, edit, x: torch.fx.Node, dim: int, name: str) -> torch.fx.Node:
+    def insert(self, edit, x: torch.fx.Node, dim: int, name: str, causal: bool = False) -> torch.fx.Node:
+        """Every rank's ``x`` (an all-gather), or with ``causal`` the positions a causal query on this rank can
+        see (:func:`prefix_gather_op`)."""
+        if causal:
+            return edit.insert(torch.ops.cp_passes.prefix_gather.default,
+                               (x, dim, edit.rank, edit.world, edit.group_name, edit.layout.kind), name=name)
         return edit.insert(torch.ops.cp_passes.sequence_gather.default, (x, dim, edit.world, edit.group_name),
                            name=name)
 
     def apply(self, edit, request) -> None:
         from .attention import rewrite_attention
 
-        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, f"{name}_gathered"))
+        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, f"{name}_gathered",
+                                                                     request.causal))
 
     def cost(self, request, layout, rank, local_len) -> Cost:
-        total = request.elements
         row = request.row_bytes(local_len)
-        if request.window:
-            needed = sum(layout.halo_counts(request.window - 1, rank, local_len, request.ahead)[1]) * row
-        elif request.causal:
-            needed = layout.seen_before(rank, local_len) * row
-        else:
-            needed = (layout.global_len(local_len) - local_len) * row
+        window = sum(layout.halo_counts(request.window - 1, rank, local_len, request.ahead)[1]) * row \
+            if request.window else None
+        if request.causal:
+            cost = prefix_cost(layout, rank, local_len, row, request.itemsize, request.kv_label)
+            if window is not None:  # a window by gather, as the spec asks: its halo is the bound
+                cost = dataclasses.replace(cost, lower_bound_bytes=window)
+            return cost + request.metadata_cost(layout.world)
+        total = request.elements
+        needed = window if window is not None else (layout.global_len(local_len) - local_len) * row
         moved = (layout.world - 1) * total * request.itemsize
         return (Cost(f"all_gather {request.kv_label} | bw reduce_scatter", (layout.world - 1) * total, moved, needed,
                      moved) + request.metadata_cost(layout.world))
 
 
+def prefix_cost(layout: Layout, rank: int, local_len: int, row: int, itemsize: int, what: str,
+                backward: str = " | bw all_to_all") -> Cost:
+    """What :func:`prefix_gather_op` moves for rank ``rank`` (``row`` bytes a position): the rows of every
+    position before the end of its last range that another rank holds, the causal lower bound."""
+    send, recv, _ = piece_counts(_prefix_plans(layout.world, layout.kind, local_len), rank, layout.world)
+    moved = sum(recv) * row
+    return Cost(f"all_to_all {what} (causal prefix){backward}", moved // itemsize, moved, moved, sum(send) * row)
+
+
 SEQUENCE_GATHER = register_transport(SequenceGather())
+
+
+@prefix_gather_backward_op.register_fake
+def _(grad, dim, rank, world, group_name, kind=CONTIGUOUS):
+    shape = list(grad.shape)
+    shape[dim % grad.dim()] = _local_len(Layout(world, kind), rank, shape[dim % grad.dim()])
+    return grad.new_empty(shape)
+
+
+gradient_by(prefix_gather_op, prefix_gather_backward_op)
+
+
+def _local_len(layout: Layout, rank: int, prefix_len):
+    """The local length at which rank ``rank``'s visible prefix is ``prefix_len`` rows."""
+    return prefix_len // layout.prefix_chunks(rank) * layout.chunks

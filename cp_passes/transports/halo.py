@@ -21,7 +21,7 @@ import torch.fx
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import CONTIGUOUS, KINDS, Layout, chunk_len
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_to_all
+from .collectives import exchange, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
 aten = torch.ops.aten
@@ -35,16 +35,6 @@ def _plans(world: int, kind: str, halo: int, local_len: int, after: int = 0) -> 
                  for r in range(world))
 
 
-def _counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], bool]:
-    """Rows this rank sends to and receives from every other rank, and whether any rank receives any."""
-    send = [sum(n for pieces in plans[d] for owner, _, n in pieces if owner == rank) if d != rank else 0
-            for d in range(world)]
-    recv = [sum(n for pieces in plans[rank] for owner, _, n in pieces if owner == q) if q != rank else 0
-            for q in range(world)]
-    moves = any(owner not in (None, r) for r, plan in enumerate(plans) for pieces in plan for owner, _, _ in pieces)
-    return send, recv, moves
-
-
 def _placed(pieces: tuple, halo: int, size: int) -> list[tuple[int | None, int, int, int]]:
     """``(owner, row, rows, offset)``: where each source piece of one range lands in its segment ``[halo rows,
     the range's size rows, the rows after]`` (after any left padding)."""
@@ -53,14 +43,6 @@ def _placed(pieces: tuple, halo: int, size: int) -> list[tuple[int | None, int, 
         placed.append((owner, row, n, at if at < halo else at + size))
         at += n
     return placed
-
-
-def _split(rows: torch.Tensor, counts: list[int]) -> list[torch.Tensor]:
-    out, start = [], 0
-    for n in counts:
-        out.append(rows.narrow(0, start, n))
-        start += n
-    return out
 
 
 @torch.library.custom_op("cp_passes::halo", mutates_args=())
@@ -73,13 +55,7 @@ def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, 
     rows = x.movedim(dim, 0)
     local_len = rows.shape[0]
     plans = _plans(world, kind, halo, local_len, after)
-    send, recv, moves = _counts(plans, rank, world)
-    received = {}
-    if moves:  # the same on every rank: all take part
-        outgoing = [rows.narrow(0, row, n) for d in range(world) if d != rank
-                    for pieces in plans[d] for owner, row, n in pieces if owner == rank]
-        buffer = torch.cat(outgoing) if outgoing else rows.narrow(0, 0, 0)
-        received = dict(enumerate(_split(all_to_all(buffer, recv, send, group_name), recv)))
+    received = exchange(rows, plans, rank, world, group_name)
     taken, pieces = dict.fromkeys(range(world), 0), []
     size = local_len // len(plans[rank])
     for i, sources in enumerate(plans[rank]):
@@ -119,7 +95,6 @@ def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int,
     local_len = rows.shape[0] - chunks * (left_padding + halo + after)
     size = local_len // chunks
     plans = _plans(world, kind, halo, local_len, after)
-    send, recv, moves = _counts(plans, rank, world)
     segment = left_padding + halo + size + after
     out = torch.cat([rows.narrow(0, i * segment + left_padding + halo, size) for i in range(chunks)])
     back = {q: [] for q in range(world)}
@@ -130,17 +105,7 @@ def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int,
                 out.narrow(0, row, n).add_(rows.narrow(0, at, n))
             elif owner is not None:
                 back[owner].append(rows.narrow(0, at, n))
-    if moves:
-        returning = [piece for q in range(world) for piece in back[q]]
-        buffer = torch.cat(returning) if returning else rows.narrow(0, 0, 0)
-        returned = _split(all_to_all(buffer, send, recv, group_name), send)  # the rows this rank sent
-        for d in range(world):
-            offset = 0
-            for pieces in (plans[d] if d != rank else ()):
-                for owner, row, n in pieces:
-                    if owner == rank:
-                        out.narrow(0, row, n).add_(returned[d].narrow(0, offset, n))
-                        offset += n
+    return_rows(back, out, plans, rank, world, group_name)
     return out.movedim(0, dim).contiguous()
 
 

@@ -8,7 +8,7 @@ a mask is evaluated over the whole sequence from gathered metadata and this rank
 
 Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
 says which keys come: the ``window - 1`` rows before this rank's (a halo; for a two-sided window the rows after
-too) or the causal prefix of a gather.
+too) or the causal prefix (every position before the end of the rank's last range, only those moved).
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
 at run time over the whole sequence, on every rank alike, so no rank goes on while another fails. Keys
 concatenated from positions and windows of them are cut in their first part (the positions); the windows
@@ -26,7 +26,7 @@ from ..graph.analysis import meta_val
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
-from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
+from .gather import prefix_cost
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 from .masks import MetadataMask, band, in_global_order, key_positions, own_segment
@@ -51,7 +51,7 @@ class KeyRange:
     def describe(self) -> str:
         part = " in its positions and every window entry" if self.first_part else ""
         if self.halo is None:
-            return "the causal prefix of a gather" + part
+            return "the causal prefix" + part
         if self.after:
             return f"a halo of the {self.halo} rows before this rank's and the {self.after} after (a two-sided window)"
         return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})" + part
@@ -206,17 +206,12 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
     return torch.where(hide, hiding, cut)
 
 
-def prefix_rows(gathered: torch.Tensor, dim: int, rank: int, world: int, kind: str) -> torch.Tensor:
-    """The rows of a gather a causal query on ``rank`` can see."""
-    return gathered.narrow(dim, 0, Layout(world, kind).visible_prefix(rank, gathered.shape[dim] // world))
-
-
 class KeyGather(Transport):
     name = "key_gather"
     order = 35
     layouts = KINDS
-    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.metadata_gather.default,
-               torch.ops.cp_passes.halo.default)
+    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.prefix_gather.default,
+               torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.halo.default)
     gathers_keys = True
 
     def apply(self, edit, request) -> None:
@@ -254,10 +249,11 @@ class KeyGather(Transport):
             return edit.insert(torch.ops.cp_passes.halo.default,
                                (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name,
                                 edit.layout.kind) + ((keys.after,) if keys.after else ()), name=name)
+        if keys is not None:  # the causal prefix, in global order, as cut_mask picks the mask's keys
+            return edit.insert(torch.ops.cp_passes.prefix_gather.default,
+                               (source, request.dim, edit.rank, edit.world, edit.group_name, edit.layout.kind),
+                               name=name)
         brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
-        if keys is not None:  # the causal prefix, in gather order, as cut_mask picks the mask's keys
-            return edit.insert(prefix_rows, (brought, request.dim, edit.rank, edit.world, edit.layout.kind),
-                               name=name + "_prefix")
         if edit.layout.kind != CONTIGUOUS:  # every key, in the mask's (global) order
             brought = edit.insert(in_global_order, (brought, request.dim, edit.world, edit.layout.kind),
                                   name=name + "_in_order")
@@ -310,10 +306,12 @@ class KeyGather(Transport):
             rows = f"{keys.halo} rows" + (f" before and {keys.after} after" if keys.after else "")
             return Cost(f"all_to_all {rows}" + ("" if request.metadata else " | bw all_to_all"),
                         sum(recv) * row // itemsize, sum(recv) * row, sum(recv) * row, sum(send) * row)
+        if keys is not None:
+            return prefix_cost(layout, rank, local_len, row, itemsize, "rows",
+                               "" if request.metadata else " | bw all_to_all")
         moved = (layout.world - 1) * local_len * row
-        needed = layout.seen_before(rank, local_len) * row if keys is not None else moved
         collective = "all_gather (no grad)" if request.metadata else "all_gather | bw reduce_scatter"
-        return Cost(collective, moved // itemsize, moved, needed, moved)
+        return Cost(collective, moved // itemsize, moved, moved, moved)
 
 
 KEY_GATHER = register_transport(KeyGather())

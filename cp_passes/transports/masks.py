@@ -80,8 +80,8 @@ def key_positions(local, rank: int, world: int, kind: str, halo: int | None, dev
     layout = Layout(world, kind)
     if halo is not None:
         return layout.halo_positions(halo, rank, local, device, left_padding, after)
-    gathered = layout.gathered_positions(local, device)
-    return gathered.narrow(0, 0, layout.visible_prefix(rank, local)) if causal else gathered
+    return torch.arange(layout.visible_prefix(rank, local), device=device) if causal \
+        else layout.gathered_positions(local, device)
 
 
 def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0, after: int = 0):
@@ -132,14 +132,9 @@ def query_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> to
 
 
 def visible_key_positions(query: torch.Tensor, rank: int, world: int, kind: str, causal: bool = True) -> torch.Tensor:
-    """The global positions of the gathered keys a causal query on ``rank`` can see (every key's when not
-    ``causal``), in gather order."""
+    """The global positions of the keys a causal query on ``rank`` can see, in global order (every key's when not
+    ``causal``, in gather order)."""
     return key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=causal)
-
-
-def visible_keys(keys: torch.Tensor, dim: int, rank: int, world: int, kind: str, query: torch.Tensor) -> torch.Tensor:
-    """The gathered keys (or values) a causal query on ``rank`` can see."""
-    return keys.narrow(dim, 0, Layout(world, kind).visible_prefix(rank, query.shape[-2]))
 
 
 def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Bytes each rank receives for attention's keys and values: causal, sliding-window and packed-document
+attention at P = 8 and 16 on both layouts, against the lower bound and against an all-gather.
+
+Planned on fake tensors and a fake process group (``dry_run`` with every rank planned), one ToyLlama layer
+(2 KV heads of 16, fp32, batch 1). The bound is computed here from positions alone, not from the transports:
+the keys rank r's queries can see that another rank holds (causal: every earlier position; a window: the
+``w - 1`` before each query; packed documents: the earlier positions of each query's own document, for
+``--docs`` documents of random lengths, seed 0). The transports plan packed documents for the causal
+envelope (the document boundaries are data), so their ratio shows what a document-aware transport would
+save. One line per layout, kind, P and rank; the last line is the worst ratio of bytes to bound.
+
+    python benchmarks/attention_bytes.py                       # S = 131072, window 4096, 32 documents
+    python benchmarks/attention_bytes.py --seq-len 32768 --world-sizes 8
+"""
+
+import argparse
+
+import torch
+from tabulate import tabulate
+
+from cp_passes.layout import Layout
+from cp_passes.spec import CPSpec
+from cp_passes.tools.dryrun import dry_run, fake_group
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+
+KINDS = ("causal", "window", "packed")
+
+
+def document_starts(seq_len: int, docs: int) -> torch.Tensor:
+    """The first position of each position's document, for ``docs`` documents of random lengths (seed 0)."""
+    cuts = torch.randperm(seq_len - 1, generator=torch.Generator().manual_seed(0))[:docs - 1].sort().values + 1
+    starts = torch.zeros(seq_len, dtype=torch.long)
+    starts[cuts] = cuts
+    return torch.cummax(starts, 0).values
+
+
+def needed_keys(layout: Layout, rank: int, local: int, kind: str, window: int, starts: torch.Tensor) -> int:
+    """How many key positions rank ``rank``'s queries can see that another rank holds."""
+    seen = torch.zeros(layout.global_len(local), dtype=torch.bool)
+    for start, stop in layout.ranges(rank, local):
+        first = {"causal": 0, "window": max(0, start - window + 1), "packed": int(starts[start])}[kind]
+        seen[first:stop] = True
+    seen[layout.positions(rank, local)] = False
+    return int(seen.sum())
+
+
+def plan(kind: str, world: int, layout: str, local: int, window: int) -> dict[int, int]:
+    """Each rank's K/V bytes received per forward for one attention layer, as the transports count them."""
+    config = ToyLlamaConfig(n_layers=1, window=window if kind == "window" else None)
+    inputs = {"input_ids": ((1, local), torch.long)}
+    if kind == "packed":
+        inputs["doc_ids"] = ((1, local), torch.long)
+    with fake_group(world, 0) as group:
+        run = dry_run(lambda: ToyLlama(config), inputs, CPSpec(layout=layout), mesh=group, plan_ranks=range(world))
+    return {rank: sum(r.bytes - r.metadata_bytes for r in records if r.rule.startswith("sdpa"))
+            for rank, records in run.per_rank.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-len", type=int, default=131072, help="global sequence length (default: 131072)")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16], help="CP ranks (default: 8 16)")
+    parser.add_argument("--window", type=int, default=4096, help="sliding-window width (default: 4096)")
+    parser.add_argument("--docs", type=int, default=32, help="packed documents (default: 32)")
+    args = parser.parse_args()
+    row = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32, batch 1
+    starts = document_starts(args.seq_len, args.docs)
+    rows, worst = [], (0.0, "")
+    for layout in ("contiguous", "balanced"):
+        for kind in KINDS:
+            for world in args.world_sizes:
+                if args.seq_len % (2 * world):
+                    raise SystemExit(f"--seq-len must be a multiple of 2 * {world}")
+                local = args.seq_len // world
+                received = plan(kind, world, layout, local, args.window)
+                for rank in range(world):
+                    bound = needed_keys(Layout(world, layout), rank, local, kind, args.window, starts) * row
+                    gathered = (world - 1) * local * row
+                    ratio = received[rank] / bound if bound else (1.0 if received[rank] == 0 else float("inf"))
+                    rows.append((layout, kind, world, rank, received[rank], bound, f"{ratio:.3f}",
+                                 f"{received[rank] / gathered:.3f}"))
+                    worst = max(worst, (ratio, f"{layout} {kind} P={world} rank {rank}"))
+    print(f"S = {args.seq_len}, window {args.window}, {args.docs} packed documents; K/V bytes received per forward "
+          f"for one layer (2 KV heads of 16, fp32, batch 1)")
+    print(tabulate(rows, headers=("layout", "attention", "P", "rank", "bytes", "bound", "bytes / bound",
+                                  "bytes / all-gather")))
+    print(f"worst bytes/bound: {worst[0]:.3f} ({worst[1]})")
+
+
+if __name__ == "__main__":
+    main()
