@@ -82,3 +82,20 @@ def return_rows(back: dict[int, list[torch.Tensor]], out: torch.Tensor, plans: t
                 if owner == rank:
                     out.narrow(0, row, n).add_(returned[d].narrow(0, offset, n))
                     offset += n
+
+
+def assemble(rows: torch.Tensor, pieces, received: dict[int, torch.Tensor], taken: dict[int, int], rank: int,
+             fill: float = 0.0) -> list[torch.Tensor]:
+    """The tensors of ``pieces`` (``(owner, owner's row, rows)``) in order: this rank's own rows, the next rows
+    :func:`exchange` received from each other owner (``taken`` counts what earlier pieces used), ``fill``
+    outside the sequence."""
+    out = []
+    for owner, row, n in pieces:
+        if owner is None:
+            out.append(torch.full((n, *rows.shape[1:]), fill, dtype=rows.dtype, device=rows.device))
+        elif owner == rank:
+            out.append(rows.narrow(0, row, n))
+        else:
+            out.append(received[owner].narrow(0, taken[owner], n))
+            taken[owner] += n
+    return out

@@ -17,7 +17,7 @@ import torch.fx
 
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_gather, exchange, piece_counts, reduce_scatter, return_rows
+from .collectives import all_gather, assemble, exchange, piece_counts, reduce_scatter, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum: a mask's causal check)
 
@@ -70,13 +70,8 @@ def prefix_gather_op(x: torch.Tensor, dim: int, rank: int, world: int, group_nam
     dim = dim % x.dim()
     rows = x.movedim(dim, 0)
     plans = _prefix_plans(world, kind, rows.shape[0])
-    received, taken, pieces = exchange(rows, plans, rank, world, group_name), dict.fromkeys(range(world), 0), []
-    for owner, row, n in plans[rank][0]:
-        if owner == rank:
-            pieces.append(rows.narrow(0, row, n))
-        else:
-            pieces.append(received[owner].narrow(0, taken[owner], n))
-            taken[owner] += n
+    received = exchange(rows, plans, rank, world, group_name)
+    pieces = assemble(rows, plans[rank][0], received, dict.fromkeys(range(world), 0), rank)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 

@@ -21,7 +21,7 @@ import torch.fx
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import CONTIGUOUS, KINDS, Layout, chunk_len
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import exchange, return_rows
+from .collectives import assemble, exchange, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
 aten = torch.ops.aten
@@ -61,20 +61,10 @@ def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, 
     for i, sources in enumerate(plans[rank]):
         if left_padding:
             pieces.append(rows.new_zeros((left_padding, *rows.shape[1:])))
-        own = rows.narrow(0, i * size, size)
-        for owner, row, n, at in _placed(sources, halo, size):
-            if at >= halo and own is not None:
-                pieces.append(own)
-                own = None
-            if owner is None:
-                pieces.append(rows.new_zeros((n, *rows.shape[1:])))
-            elif owner == rank:
-                pieces.append(rows.narrow(0, row, n))
-            else:
-                pieces.append(received[owner].narrow(0, taken[owner], n))
-                taken[owner] += n
-        if own is not None:
-            pieces.append(own)
+        before = [(owner, row, n) for owner, row, n, at in _placed(sources, halo, size) if at < halo]
+        pieces += assemble(rows, before, received, taken, rank)
+        pieces.append(rows.narrow(0, i * size, size))
+        pieces += assemble(rows, sources[len(before):], received, taken, rank)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 

@@ -18,41 +18,22 @@ import torch.fx
 from ..graph.analysis import hint, meta_val, numel_hint
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_to_all
+from .collectives import assemble, exchange
 
 
 @functools.lru_cache(maxsize=256)
 def _plans(world: int, kind: str, offset: int, local_len: int) -> tuple:
     """Every rank's :meth:`Layout.shifted_sources`: the same on every rank, computed once per length."""
     layout = Layout(world, kind)
-    return tuple(tuple(layout.shifted_sources(offset, r, local_len)) for r in range(world))
+    return tuple((tuple(layout.shifted_sources(offset, r, local_len)),) for r in range(world))
 
 
 def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world: int, group_name: str,
            kind: str) -> torch.Tensor:
     rows = x.movedim(dim, 0)
     plans = _plans(world, kind, offset, x.shape[dim])
-    send = [sum(n for owner, _, n in plans[r] if owner == rank) if r != rank else 0 for r in range(world)]
-    recv = [sum(n for owner, _, n in plans[rank] if owner == q) if q != rank else 0 for q in range(world)]
-    received = {}
-    if any(owner not in (None, r) for r, plan in enumerate(plans) for owner, _, _ in plan):  # same on every rank
-        outgoing = [rows.narrow(0, row, n) for r in range(world) if r != rank
-                    for owner, row, n in plans[r] if owner == rank]
-        buffer = torch.cat(outgoing) if outgoing else rows.narrow(0, 0, 0)
-        incoming = all_to_all(buffer, recv, send, group_name)
-        start = 0
-        for q in range(world):
-            received[q] = incoming.narrow(0, start, recv[q])
-            start += recv[q]
-    pieces, taken = [], dict.fromkeys(range(world), 0)
-    for owner, row, n in plans[rank]:
-        if owner is None:
-            pieces.append(torch.full((n, *rows.shape[1:]), fill, dtype=x.dtype, device=x.device))
-        elif owner == rank:
-            pieces.append(rows.narrow(0, row, n))
-        else:
-            pieces.append(received[owner].narrow(0, taken[owner], n))
-            taken[owner] += n
+    received = exchange(rows, plans, rank, world, group_name)
+    pieces = assemble(rows, plans[rank][0], received, dict.fromkeys(range(world), 0), rank, fill)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
