@@ -86,17 +86,19 @@ def test_causal_pieces_of_the_contiguous_layout(world):
 
 @pytest.mark.parametrize("world", [1, 2, 4, 8])
 def test_balanced_pieces_skip_every_key_block_after_the_queries(world):
-    """Rank r of a balanced layout holds chunks r and 2P-1-r: its head sees r earlier chunks whole and itself
-    causally, its tail 2P-1-r chunks whole (its own head among them) and itself causally; every later chunk is
-    skipped, so each rank computes 2P + 1 chunk-sized pieces (counting a causal one whole)."""
+    """Rank r of a balanced layout holds chunks r and 2P-1-r and is brought chunks 0..2P-1-r in global order: its
+    head sees r earlier chunks whole and itself causally, its tail 2P-1-r chunks whole (its own head among them)
+    and itself causally; every later chunk is skipped, so each rank computes 2P + 1 chunk-sized pieces (counting
+    a causal one whole)."""
     layout = Layout(world, "balanced")
-    order = layout.gather_chunks()
     for rank in range(world):
+        brought = layout.prefix_chunks(rank)
+        assert brought == 2 * world - rank
         q_bounds, k_bounds, kinds = attention_pieces(layout, rank, causal=True, masked=True)
-        assert q_bounds == [0, 1, 2] and k_bounds == list(range(2 * world + 1))
+        assert q_bounds == [0, 1, 2] and k_bounds == list(range(brought + 1))
         for i, mine in enumerate(layout.chunk_indices(rank)):
-            row = kinds[i * 2 * world:(i + 1) * 2 * world]
-            assert row == [FULL if c <= mine else SKIP for c in order], (rank, i)
+            row = kinds[i * brought:(i + 1) * brought]
+            assert row == [FULL if c <= mine else SKIP for c in range(brought)], (rank, i)
         q_bounds, k_bounds, kinds = attention_pieces(layout, rank, causal=True, masked=False)
         sizes = [b - a for a, b in zip(k_bounds, k_bounds[1:])]
         computed = sum(sizes[j] for i in range(2) for j in range(len(sizes)) if kinds[i * len(sizes) + j] != SKIP)
@@ -105,7 +107,7 @@ def test_balanced_pieces_skip_every_key_block_after_the_queries(world):
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_balanced_rank_attention_matches_one_device(masked):
-    """Every rank of a balanced layout at P = 4 (two chunks of 3), its keys gathered in rank order: block
+    """Every rank of a balanced layout at P = 4 (two chunks of 3), its causal prefix brought in global order: block
     attention over its pieces gives one device's rows at its positions, causal or with documents (one spans
     three ranks), forward and gradients (fp64)."""
     torch.manual_seed(0)
@@ -120,9 +122,9 @@ def test_balanced_rank_attention_matches_one_device(masked):
     grad = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (q, k, v), grad)
     got_grads = [torch.zeros_like(t) for t in (q, k, v)]
-    gathered = layout.gathered_positions(local)
     for rank in range(world):
         rows = layout.positions(rank, local)
+        gathered = positions[:layout.visible_prefix(rank, local)]
         q_units, k_units, kinds = attention_pieces(layout, rank, True, masked)
         mask = allowed[rows][:, gathered] if masked else None
         size = layout.chunk_len(local)
