@@ -213,6 +213,20 @@ def test_created_nodes_name_their_pass_and_rule(fake_world):
     assert "cp_passes: pass=sequence_gather" not in after_halo
 
 
+def test_a_window_is_attended_tile_by_tile_with_no_mask_in_the_graph(fake_world):
+    """A sliding window over its halo is one cp_passes::window_attention per layer (forward and backward): the
+    model's band mask and its SDPA call are gone from the rewritten graphs, and no tensor as long as the sequence
+    on two dims is left (the window is structure inside the op)."""
+    record = compile_toy(fake_world, window=5, conv_kernel=3, n_layers=2, seq=16)
+    forward, backward = record.aot_ops["forward"], record.aot_ops["backward"]
+    assert forward["cp_passes.window_attention.default"] == 2
+    assert backward["cp_passes.window_attention_backward.default"] == 2
+    assert not [op for op in forward + backward if "scaled_dot_product" in op]
+    for code in record.aot_graphs.values():  # shapes as the graphs print them: "b8[s70, s70 + 8]"
+        shapes = re.findall(r'"\w+\[([^\]]*)\]"', code)
+        assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
+
+
 def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world):
     """Blocks under torch.utils.checkpoint: the rewrite happens inside the regions, and the backward's
     recomputation issues each layer's K/V gather and conv halo again (the forward ops appear in the backward

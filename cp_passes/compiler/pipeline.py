@@ -22,7 +22,7 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import shifted_writes_as_shifts
-from ..graph.provenance import Edit, format_graph
+from ..graph.provenance import Edit, eliminate_dead_code, format_graph
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
@@ -120,7 +120,7 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
             transport.apply(edit, rewrite.request)
             edits.append(edit)
             records.append(record)
-        gm.graph.eliminate_dead_code()
+        eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
         history.append((f"after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))

@@ -27,6 +27,7 @@ from ..layout import CONTIGUOUS
 from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, query_positions,
                     visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
+from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
 
 aten = torch.ops.aten
 
@@ -100,6 +101,9 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     if blockwise(request.window, halo, request.dropout_p):
         _attend_blocks(edit, request, q, keys, values)
         return
+    if halo and request.mask is None and _no_dropout(request.dropout_p):
+        _attend_window(edit, request, q, keys, values)
+        return
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
         mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding,
@@ -119,8 +123,11 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
 
 def blockwise(window, halo: bool, dropout_p) -> bool:
     """Whether gathered attention runs as :func:`block_attention_op`: no window, no dropout."""
-    return not halo and window is None and (dropout_p is None or (isinstance(dropout_p, (int, float)) and
-                                                                    dropout_p == 0))
+    return not halo and window is None and _no_dropout(dropout_p)
+
+
+def _no_dropout(dropout_p) -> bool:
+    return dropout_p is None or (isinstance(dropout_p, (int, float)) and dropout_p == 0)
 
 
 def evaluated_locally(found: MetadataMask, window, halo: bool, dropout_p) -> bool:
@@ -154,6 +161,26 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
     for made in (both, out):
         made.meta[NOT_RECOMPUTED] = True
     edit.replace_uses(node, out)
+
+
+def _attend_window(edit, request: AttentionKV, q, keys, values) -> None:
+    """A sliding window over the halo's keys as :func:`window_attention_op`: the band is made tile by tile
+    inside the op from the layout's positions, no ``[queries, keys]`` mask in the graph."""
+    q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
+                       for x, name in ((q, "q"), (keys, "k"), (values, "v")))
+    scale = edit.insert(sdpa_scale, (q, request.scale), name="cp_attention_scale")
+    both = edit.insert(torch.ops.cp_passes.window_attention.default,
+                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.window - 1, request.ahead,
+                        scale), name="cp_window_attention")
+    out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
+    for made in (both, out):
+        made.meta[NOT_RECOMPUTED] = True
+    edit.replace_uses(request.node, out)
+
+
+def sdpa_scale(q: torch.Tensor, scale) -> float:
+    """SDPA's softmax scale: ``scale``, or one over the square root of the head size."""
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[list[int], list[int], list[int]]:
@@ -215,7 +242,7 @@ def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, ch
     """:func:`block_attention_op` with its piece bounds (units of one of the rank's ``chunks`` ranges) at this
     call's local length: ``(output, logsumexp)``."""
     length = q.shape[-2] // chunks
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scale = sdpa_scale(q, scale)
     return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
                               kinds, scale)
 

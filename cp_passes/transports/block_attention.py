@@ -41,7 +41,7 @@ MATH_BLOCK = 1 << 26
 query rows below this."""
 
 
-def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
@@ -65,7 +65,7 @@ def _fold(grad: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _math_scores(q, k, mask, causal, scale, first_row: int = 0):
     """Scores of rows ``first_row..`` of a pair (causal: key ``j`` visible to row ``i`` iff ``j <= i``)."""
-    scores = (q.to(_lse_dtype(q)) @ _repeat(k, q.shape[-3]).to(_lse_dtype(q)).transpose(-1, -2)) * scale
+    scores = (q.to(lse_dtype(q)) @ _repeat(k, q.shape[-3]).to(lse_dtype(q)).transpose(-1, -2)) * scale
     if causal:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(first_row)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -109,7 +109,7 @@ def attend(q, k, v, mask, causal: bool, scale: float, math: bool = False):
 
 
 def _math_backward(grad, q, k, v, mask, out, lse, causal, scale, first_row):
-    wide = _lse_dtype(q)
+    wide = lse_dtype(q)
     weights = torch.exp(_math_scores(q, k, mask, causal, scale, first_row) - lse[..., None])
     g = grad.to(wide)
     dv = weights.transpose(-1, -2) @ g
@@ -135,7 +135,7 @@ def attend_backward(grad, q, k, v, mask, out, lse, causal: bool, scale: float, m
     return torch.cat(dq, -2).to(q.dtype), _fold(dk, heads).to(k.dtype), _fold(dv, heads).to(v.dtype)
 
 
-def _span(flags: torch.Tensor) -> tuple[int, int] | None:
+def span(flags: torch.Tensor) -> tuple[int, int] | None:
     """``[first, last + 1)`` of the True entries of a 1-D boolean tensor, None if there are none."""
     where = flags.nonzero()
     return None if where.numel() == 0 else (int(where[0]), int(where[-1]) + 1)
@@ -159,7 +159,7 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds):
             tile = max(TILE_ROWS, -(-seen.shape[0] // TILES))
             for first in range(0, seen.shape[0], tile):
                 part = seen[first:first + tile]
-                row_span, key_span = _span(part.any(-1)), _span(part.any(0))
+                row_span, key_span = span(part.any(-1)), span(part.any(0))
                 if row_span is None:
                     continue
                 a, b = first + row_span[0], first + row_span[1]
@@ -178,22 +178,40 @@ def _merge(acc_out, acc_lse, out, lse, rows):
     acc_lse[..., rows] = new
 
 
-@torch.library.custom_op("cp_passes::block_attention", mutates_args=())
-def block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                       q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
-                       math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    wide = _lse_dtype(q)
+def forward_pairs(q, k, v, pairs, scale: float, math: bool):
+    """``(output, logsumexp)`` of the pairs ``(rows, keys, mask block, causal)``, merged by logsumexp."""
+    wide = lse_dtype(q)
     acc_out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=wide)
     acc_lse = q.new_full(q.shape[:-1], float("-inf"), dtype=wide)
-    for rows, keys, block, causal in _pairs(q, mask, q_bounds, k_bounds, kinds):
+    for rows, keys, block, causal in pairs:
         out, lse = attend(q[..., rows, :], k[..., keys, :], v[..., keys, :], block, causal, scale, math)
         _merge(acc_out, acc_lse, out, lse, rows)
     return acc_out.to(q.dtype), acc_lse
 
 
+def backward_pairs(grad, q, k, v, out, lse, pairs, scale: float, math: bool):
+    """``(dq, dk, dv)``: each pair's share of the gradient given the merged ``out`` and ``lse``."""
+    wide = lse_dtype(q)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
+    for rows, keys, block, causal in pairs:
+        pq, pk, pv = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
+                                     out[..., rows, :], lse[..., rows], causal, scale, math)
+        dq[..., rows, :] += pq
+        dk[..., keys, :] += pk
+        dv[..., keys, :] += pv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("cp_passes::block_attention", mutates_args=())
+def block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                       q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
+                       math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    return forward_pairs(q, k, v, _pairs(q, mask, q_bounds, k_bounds, kinds), scale, math)
+
+
 @block_attention_op.register_fake
 def _(q, k, v, mask, q_bounds, k_bounds, kinds, scale, math=False):
-    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
 @torch.library.custom_op("cp_passes::block_attention_backward", mutates_args=())
@@ -201,15 +219,7 @@ def block_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
                                 mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                                 q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
                                 math: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    wide = _lse_dtype(q)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
-    for rows, keys, block, causal in _pairs(q, mask, q_bounds, k_bounds, kinds):
-        pq, pk, pv = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
-                                     out[..., rows, :], lse[..., rows], causal, scale, math)
-        dq[..., rows, :] += pq
-        dk[..., keys, :] += pk
-        dv[..., keys, :] += pv
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return backward_pairs(grad, q, k, v, out, lse, _pairs(q, mask, q_bounds, k_bounds, kinds), scale, math)
 
 
 @block_attention_backward_op.register_fake
@@ -235,8 +245,13 @@ def pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds) -> list[tuple[tuple, t
     """The ``(query, key, value)`` shapes (4-D) of every attention call the op makes: a mask's rectangles where
     its values are known, every unskipped piece whole where they are not (fake tensors)."""
     known = mask is not None and not isinstance(mask, torch._subclasses.FakeTensor)
+    return call_shapes(q, k, v, _pairs(q, mask if known else None, q_bounds, k_bounds, kinds))
+
+
+def call_shapes(q, k, v, pairs) -> list[tuple[tuple, tuple, tuple]]:
+    """The 4-D ``(query, key, value)`` shapes of the attention calls of ``pairs``."""
     shapes = []
-    for rows, keys, _, _ in _pairs(q, mask if known else None, q_bounds, k_bounds, kinds):
+    for rows, keys, _, _ in pairs:
         lead = tuple(q.shape[:-2]) if q.dim() == 4 else (1,) * (4 - q.dim() + 1) + tuple(q.shape[:-2])
         kv_lead = tuple(k.shape[:-2]) if k.dim() == 4 else lead[:-1] + (1,)
         n, m = rows.stop - rows.start, keys.stop - keys.start

@@ -118,10 +118,10 @@ def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: i
     (:func:`own_segment`). ``ahead`` > 0: a two-sided window."""
     q_pos = Layout(world, kind).positions(rank, query.shape[-2], query.device)
     k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding, ahead)
-    distance = q_pos[:, None] - k_pos[None, :]
-    visible = (distance >= -ahead) & (k_pos[None, :] >= 0)
+    # compared by broadcasting 1-D positions: booleans [local_len, keys], no int64 distance of that size
+    visible = (k_pos[None, :] <= (q_pos + ahead)[:, None]) & (k_pos >= 0)[None, :]
     if window is not None:
-        visible = visible & (distance < window)
+        visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
     own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
     return visible if own is None else visible & own
 
