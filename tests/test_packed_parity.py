@@ -93,4 +93,4 @@ def test_packed_documents_match_one_device(pool, parity_report, model, P, backen
 def test_a_mask_reaching_past_the_declared_window_fails_the_first_step(pool):
     messages = pool.run("envelope_violation", 2)
     for message in messages:
-        assert "allows a key outside the causal window that the spec declares" in message, message
+        assert "lets a query see a key outside the window of 2 in this batch" in message, message

@@ -33,7 +33,7 @@ from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, o
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..rules.attention import PROBE_MAX_LEN, two_sided_band
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
-from ..transports.masks import band
+from ..transports.masks import band, band_sides
 
 aten = torch.ops.aten
 
@@ -220,8 +220,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
     if bool((seen & ~band(length, None)).any()):
         sides = two_sided_band(seen) if concat is None else None
         return "its masks let a query see later keys (not causal)" if sides is None else (sides[0] + 1, sides[1])
-    distance = torch.arange(length)[:, None] - torch.arange(length)[None, :]
-    window = int(distance[seen].max()) + 1
+    window = band_sides(seen)[0] + 1
     return (window if window < length else None), 0
 
 

@@ -17,7 +17,7 @@ from ..errors import module_path, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..transports.attention import AttentionKV, evaluated_locally
-from ..transports.masks import band
+from ..transports.masks import band, band_sides
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -61,7 +61,8 @@ def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared
         if tuple(allowed.shape) != (length, length):
             ctx.refuse(f"its attention mask has shape {tuple(allowed.shape)} at sequence length {length}",
                        "build the mask as [.., seq, seq]")
-        seen = int(allowed[-1].sum())
+        sides = band_sides(allowed)
+        seen = 0 if sides is None else sides[0] + 1
         width = window if window is not None else (seen if seen < length else None)
         if not torch.equal(allowed, band(length, width)):
             ctx.refuse(
@@ -115,10 +116,10 @@ def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
         allowed = _one_document(ctx, found, length)
         if allowed is None:
             return None
-        width = int(allowed[-1].sum())
-        if not 1 <= width < length or not torch.equal(allowed, band(length, width)):
+        before, after = band_sides(allowed) or (length, 0)
+        if after != 0 or before + 1 >= length or not torch.equal(allowed, band(length, before + 1)):
             return None
-        widths.append(width)
+        widths.append(before + 1)
     return widths[0] if widths[0] == widths[1] else None
 
 
@@ -138,11 +139,10 @@ def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
 def two_sided_band(allowed: torch.Tensor) -> tuple[int, int] | None:
     """``(before, after)`` where ``allowed`` (``[n, n]``) is exactly the two-sided band ``-after <= i - j <=
     before``, with a later key seen and both sides narrower than the sequence; else None."""
-    n = allowed.shape[-1]
-    if not bool(allowed.any()):
+    n, sides = allowed.shape[-1], band_sides(allowed)
+    if sides is None:
         return None
-    distance = (torch.arange(n)[:, None] - torch.arange(n)[None, :])[allowed]
-    before, after = int(distance.max()), -int(distance.min())
+    before, after = sides
     if not (0 <= before < n - 1 and 0 < after < n - 1) or not torch.equal(allowed, band(n, before + 1, ahead=after)):
         return None
     return before, after

@@ -24,8 +24,8 @@ from .base import Cost
 from ..graph.selection import Selector
 from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from ..layout import CONTIGUOUS
-from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, query_positions,
-                    visible_key_positions)
+from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, outside,
+                    query_positions, visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
 
@@ -57,6 +57,12 @@ class AttentionKV:
     ahead: int = 0
     """Not ``causal``, with a ``window``: each query sees ``window - 1`` earlier and ``ahead`` later keys (a
     two-sided window, brought by a halo from both sides)."""
+
+    @property
+    def before(self) -> int | None:
+        """The keys before each query a window lets it see, the width of its halo: ``window - 1`` (None: no
+        window)."""
+        return None if self.window is None else self.window - 1
 
     @property
     def kv_label(self) -> str:
@@ -170,7 +176,7 @@ def _attend_window(edit, request: AttentionKV, q, keys, values) -> None:
                        for x, name in ((q, "q"), (keys, "k"), (values, "v")))
     scale = edit.insert(sdpa_scale, (q, request.scale), name="cp_attention_scale")
     both = edit.insert(torch.ops.cp_passes.window_attention.default,
-                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.window - 1, request.ahead,
+                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.before, request.ahead,
                         scale), name="cp_window_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
@@ -274,9 +280,7 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     return mask
 
 
-CAUSAL_VIOLATION = ("cp_passes: the model's attention mask lets a query see a later key in this batch (for one "
-                    "document it showed causal when compiling, so each query is brought only the keys before it); "
-                    "fix: build the mask so that no query sees a later key")
+CAUSAL_VIOLATION = outside(None)
 
 
 def future_keys_allowed(transposed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ class SequenceGather(Transport):
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         row = request.row_bytes(local_len)
-        window = sum(layout.halo_counts(request.window - 1, rank, local_len, request.ahead)[1]) * row \
+        window = sum(layout.halo_counts(request.before, rank, local_len, request.ahead)[1]) * row \
             if request.window else None
         if request.causal:
             cost = prefix_cost(layout, rank, local_len, row, request.itemsize, request.kv_label)

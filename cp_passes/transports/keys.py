@@ -29,7 +29,7 @@ from .base import Cost, Transport, register_transport
 from .gather import prefix_cost
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
-from .masks import MetadataMask, band, in_global_order, key_positions, own_segment
+from .masks import MetadataMask, band, check_envelope, in_global_order, key_positions, own_segment
 
 aten = torch.ops.aten
 
@@ -151,13 +151,8 @@ def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int
     if first_part:
         masks = [mask.narrow(k, 0, mask.shape[q]) for mask, (q, k) in zip(masks, dims)]
     together = hidden_together(masks, steps, dims)
+    check_envelope(~together, halo, after)
     kept = band(together.shape[-1], None if halo is None else halo + 1, together.device, after)
-    torch._assert_async((together | kept).all(),
-                        "cp_passes: the model's attention mask lets a query see a key outside the "
-                        + ("causal prefix" if halo is None else
-                           f"window of {halo} keys before and {after} after" if after else f"window of {halo + 1}")
-                        + " it showed when compiling (for one document), so the keys brought would be wrong; "
-                        "if the data decides which keys a query sees, set CPSpec(attention_keys='all')")
     # A row that hides every key is uniform over all keys on one device (finfo.min) but not over fewer.
     torch._assert_async((kept & ~together).any(-1).all(),
                         "cp_passes: the model's attention mask hides every key from some query, whose softmax then "

@@ -110,6 +110,38 @@ def band(size: int, window: int | None, device=None, ahead: int = 0) -> torch.Te
     return visible if window is None else visible.triu(1 - window)
 
 
+def band_sides(allowed: torch.Tensor) -> tuple[int, int] | None:
+    """``(before, after)``: how far before and after its query the farthest key any query of ``allowed``
+    (``[n, n]``, True: seen) sees lies; None when no query sees a key. Every reading of a window from a mask
+    starts here; the mask is that window's band iff it equals ``band(n, before + 1, ahead=after)``."""
+    if not bool(allowed.any()):
+        return None
+    n = allowed.shape[-1]
+    distance = (torch.arange(n, device=allowed.device)[:, None] - torch.arange(n, device=allowed.device)[None, :])
+    seen = distance[allowed]
+    return int(seen.max()), -int(seen.min())
+
+
+def outside(before: int | None, after: int = 0) -> str:
+    """The run-time message for a mask that lets a query see a key the transport did not bring: outside the
+    causal prefix (``before`` None), a causal window of ``before + 1``, or a two-sided window."""
+    envelope = ("the causal prefix" if before is None else f"the window of {before} keys before and {after} after"
+                if after else f"the window of {before + 1}")
+    return (f"cp_passes: the model's attention mask lets a query see a key outside {envelope} in this batch, and "
+            "only those keys were brought (what the mask showed for one document when compiling, or the spec "
+            "declares); fix: declare the window these modules really use in an AttentionRule (window=None: every "
+            "preceding key), or build the mask so that no query sees past it; where the data decides which keys a "
+            "query sees, attention written by hand takes CPSpec(attention_keys='all')")
+
+
+def check_envelope(visible: torch.Tensor, before: int | None, after: int = 0) -> None:
+    """Fail at run time unless ``visible`` (``[.., n, n]`` over the whole sequence, True: the query sees the
+    key) stays inside the envelope :func:`outside` names. Every rank checks the whole mask, so all reach the
+    same verdict and none is left waiting in a collective."""
+    kept = band(visible.shape[-1], None if before is None else before + 1, visible.device, after)
+    torch._assert_async((visible & ~kept).logical_not().all(), outside(before, after))
+
+
 def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
                 left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
     """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
@@ -147,17 +179,10 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
     (columns outside the sequence are False). Fails at run time if the model allows a key outside the
     envelope the transport was planned for (causal, a causal window, or a two-sided window of ``window - 1``
-    earlier and ``ahead`` later keys): every rank checks every row of the global mask, so all ranks reach the
-    same verdict and none is left waiting in a collective. Bidirectional with no window (every key brought):
+    earlier and ``ahead`` later keys; :func:`check_envelope`). Bidirectional with no window (every key brought):
     nothing lies outside."""
     if causal or window is not None:
-        envelope = band(global_mask.shape[-1], window, query.device, ahead)
-        torch._assert_async((global_mask & ~envelope).logical_not().all(),
-                            "cp_passes: the model's attention mask allows a key outside the "
-                            + ("causal window" if ahead == 0 else f"window of {window - 1} keys before and {ahead} after")
-                            + " that the spec declares or its mask showed for one document when compiling (or outside "
-                            "causal attention); declare the window these modules really use in an AttentionRule "
-                            "(window=None: every preceding key)")
+        check_envelope(global_mask, None if window is None else window - 1, ahead)
     rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
     k_pos = (_key_positions(query, rank, world, kind, window, halo, left_padding, ahead) if causal or halo
              else key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=False))
