@@ -5,9 +5,11 @@ Planned on fake tensors and a fake process group (``dry_run`` with every rank pl
 (2 KV heads of 16, fp32, batch 1). The bound is computed here from positions alone, not from the transports:
 the keys rank r's queries can see that another rank holds (causal: every earlier position; a window: the
 ``w - 1`` before each query; packed documents: the earlier positions of each query's own document, for
-``--docs`` documents of random lengths, seed 0). The transports plan packed documents for the causal
-envelope (the document boundaries are data), so their ratio shows what a document-aware transport would
-save. One line per layout, kind, P and rank; the last line is the worst ratio of bytes to bound.
+``--docs`` documents of random lengths, seed 0). Causal and windowed bytes are the planned records. For
+packed documents what moves depends on the data: the bytes are the transport's own count
+(``prefix_cost`` with every rank's ``first_keys``, as ``cp_passes::prefix_gather`` all-gathers them), read
+from the document mask the model builds, at each rank's queries and its causal prefix of keys. One line per
+layout, kind, P and rank; the last line is the worst ratio of bytes to bound.
 
     python benchmarks/attention_bytes.py                       # S = 131072, window 4096, 32 documents
     python benchmarks/attention_bytes.py --seq-len 32768 --world-sizes 8
@@ -22,6 +24,8 @@ from cp_passes.layout import Layout
 from cp_passes.spec import CPSpec
 from cp_passes.tools.dryrun import dry_run, fake_group
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from cp_passes.transports.gather import prefix_cost
+from cp_passes.transports.masks import first_keys
 
 KINDS = ("causal", "window", "packed")
 
@@ -44,12 +48,30 @@ def needed_keys(layout: Layout, rank: int, local: int, kind: str, window: int, s
     return int(seen.sum())
 
 
+def packed_received(world: int, kind: str, local: int, starts: torch.Tensor, row: int) -> dict[int, int]:
+    """Each rank's K/V bytes received per forward for packed documents: the gather's count from every rank's
+    first keys, read by ``first_keys`` from the model's document mask (same document, causal)."""
+    config, inputs = ToyLlamaConfig(n_layers=1), {"input_ids": ((1, local), torch.long), "doc_ids": ((1, local), torch.long)}
+    with fake_group(world, world - 1) as group:
+        run = dry_run(lambda: ToyLlama(config), inputs, CPSpec(layout=kind), mesh=group)
+    planned = [r.collective for r in run.record.records if r.rule.startswith("sdpa")]
+    if not planned or not all("first key its mask shows" in c for c in planned):
+        raise SystemExit(f"packed documents are not gathered from their first keys: {planned}")
+    layout, firsts = Layout(world, kind), []
+    for rank in range(world):
+        q_pos = layout.positions(rank, local)
+        k_pos = torch.arange(layout.visible_prefix(rank, local))
+        mask = (starts[q_pos][:, None] == starts[k_pos][None, :]) & (k_pos[None, :] <= q_pos[:, None])
+        firsts.append(tuple(first_keys(mask, torch.empty(local, 1), world, kind).tolist()))
+        del mask
+    return {rank: prefix_cost(layout, rank, local, row, 4, "K+V", firsts=tuple(firsts)).bytes
+            for rank in range(world)}
+
+
 def plan(kind: str, world: int, layout: str, local: int, window: int) -> dict[int, int]:
     """Each rank's K/V bytes received per forward for one attention layer, as the transports count them."""
     config = ToyLlamaConfig(n_layers=1, window=window if kind == "window" else None)
     inputs = {"input_ids": ((1, local), torch.long)}
-    if kind == "packed":
-        inputs["doc_ids"] = ((1, local), torch.long)
     with fake_group(world, 0) as group:
         run = dry_run(lambda: ToyLlama(config), inputs, CPSpec(layout=layout), mesh=group, plan_ranks=range(world))
     return {rank: sum(r.bytes - r.metadata_bytes for r in records if r.rule.startswith("sdpa"))
@@ -72,7 +94,8 @@ def main() -> None:
                 if args.seq_len % (2 * world):
                     raise SystemExit(f"--seq-len must be a multiple of 2 * {world}")
                 local = args.seq_len // world
-                received = plan(kind, world, layout, local, args.window)
+                received = (packed_received(world, layout, local, starts, row) if kind == "packed"
+                            else plan(kind, world, layout, local, args.window))
                 for rank in range(world):
                     bound = needed_keys(Layout(world, layout), rank, local, kind, args.window, starts) * row
                     gathered = (world - 1) * local * row

@@ -524,14 +524,22 @@ def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str 
             "padded": shard.padded_len}
 
 
-def prefix_roundtrip(group, seq_len: int, kind: str) -> dict:
-    """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners."""
+def prefix_roundtrip(group, seq_len: int, kind: str, doc_starts: list | None = None) -> dict:
+    """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners. With
+    ``doc_starts`` (each position's document start), the first keys a document mask shows are passed too."""
     from cp_passes.transports.gather import prefix_gather_op
+    from cp_passes.transports.masks import first_keys
 
     x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
     local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
     x = local["x"].requires_grad_()
-    out = prefix_gather_op(x, 1, group.rank(), group.size(), group.group_name, kind)
+    firsts = None
+    if doc_starts is not None:
+        starts, queries = torch.tensor(doc_starts), shard.positions
+        keys = torch.arange(int(queries.max()) + 1)
+        firsts = first_keys((starts[queries][:, None] == starts[keys][None, :]) & (keys <= queries[:, None]),
+                            x, group.size(), kind)
+    out = prefix_gather_op(x, 1, group.rank(), group.size(), group.group_name, kind, firsts)
     (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
     return {"out": out.detach(), "grad": x.grad, "positions": shard.positions, "padded": shard.padded_len}
 

@@ -123,3 +123,29 @@ def test_prefix_gather_brings_every_earlier_position_and_returns_gradients(pool,
         expected_grad[:last] += torch.arange(last, dtype=torch.float32)
     for r in per_rank:
         assert torch.equal(r["grad"], expected_grad[r["positions"]][None, :, None].expand_as(r["grad"]))
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
+def test_prefix_gather_from_first_keys_brings_each_ranges_documents_only(pool, kind):
+    """Packed documents at P = 4, S = 16 (documents 0-6, 7-8, 9-15: the first spans three ranks on either
+    layout): from each range's first key its document mask shows to the range's end, the rows are the global
+    tensor's and the rest zeros; gradients return only for the rows that came."""
+    starts = [0] * 7 + [7] * 2 + [9] * 7
+    per_rank = pool.run("prefix_roundtrip", 4, seq_len=16, kind=kind, doc_starts=starts)
+    x = _padded(16, per_rank[0]["padded"])
+    expected_grad = torch.zeros(x.shape[1])
+    for r in per_rank:
+        last = int(r["positions"].max()) + 1
+        needed = torch.zeros(last, dtype=torch.bool)
+        for start, stop in _ranges(r["positions"]):
+            needed[starts[start]:stop] = True
+        assert torch.equal(r["out"], torch.where(needed[None, :, None], x[:, :last], 0)), (kind, needed)
+        expected_grad[:last] += torch.where(needed, torch.arange(last, dtype=torch.float32), 0)
+    for r in per_rank:
+        assert torch.equal(r["grad"], expected_grad[r["positions"]][None, :, None].expand_as(r["grad"]))
+
+
+def _ranges(positions: torch.Tensor) -> list[tuple[int, int]]:
+    """The runs of consecutive positions a rank holds, ``(start, stop)``."""
+    breaks = [0] + [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1] + [len(positions)]
+    return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(breaks, breaks[1:])]

@@ -9,6 +9,7 @@ causally, no ``[queries, keys]`` mask built or saved unless the model's own mask
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 from typing import Callable
@@ -24,7 +25,7 @@ from .base import Cost
 from ..graph.selection import Selector
 from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
 from ..layout import CONTIGUOUS
-from .masks import (MetadataMask, causal_mask, global_shaped, in_global_order, mask_block, outside,
+from .masks import (MetadataMask, causal_mask, first_keys, global_shaped, in_global_order, mask_block, outside,
                     query_positions, visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
@@ -65,6 +66,13 @@ class AttentionKV:
         return None if self.window is None else self.window - 1
 
     @property
+    def from_first_keys(self) -> bool:
+        """Gathered, the keys move from each range's first key its mask shows (:func:`first_keys`): causal
+        attention with a model-built mask evaluated at the rank's rows (packed documents), no window."""
+        return self.causal and self.mask is not None and evaluated_locally(self.mask, self.window, False,
+                                                                            self.dropout_p)
+
+    @property
     def kv_label(self) -> str:
         return "K+V" if self.together else "K, V"
 
@@ -93,6 +101,12 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
     node, q, rank, world, kind = request.node, edit.current(request.query), edit.rank, edit.world, edit.layout.kind
     halo = edit.pass_name == "halo"
+    blocks = blockwise(request.window, halo, request.dropout_p)
+    mask = local_mask(edit, request.mask, q, request.causal) if blocks and request.mask is not None else None
+    if not halo and request.from_first_keys:
+        # The keys this mask shows start at each range's first key (packed documents): only those move.
+        firsts = edit.insert(first_keys, (mask, q, world, kind), name="cp_first_keys")
+        move = functools.partial(move, firsts=firsts)
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
         # Sizes from the planned nodes: k and v may be nodes a transport made (no fake value yet).
@@ -103,9 +117,8 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         values = edit.insert(operator.getitem, (parts, 1), name="cp_v")
     else:
         keys, values = move(k, "cp_k"), move(v, "cp_v")
-    mask = None
-    if blockwise(request.window, halo, request.dropout_p):
-        _attend_blocks(edit, request, q, keys, values)
+    if blocks:
+        _attend_blocks(edit, request, q, keys, values, mask)
         return
     if halo and request.mask is None and _no_dropout(request.dropout_p):
         _attend_window(edit, request, q, keys, values)
@@ -147,14 +160,11 @@ def _sized_by_data(found: MetadataMask) -> bool:
     return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
 
-def _attend_blocks(edit, request: AttentionKV, q, keys, values) -> None:
+def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask) -> None:
     """Causal (or full) attention over gathered keys as :func:`block_attention_op`: the SDPA call's uses read
     its output. Causal, the keys are those a causal query can see (the transport brought only them); a
-    model-built mask is cut to them too."""
+    model-built mask (:func:`local_mask`) is cut to them too."""
     node, rank = request.node, edit.rank
-    mask = None
-    if request.mask is not None:
-        mask = local_mask(edit, request.mask, q, request.causal)
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
     # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).

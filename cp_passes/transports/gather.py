@@ -55,28 +55,61 @@ gradient_by(sequence_gather_op, sequence_reduce_scatter_op)
 
 
 @functools.lru_cache(maxsize=256)
-def _prefix_plans(world: int, kind: str, local_len: int) -> tuple:
-    """Every rank's one segment: where the positions before the end of its last range are held."""
+def _prefix_plans(world: int, kind: str, local_len: int, firsts: tuple | None = None) -> tuple:
+    """Every rank's one segment: where the positions before the end of its last range are held. With
+    ``firsts`` (per rank, the first key each of its ranges' queries see: :func:`~.masks.first_keys`), only the
+    positions from each range's first key to its end are held by anyone; the others are zeros."""
     layout = Layout(world, kind)
-    return tuple((tuple(layout.sources(0, layout.visible_prefix(r, local_len), local_len)),) for r in range(world))
+    return tuple((tuple(_needed_sources(layout, r, local_len, None if firsts is None else firsts[r])),)
+                 for r in range(world))
+
+
+def _needed_sources(layout: Layout, rank: int, local_len: int, firsts: tuple | None) -> list:
+    """:meth:`Layout.sources` of rank ``rank``'s visible prefix, with ``(None, 0, rows)`` (zeros) for the
+    positions before no range's first key."""
+    prefix = layout.visible_prefix(rank, local_len)
+    if firsts is None:
+        return layout.sources(0, prefix, local_len)
+    pieces, at = [], 0
+    for first, stop in sorted(zip(firsts, (stop for _, stop in layout.ranges(rank, local_len)))):
+        first = max(first, at)
+        if first >= stop:
+            continue
+        if first > at:
+            pieces.append((None, 0, first - at))
+        pieces += layout.sources(first, stop, local_len)
+        at = stop
+    if at < prefix:
+        pieces.append((None, 0, prefix - at))
+    return pieces
+
+
+def _all_firsts(firsts: torch.Tensor | None, world: int, group_name: str) -> tuple | None:
+    """Every rank's :func:`~.masks.first_keys` (one small all-gather): what each rank sends depends on them."""
+    if firsts is None:
+        return None
+    table = all_gather(firsts.reshape(1, -1).to(torch.int64), world, group_name).tolist()
+    return tuple(tuple(row) for row in table)
 
 
 @torch.library.custom_op("cp_passes::prefix_gather", mutates_args=())
 def prefix_gather_op(x: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
-                     kind: str = CONTIGUOUS) -> torch.Tensor:
+                     kind: str = CONTIGUOUS, firsts: torch.Tensor | None = None) -> torch.Tensor:
     """The keys a causal query on this rank can see: every global position before the end of its last range, in
     global order along ``dim`` (:meth:`Layout.visible_prefix` rows). Only the rows another rank holds move, in
-    one ``all_to_all``: the causal lower bound, on every layout."""
+    one ``all_to_all``: the causal lower bound, on every layout. With ``firsts`` (:func:`~.masks.first_keys`: what a
+    mask shows, packed documents) only the positions from each range's first key move; the rows before are
+    zeros, which the mask hides."""
     dim = dim % x.dim()
     rows = x.movedim(dim, 0)
-    plans = _prefix_plans(world, kind, rows.shape[0])
+    plans = _prefix_plans(world, kind, rows.shape[0], _all_firsts(firsts, world, group_name))
     received = exchange(rows, plans, rank, world, group_name)
     pieces = assemble(rows, plans[rank][0], received, dict.fromkeys(range(world), 0), rank)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
 @prefix_gather_op.register_fake
-def _(x, dim, rank, world, group_name, kind=CONTIGUOUS):
+def _(x, dim, rank, world, group_name, kind=CONTIGUOUS, firsts=None):
     shape = list(x.shape)
     shape[dim % x.dim()] = Layout(world, kind).visible_prefix(rank, shape[dim % x.dim()])
     return x.new_empty(shape)
@@ -84,18 +117,18 @@ def _(x, dim, rank, world, group_name, kind=CONTIGUOUS):
 
 @torch.library.custom_op("cp_passes::prefix_gather_backward", mutates_args=())
 def prefix_gather_backward_op(grad: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
-                              kind: str = CONTIGUOUS) -> torch.Tensor:
+                              kind: str = CONTIGUOUS, firsts: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient of :func:`prefix_gather_op`: each row's gradient returns to the rank that holds the row."""
     dim = dim % grad.dim()
     rows = grad.movedim(dim, 0)
     local_len = _local_len(Layout(world, kind), rank, rows.shape[0])
-    plans = _prefix_plans(world, kind, local_len)
+    plans = _prefix_plans(world, kind, local_len, _all_firsts(firsts, world, group_name))
     out = rows.new_zeros((local_len, *rows.shape[1:]))
     back, at = {q: [] for q in range(world)}, 0
     for owner, row, n in plans[rank][0]:
         if owner == rank:
             out.narrow(0, row, n).add_(rows.narrow(0, at, n))
-        else:
+        elif owner is not None:
             back[owner].append(rows.narrow(0, at, n))
         at += n
     return_rows(back, out, plans, rank, world, group_name)
@@ -110,27 +143,30 @@ class SequenceGather(Transport):
                torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.global_sum.default)
     gathers_keys = True
 
-    def insert(self, edit, x: torch.fx.Node, dim: int, name: str, causal: bool = False) -> torch.fx.Node:
+    def insert(self, edit, x: torch.fx.Node, dim: int, name: str, causal: bool = False,
+               firsts: torch.fx.Node | None = None) -> torch.fx.Node:
         """Every rank's ``x`` (an all-gather), or with ``causal`` the positions a causal query on this rank can
-        see (:func:`prefix_gather_op`)."""
+        see (:func:`prefix_gather_op`; with ``firsts``, from each range's first key a mask shows)."""
         if causal:
             return edit.insert(torch.ops.cp_passes.prefix_gather.default,
-                               (x, dim, edit.rank, edit.world, edit.group_name, edit.layout.kind), name=name)
+                               (x, dim, edit.rank, edit.world, edit.group_name, edit.layout.kind, firsts), name=name)
         return edit.insert(torch.ops.cp_passes.sequence_gather.default, (x, dim, edit.world, edit.group_name),
                            name=name)
 
     def apply(self, edit, request) -> None:
         from .attention import rewrite_attention
 
-        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, f"{name}_gathered",
-                                                                     request.causal))
+        rewrite_attention(edit, request, lambda x, name, firsts=None: self.insert(
+            edit, x, request.dim, f"{name}_gathered", request.causal, firsts))
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         row = request.row_bytes(local_len)
         window = sum(layout.halo_counts(request.before, rank, local_len, request.ahead)[1]) * row \
             if request.window else None
         if request.causal:
-            cost = prefix_cost(layout, rank, local_len, row, request.itemsize, request.kv_label)
+            scope = ("from each range's first key its mask shows, at most the causal prefix"
+                     if request.from_first_keys else "causal prefix")
+            cost = prefix_cost(layout, rank, local_len, row, request.itemsize, request.kv_label, scope=scope)
             if window is not None:  # a window by gather, as the spec asks: its halo is the bound
                 cost = dataclasses.replace(cost, lower_bound_bytes=window)
             return cost + request.metadata_cost(layout.world)
@@ -142,19 +178,21 @@ class SequenceGather(Transport):
 
 
 def prefix_cost(layout: Layout, rank: int, local_len: int, row: int, itemsize: int, what: str,
-                backward: str = " | bw all_to_all") -> Cost:
+                backward: str = " | bw all_to_all", firsts: tuple | None = None, scope: str = "causal prefix") -> Cost:
     """What :func:`prefix_gather_op` moves for rank ``rank`` (``row`` bytes a position): the rows of every
-    position before the end of its last range that another rank holds, the causal lower bound."""
-    send, recv, _ = piece_counts(_prefix_plans(layout.world, layout.kind, local_len), rank, layout.world)
+    position before the end of its last range that another rank holds, the causal lower bound; with
+    ``firsts`` (every rank's :func:`~.masks.first_keys`, as the op all-gathers them), those from each range's
+    first key."""
+    send, recv, _ = piece_counts(_prefix_plans(layout.world, layout.kind, local_len, firsts), rank, layout.world)
     moved = sum(recv) * row
-    return Cost(f"all_to_all {what} (causal prefix){backward}", moved // itemsize, moved, moved, sum(send) * row)
+    return Cost(f"all_to_all {what} ({scope}){backward}", moved // itemsize, moved, moved, sum(send) * row)
 
 
 SEQUENCE_GATHER = register_transport(SequenceGather())
 
 
 @prefix_gather_backward_op.register_fake
-def _(grad, dim, rank, world, group_name, kind=CONTIGUOUS):
+def _(grad, dim, rank, world, group_name, kind=CONTIGUOUS, firsts=None):
     shape = list(grad.shape)
     shape[dim % grad.dim()] = _local_len(Layout(world, kind), rank, shape[dim % grad.dim()])
     return grad.new_empty(shape)

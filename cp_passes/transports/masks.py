@@ -189,3 +189,14 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
     block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
     own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
     return block if own is None else block & own
+
+
+def first_keys(mask: torch.Tensor, query: torch.Tensor, world: int, kind: str) -> torch.Tensor:
+    """``[chunks]``: for each of this rank's ranges, the first key (a global position: the keys are the
+    causal prefix in global order) that any of its queries (``query``'s rows) sees in ``mask`` (``[..,
+    queries or 1, prefix]``), or the prefix's length where none does. Causal attention needs only the keys
+    from there to the range's end."""
+    chunks, local, prefix = Layout(world, kind).chunks, query.shape[-2], mask.shape[-1]
+    rows = mask.expand(*mask.shape[:-2], local, prefix)
+    seen = rows.reshape(-1, chunks, local // chunks, prefix).any(0).any(1)  # [chunks, prefix]
+    return torch.where(seen.any(-1), seen.to(torch.int8).argmax(-1), prefix)
