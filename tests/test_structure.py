@@ -416,7 +416,7 @@ def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
     assert re.search(r"b8\[2, 1, s\d+, 4\*s\d+\]", forward)
 
 
-@pytest.mark.parametrize("autocast,packed", [(False, True), (True, False)])
+@pytest.mark.parametrize("autocast,packed", [(False, True), pytest.param(True, False, marks=pytest.mark.full)])
 def test_every_rank_s_backward_issues_the_same_collectives(fake_world, monkeypatch, autocast, packed):
     """The ranks' graphs differ (rank 0 attends to its own keys only, the others to earlier ranks' too), so
     the partitioner must not be free to keep a gathered copy on some ranks and gather again on others: every
