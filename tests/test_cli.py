@@ -140,3 +140,5 @@ def test_explain_plans_halos_for_a_sliding_window_model():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("sdpa_window") >= 2 and out.stdout.count("causal_conv_slice") >= 2
     assert "window 4096 read from the model's mask" in out.stdout
+    # the window is attended tile by tile and the model's own band mask (and its SDPA) is gone from the graph
+    assert "largest [sequence x sequence] tensor  0 B (none)" in out.stdout, out.stdout
