@@ -119,6 +119,7 @@ def format_graph(gm: torch.fx.GraphModule) -> str:
 def eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
     """Remove the nodes nothing reads, counting a node a transport replaced (:meth:`Edit.replace_uses`) as
     pure: FX keeps an unread ``scaled_dot_product_attention`` for the random numbers its dropout could draw,
-    and a replaced attention would otherwise still run, on the local keys, in every step."""
+    so a replaced attention (and the mask only it read) would otherwise stay in the rewritten graph: in the dry
+    run's graphs and its memory report, at least."""
     replaced = gm.meta.get(_REPLACED, {})
     gm.graph.eliminate_dead_code(is_impure_node=lambda n: n not in replaced and n.is_impure())
