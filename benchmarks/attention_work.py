@@ -25,11 +25,11 @@ from tabulate import tabulate
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from cp_passes.graph.analysis import hint
+from cp_passes.key_plan import attention_pieces
 from cp_passes.layout import BALANCED, CONTIGUOUS, Layout
 from cp_passes.spec import CPSpec
 from cp_passes.tools.dryrun import dry_run, fake_group
 from cp_passes.tools.models import EXAMPLES, built_in
-from cp_passes.transports.attention import attention_pieces
 from cp_passes.transports.block_attention import pair_shapes
 
 TARGET = 1.10

@@ -126,7 +126,8 @@ def test_a_mask_reaching_outside_the_two_sided_window_fails_at_run_time():
     """The envelope read for one document is a band of 2 keys on either side; a batch whose mask lets query 0
     see key 5 fails (every rank checks every row of the whole mask, so all stop together)."""
     import torch
-    from cp_passes.transports.masks import band, mask_block
+    from cp_passes.key_plan import band
+    from cp_passes.transports.masks import mask_block
 
     allowed = band(8, 3, ahead=2)
     query = torch.zeros(1, 1, 4, 2)

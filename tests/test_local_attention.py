@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cp_passes.graph.selection import Selector
-from cp_passes.transports.attention import attention_pieces
-from cp_passes.transports.block_attention import CAUSAL, FULL, SKIP, TILES, block_attention_op, pair_shapes
+from cp_passes.key_plan import CAUSAL, FULL, SKIP, attention_pieces
+from cp_passes.transports.block_attention import TILES, block_attention_op, pair_shapes
 from cp_passes.layout import Layout
 
 

@@ -54,7 +54,8 @@ def test_delta_rule_state_crosses_ranks(pool, parity_report, P, form):
 def _blocked_sdpa(P: int, sdpa):
     """SDPA as CP computes it: each of P query chunks attends to the keys before its end in P key pieces
     (``cp_passes::block_attention``, merged by logsumexp); a boolean mask is cut the same way."""
-    from cp_passes.transports.block_attention import CAUSAL, FULL, block_attention_op
+    from cp_passes.key_plan import CAUSAL, FULL
+    from cp_passes.transports.block_attention import block_attention_op
 
     def blocked(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.dim() != 4 or (attn_mask is not None and attn_mask.dtype != torch.bool) or q.shape[-2] % P:

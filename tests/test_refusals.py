@@ -439,7 +439,7 @@ def test_masks_that_are_not_windows_are_refused(group, mask, why):
 
 
 def test_window_wider_than_the_probe_needs_a_declaration(group):
-    from cp_passes.rules.attention import PROBE_MAX_LEN
+    from cp_passes.key_plan import PROBE_MAX_LEN
 
     window = PROBE_MAX_LEN + 100
     long_seq = 2 * PROBE_MAX_LEN // 8  # local length at rank 3 of 8: a global length beyond the probe (odd:

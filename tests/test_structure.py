@@ -92,7 +92,7 @@ def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(f
     of them other ranks' (the lower bound), and only those come: every other rank's head (7 chunks), and the tails
     of ranks 4..7 (chunks 11..8); block attention computes 2P + 1 = 17 chunk pieces and skips the rest."""
     from cp_passes.layout import Layout
-    from cp_passes.transports.block_attention import SKIP
+    from cp_passes.key_plan import SKIP
 
     record = compile_toy(fake_world, spec=dict(layout="balanced"), n_layers=2)
     layout = Layout(WORLD, "balanced")

@@ -9,8 +9,10 @@ softmax over keys, soft-capping and ``probs @ v`` are correct on ``[local querie
 Which keys: every key, unless the model's masks provably give the others zero probability
 (:mod:`cp_passes.match.key_cuts`). Then the masks are evaluated here, as the single device would at the
 compile-time length (capped at ``PROBE_MAX_LEN``) for one unpadded document (positions ``0..S-1``, one doc
-id), to read what they let a query see: a window of ``w`` keys takes a halo of ``w - 1`` rows (a two-sided
-band, an encoder's, rows from both sides), causal attention the causal prefix of a gather. The run-time check in the transport holds the model to it.
+id), to read what they let a query see (:func:`~cp_passes.key_plan.read_reach`), and the
+:class:`~cp_passes.key_plan.KeyPlan` decided as for SDPA: a window of ``w`` keys takes a halo of ``w - 1`` rows
+(a two-sided band, an encoder's, rows from both sides), causal attention the causal prefix of a gather. The
+run-time check in the transport holds the model to it.
 
 Keys concatenated from positions and windows of them (compressed attention's ``[raw K | compressed K]``)
 are cut in their first part, the positions, by the masks' first part along the key axis; the windows come
@@ -31,9 +33,8 @@ from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
-from ..rules.attention import PROBE_MAX_LEN, two_sided_band
+from ..key_plan import HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach, read_reach
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
-from ..transports.masks import band, band_sides
 
 aten = torch.ops.aten
 
@@ -45,7 +46,10 @@ input and index, cat's inputs, have the output's rank)."""
 
 
 @dataclass
-class KeyPlan:
+class KeyState:
+    """What the planner has decided about hand-written attention's key axis so far, node by node: one request
+    per operand or mask, one :class:`KeyRange` per softmax."""
+
     operands: dict = field(default_factory=dict)
     """``(operand node, its dim, keys)`` -> its :class:`KeyOperand` request (one transport, however many blocks read
     it)."""
@@ -131,35 +135,37 @@ def _side_operand(cut: KeyCut, blocks, sym) -> torch.fx.Node | None:
 def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | None, str]:
     """The keys ``cut``'s masks let a query see at the compile-time length (and about half of it), or None
     and why every key."""
-    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
-    shorter = max(2, longer // 2 + 1)
     concat = _concat(ctx, cut)
-    seen = (cut.masking, concat is not None)  # the same masks over positions alone, or over a first part
-    for length in (longer, shorter):
-        if (seen, length) not in probes:
-            probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
-    for found in (probes[(seen, longer)], probes[(seen, shorter)]):
-        if isinstance(found, str):
-            return None, found
-    (window, ahead), (again, ahead_again) = probes[(seen, longer)], probes[(seen, shorter)]
-    if (ahead, again) != (ahead_again, window if ahead or window is not None and window < shorter else None):
-        return None, f"the window its masks show changes with the sequence length ({window} at {longer}, {again} at " \
-                     f"{shorter})"
+    reach = read_reach(lambda length: _probe(ctx, cut, length, concat, probes), _probe_length(ctx))
+    if isinstance(reach, str):
+        return None, reach
     masking, first = tuple(cut.masking), concat is not None
-    side = _side_operand(cut, ctx.matches.blocks, ctx.sym) if window is not None else None
-    if ahead:
-        sides = f"two-sided window: {window - 1} keys before and {ahead} after"
-        if ctx.spec.window_transport != "halo" or side is not None:
-            return None, sides + (f"; '{side.name}' is read on the key axis besides K and V" if side is not None
-                                  else ", by gather as the spec asks")
-        return KeyRange(window - 1, masking, first, ahead), sides + " read from the model's mask"
-    if window is not None and ctx.spec.window_transport == "halo":
-        if side is None:
-            return KeyRange(window - 1, masking, first), f"window {window} read from the model's mask"
-        return KeyRange(None, masking, first), (f"window {window}; '{side.name}' is read on the key axis besides K "
-                                                f"and V, so the prefix of a gather rather than a halo with zero rows")
-    return KeyRange(None, masking, first), ("causal, read from the model's mask" if window is None
-                                            else f"window {window}, by gather as the spec asks")
+    side = _side_operand(cut, ctx.matches.blocks, ctx.sym) if reach.before is not None else None
+    halo = ctx.spec.window_transport == "halo" and side is None
+    plan = KeyPlan.decide(reach, halo)
+    if plan.move == HALO:
+        return KeyRange(plan, masking, first), f"{reach.describe()} read from the model's mask"
+    if not reach.causal:
+        return None, reach.describe() + (f"; '{side.name}' is read on the key axis besides K and V"
+                                         if side is not None else ", by gather as the spec asks")
+    if side is not None:
+        return KeyRange(plan, masking, first), (f"{reach.describe()}; '{side.name}' is read on the key axis "
+                                                f"besides K and V, so the prefix of a gather rather than a halo "
+                                                f"with zero rows")
+    return KeyRange(plan, masking, first), ("causal, read from the model's mask" if reach.before is None
+                                            else f"{reach.describe()}, by gather as the spec asks")
+
+
+def _probe_length(ctx: RuleContext) -> int:
+    return min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+
+
+def _probe(ctx: RuleContext, cut: KeyCut, length: int, concat, probes: dict) -> Reach | str:
+    """:func:`_probe_window` at ``length``, once for every cut with the same masks (layers sharing a mask)."""
+    seen = (cut.masking, concat is not None, length)  # the same masks over positions alone, or over a first part
+    if seen not in probes:
+        probes[seen] = _probe_window(ctx, cut, length, concat)
+    return probes[seen]
 
 
 def _concat(ctx: RuleContext, cut: KeyCut) -> torch.fx.Node | None:
@@ -186,10 +192,10 @@ def _first_part(mask: torch.fx.Node, key_dim: int) -> torch.fx.Node | None:
     return mask.args[0][0] if dim == key_dim else None
 
 
-def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.Node | None) -> tuple | str:
-    """``(window, ahead)``: the keys the masks let a query see for one document of ``length``: the ``window - 1``
-    before it (window None: causal, no narrower) and the ``ahead`` after it (a two-sided band), or why
-    cp_passes cannot say. On keys concatenated by ``concat``, the window over its first part (causal only)."""
+def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.Node | None) -> Reach | str:
+    """The keys the masks let a query see for one document of ``length``: the smallest causal band holding
+    them, or the two-sided band they are; or why cp_passes cannot say. On keys concatenated by ``concat``, the
+    band over its first part (causal only)."""
     blocks, spec = ctx.matches.blocks, ctx.spec
     if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
         return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
@@ -217,14 +223,16 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
     if not bool(seen.any(-1).all()):
         return "its masks hide every key from some query (checked for one document)"
     seen = seen.any(0)
-    if bool((seen & ~band(length, None)).any()):
-        sides = two_sided_band(seen) if concat is None else None
-        return "its masks let a query see later keys (not causal)" if sides is None else (sides[0] + 1, sides[1])
-    window = band_sides(seen)[0] + 1
-    return (window if window < length else None), 0
+    envelope = mask_reach(seen, exact=False)
+    if isinstance(envelope, str) or envelope.causal:
+        return envelope
+    sides = mask_reach(seen) if concat is None else None  # later keys: only an exact two-sided band is cut
+    if sides is None or isinstance(sides, str) or not sides.banded or sides.before < 0:
+        return "its masks let a query see later keys (not causal)"
+    return sides
 
 
-def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
+def _keys_for(ctx: RuleContext, state: KeyState, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
     if state.cuts is None:
         state.cuts = key_cuts(ctx.matches.blocks)
     cut = state.cuts.get(node)
@@ -239,24 +247,19 @@ def _keys_for(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> tuple[Ke
     return state.ranges[cut.softmax]
 
 
-def _reads_later(ctx: RuleContext, state: KeyPlan, node: torch.fx.Node) -> bool:
+def _reads_later(ctx: RuleContext, state: KeyState, node: torch.fx.Node) -> bool:
     """Whether a query of ``node``'s attention may read a later key: False only where its masks show causal
     attention or a causal window, read even where every key is brought (``attention_keys="all"``)."""
     cut = state.cuts.get(node) if state.cuts is not None else None
     if cut is None or cut.why is not None:
         return True
     if cut.softmax not in state.later:
-        length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
-        concat = _concat(ctx, cut)
-        seen = (cut.masking, concat is not None)
-        if (seen, length) not in state.probes:
-            state.probes[(seen, length)] = _probe_window(ctx, cut, length, concat)
-        found = state.probes[(seen, length)]
-        state.later[cut.softmax] = isinstance(found, str) or found[1] > 0
+        found = _probe(ctx, cut, _probe_length(ctx), _concat(ctx, cut), state.probes)
+        state.later[cut.softmax] = isinstance(found, str) or not found.causal
     return state.later[cut.softmax]
 
 
-def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rewrite]]:
+def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Rewrite]]:
     """The key-axis rewrites ``ctx.node`` needs (new ones only), and marks its brought inputs in ``ctx``."""
     blocks = ctx.matches.blocks
     node = ctx.node
@@ -298,7 +301,7 @@ def plan_keys(ctx: RuleContext, state: KeyPlan) -> list[tuple[torch.fx.Node, Rew
                            f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
                            f"part by part as well", "concatenate once and read the result as both K and V (as "
                            "DeepSeek V4 does)")
-            later = _reads_later(ctx, state, node) if keys is None else keys.after > 0
+            later = _reads_later(ctx, state, node) if keys is None else keys.plan.after > 0
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
                                                                         reads_later=later, concat=concat)
             brings = keys.describe() if keys is not None else "every key"

@@ -23,7 +23,7 @@ from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum, Share
-from .keys import KeyPlan, plan_keys
+from .keys import KeyState, plan_keys
 
 aten = torch.ops.aten
 
@@ -256,7 +256,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     origins: dict[torch.fx.Node, torch.fx.Node] = {}  # a partial sum -> the op that made it
     orders: dict = {}  # rows a sort reordered, its indices and counts -> their Order
     matches = match_graph(gm, sym, spec.pad_multiple)
-    keys = KeyPlan()
+    keys = KeyState()
     plan.claimed = frozenset(matches.claimed)
     plan.keys = matches.blocks.keys
     length = next(size for n in gm.graph.find_nodes(op="placeholder") if isinstance(meta_val(n), torch.Tensor)

@@ -16,17 +16,12 @@ import torch
 from ..errors import module_path, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
+from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach,
+                        probe_lengths, read_reach)
 from ..transports.attention import AttentionKV, evaluated_locally
-from ..transports.masks import band, band_sides
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
-
-PROBE_MAX_LEN = 4100
-"""Longest single-device sequence at which a model-built attention mask is evaluated to read its window
-(just over 4096, so that power-of-two windows up to 4096 show as bands). Wider windows are declared in the
-spec and checked for consistency up to this length."""
-
 
 def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
     if mask.dtype != torch.bool:
@@ -51,36 +46,43 @@ def _evaluate(ctx: RuleContext, found: PositionMask, length: int) -> torch.Tenso
         )
 
 
-def read_window(ctx: RuleContext, found: PositionMask, global_len: int, declared: int | None) -> int | None:
+def _probe_length(ctx: RuleContext) -> int:
+    """The longer of the two lengths masks are read at: the compile-time global length, capped."""
+    return min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
+
+
+def read_window(ctx: RuleContext, found: PositionMask, declared: int | None) -> int | None:
     """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
     or ``None`` when it is plain causal up to the length cp_passes checked. Anything else is refused."""
-    lengths = sorted({min(global_len, PROBE_MAX_LEN), max(2, min(global_len, PROBE_MAX_LEN) // 2 + 1)}, reverse=True)
-    window = None
-    for length in lengths:
+    longer = _probe_length(ctx)
+
+    def read(length: int) -> Reach:
         allowed = _allowed(_evaluate(ctx, found, length), ctx)
         if tuple(allowed.shape) != (length, length):
             ctx.refuse(f"its attention mask has shape {tuple(allowed.shape)} at sequence length {length}",
                        "build the mask as [.., seq, seq]")
-        sides = band_sides(allowed)
-        seen = 0 if sides is None else sides[0] + 1
-        width = window if window is not None else (seen if seen < length else None)
-        if not torch.equal(allowed, band(length, width)):
-            ctx.refuse(
-                f"its attention mask is neither causal nor a causal sliding window (checked at sequence length "
-                f"{length})",
-                "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks",
-            )
-        window = width
-    if window is None and declared is not None and declared >= lengths[0]:
+        reach = mask_reach(allowed)
+        if isinstance(reach, str) or not reach.causal:
+            ctx.refuse(f"its attention mask is neither causal nor a causal sliding window (checked at sequence "
+                       f"length {length})",
+                       "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks")
+        return reach
+
+    reach = read_reach(read, longer)
+    if isinstance(reach, str):
+        ctx.refuse(f"its attention mask is neither causal nor a causal sliding window: {reach}",
+                   "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks")
+    window, global_len = reach.window, ctx.layout.global_len(ctx.local_len())
+    if window is None and declared is not None and declared >= longer:
         return declared  # a band wider than what was evaluated: the spec says how wide, the mask agrees so far
-    if window is None and global_len > lengths[0]:
+    if window is None and global_len > longer:
         ctx.refuse(
-            f"its attention mask is causal up to {lengths[0]} positions, the longest cp_passes evaluates; a "
+            f"its attention mask is causal up to {longer} positions, the longest cp_passes evaluates; a "
             f"window wider than that cannot be told from causal",
             "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
         )
     if window is None:
-        bool(ctx.layout.global_len(ctx.length) <= lengths[0])  # a guard: longer sequences recompile and re-check
+        bool(global_len <= longer)  # a guard: longer sequences recompile and re-check
     return window
 
 
@@ -105,62 +107,33 @@ def _one_document(ctx: RuleContext, found: MetadataMask, length: int, padding: b
     return flat[0]
 
 
-def document_window(ctx: RuleContext, found: MetadataMask) -> int | None:
-    """The window of a mask built from positions and doc ids, as it shows for one unpadded document at the
-    compile-time length and about half of it (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``), or
-    None where it shows none (causal, something else, or it reads other data): the envelope the transport
-    is planned for, which the run-time check holds every real mask to."""
-    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
-    widths = []
-    for length in (longer, max(2, longer // 2 + 1)):
-        allowed = _one_document(ctx, found, length)
-        if allowed is None:
-            return None
-        before, after = band_sides(allowed) or (length, 0)
-        if after != 0 or before + 1 >= length or not torch.equal(allowed, band(length, before + 1)):
-            return None
-        widths.append(before + 1)
-    return widths[0] if widths[0] == widths[1] else None
+def banded_reach(ctx: RuleContext, evaluate) -> Reach | None:
+    """The band a mask shows at both probe lengths, with each side narrower than the shorter one
+    (``evaluate(length)``: the ``[length, length]`` mask for one document, or None); None where it shows no
+    such band (causal, something else, or it reads other data): then no halo can bring its keys."""
+    longer = _probe_length(ctx)
+
+    def read(length: int) -> Reach | str:
+        allowed = evaluate(length)
+        return "unreadable" if allowed is None else mask_reach(allowed)
+
+    reach = read_reach(read, longer)
+    shorter = probe_lengths(longer)[1]
+    if isinstance(reach, str) or not reach.banded or reach.before < 0 or reach.at(shorter) != reach:
+        return None
+    return reach
 
 
 def document_sees_later_keys(ctx: RuleContext, found: MetadataMask) -> bool:
     """Whether a mask built from metadata lets a query see a later key for one unpadded document at the
     compile-time length (an encoder's padding mask, a bidirectional window): then every key is brought."""
-    allowed = _one_document(ctx, found, min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN), padding=True)
+    allowed = _one_document(ctx, found, _probe_length(ctx), padding=True)
     return allowed is not None and bool(allowed.triu(1).any())
 
 
 def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
     """Whether a mask built from positions alone lets a query see a later key (bidirectional attention)."""
-    length = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
-    return bool(_allowed(_evaluate(ctx, found, length), ctx).triu(1).any())
-
-
-def two_sided_band(allowed: torch.Tensor) -> tuple[int, int] | None:
-    """``(before, after)`` where ``allowed`` (``[n, n]``) is exactly the two-sided band ``-after <= i - j <=
-    before``, with a later key seen and both sides narrower than the sequence; else None."""
-    n, sides = allowed.shape[-1], band_sides(allowed)
-    if sides is None:
-        return None
-    before, after = sides
-    if not (0 <= before < n - 1 and 0 < after < n - 1) or not torch.equal(allowed, band(n, before + 1, ahead=after)):
-        return None
-    return before, after
-
-
-def bidirectional_window(ctx: RuleContext, evaluate) -> tuple[int, int] | None:
-    """``(window, ahead)`` of a bidirectional mask that is the same two-sided band at the compile-time length
-    and about half of it (``evaluate(length)``: the ``[length, length]`` mask for one document, or None):
-    each query sees ``window - 1`` earlier and ``ahead`` later keys. None: no such band (every key is brought)."""
-    longer = min(ctx.layout.global_len(ctx.local_len()), PROBE_MAX_LEN)
-    sides = []
-    for length in (longer, max(2, longer // 2 + 1)):
-        allowed = evaluate(length)
-        sides.append(None if allowed is None else two_sided_band(allowed))
-    if sides[0] is None or sides[0] != sides[1]:
-        return None
-    before, after = sides[0]
-    return before + 1, after
+    return bool(_allowed(_evaluate(ctx, found, _probe_length(ctx)), ctx).triu(1).any())
 
 
 @register_rule(aten.scaled_dot_product_attention)
@@ -183,7 +156,6 @@ def sdpa_rule(ctx: RuleContext):
                 "lay attention inputs out as [batch, heads, seq, head_dim]",
             )
 
-    window = None
     declared = ctx.spec.attention_for(module_path(ctx.node))
     found_mask = ctx.matches.masks.get(ctx.node) if mask is not None else None
     metadata = found_mask if isinstance(found_mask, MetadataMask) else None
@@ -191,8 +163,8 @@ def sdpa_rule(ctx: RuleContext):
         ctx.refuse(found_mask + "; masks are evaluated from positions and gathered metadata only",
                    "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
                    "doc_ids), or pass is_causal=True")
-    ahead = 0
     halo_allowed = ctx.spec.window_transport == "halo"
+    reach = CAUSAL_REACH if causal else EVERY_KEY_REACH
     if metadata is not None:
         # The envelope (causal, the declared window, or a two-sided window) plans the transport; the model's own
         # mask, evaluated from gathered metadata, is checked against it at run time.
@@ -207,12 +179,13 @@ def sdpa_rule(ctx: RuleContext):
                 "it as (input_ids != pad_token_id)[:, None, None, :] & causal (an encoder's: without the "
                 "causal term)",
             )
-        causal = bool(declared) or not document_sees_later_keys(ctx, metadata)
-        if causal:
-            window = declared.window if declared else document_window(ctx, metadata)
+        if declared or not document_sees_later_keys(ctx, metadata):
+            band = (Reach(declared.window - 1) if declared.window else None) if declared else \
+                banded_reach(ctx, lambda n: _one_document(ctx, metadata, n))
+            reach = band if band is not None and band.causal else CAUSAL_REACH
         else:
-            window, ahead = bidirectional_window(
-                ctx, lambda n: _one_document(ctx, metadata, n, padding=True)) or (None, 0)
+            band = banded_reach(ctx, lambda n: _one_document(ctx, metadata, n, padding=True))
+            reach = band if band is not None and not band.causal else EVERY_KEY_REACH
     elif isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
         # Bidirectional (an encoder's attention): a two-sided band becomes a halo from both sides and a mask made
         # here; any other mask, a function of positions alone, is evaluated at this rank's rows, every key brought.
@@ -221,24 +194,21 @@ def sdpa_rule(ctx: RuleContext):
             ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
                        f"queries see later keys (bidirectional attention)",
                        "remove the AttentionRule: a bidirectional mask is read from the model")
-        causal = False
-        sides = bidirectional_window(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed \
-            else None
-        if sides is None:
+        band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed else None
+        if band is None or band.causal:
             metadata = MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
         else:
-            window, ahead = sides
+            reach = band
     elif isinstance(found_mask, PositionMask):
-        global_len = ctx.layout.global_len(ctx.local_len())
-        window = read_window(ctx, found_mask, global_len, declared.window if declared else None)
-        causal = True
+        window = read_window(ctx, found_mask, declared.window if declared else None)
+        reach = Reach(None if window is None else window - 1)
         found = f"a band mask of window {window}" if window else "a causal mask"
     elif mask is not None:
         ctx.refuse(f"cp_passes found no reading of its attention mask '{getattr(mask, 'name', mask)}'",
                    "build the mask from positions or sequence metadata, or pass is_causal=True")
     else:
         found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
-    if metadata is None and declared is not None and (declared.window != window or not causal):
+    if metadata is None and declared is not None and (declared.window != reach.window or not reach.causal):
         said = f"window {declared.window}" if declared.window else "causal attention"
         ctx.refuse(
             f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
@@ -258,30 +228,28 @@ def sdpa_rule(ctx: RuleContext):
         and meta_val(k_src).dtype == meta_val(v_src).dtype
         and all(same_size(a, b) for a, b in zip(meta_val(k_src).shape[:-1], meta_val(v_src).shape[:-1]))
     )
-    halo = bool(window) and halo_allowed
-    if window and not halo:
+    dropout = ctx.arg("dropout_p")
+    local = metadata is not None and evaluated_locally(metadata, reach.window, False, dropout)
+    plan = KeyPlan.decide(reach, halo_allowed, first_keys=local)
+    if reach.banded and plan.move != HALO:
         notes.append("the spec asks for a gather")
-    sides = f"two-sided window: {window - 1} keys before and {ahead} after" if ahead else None
     if metadata is not None:
         names = ", ".join(leaf.name for leaf in metadata.tensor_leaves) or "positions"
-        envelope = (f"window {window} (spec)" if declared and declared.window else
-                    f"{sides} read from the model's mask for one document" if ahead else
-                    f"window {window} read from the model's mask for one document" if window else
-                    "causal envelope" if causal else "bidirectional: every key")
-        where = ("at this rank's rows and the keys brought" if evaluated_locally(metadata, window, halo, ctx.arg("dropout_p"))
-                 else "over the whole sequence")
+        envelope = (f"window {reach.window} (spec)" if declared and declared.window else
+                    f"{reach.describe()} read from the model's mask for one document" if reach.banded else
+                    "causal envelope" if reach.causal else "bidirectional: every key")
+        where = ("at this rank's rows and the keys brought"
+                 if evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout) else "over the whole sequence")
         notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
-                     + (", checked at run time" if causal or window else ""))
-    elif ahead:
-        notes.append(f"{sides} read from the model's mask")
-    elif window:
-        notes.append(f"window {window} read from the model's mask")
-    left_padding = declared.left_padding if declared is not None and halo else 0
+                     + (", checked at run time" if reach.causal or reach.banded else ""))
+    elif reach.banded:
+        notes.append(f"{reach.describe()} read from the model's mask")
+    left_padding = declared.left_padding if declared is not None and plan.move == HALO else 0
     if left_padding:
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
-    request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, causal, window, together, gqa,
-                          ctx.arg("dropout_p"), ctx.arg("scale"), metadata, notes, left_padding, ahead)
-    rule = ("sdpa_bidirectional_window" if not causal and window else
-            "sdpa_bidirectional" if metadata and not causal else "sdpa_data_mask" if metadata else
-            "sdpa_window" if window else "sdpa_causal" if causal else "sdpa_full")
-    return Rewrite(rule, "halo" if halo else "sequence_gather", request, note="; ".join(notes))
+    request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, plan, together, gqa, dropout,
+                          ctx.arg("scale"), metadata, notes, left_padding)
+    rule = ("sdpa_bidirectional_window" if reach.banded and not reach.causal else
+            "sdpa_bidirectional" if metadata and not reach.causal else "sdpa_data_mask" if metadata else
+            "sdpa_window" if reach.banded else "sdpa_causal" if reach.causal else "sdpa_full")
+    return Rewrite(rule, plan.move if plan.move == HALO else "sequence_gather", request, note="; ".join(notes))

@@ -1,8 +1,9 @@
 """The attention edit both K/V transports share: move K/V, mask at the rank's global positions.
 
-A rule asks for :class:`AttentionKV` with transport ``halo`` (a sliding window: the ``window - 1``
-preceding rows, and for a two-sided window the ``ahead`` rows after) or ``sequence_gather`` (everything, then the rows a causal query can see); the transport
-supplies the function that moves one tensor, this module rewires the attention call. Gathered keys without
+A rule asks for :class:`AttentionKV` with its :class:`~cp_passes.key_plan.KeyPlan`: transport ``halo`` for a
+band (the ``before`` rows before each range, and for a two-sided window the ``after`` rows after), else
+``sequence_gather`` (the causal prefix, or every key); the transport supplies the function that moves one
+tensor, this module rewires the attention call. Gathered keys without
 a window are attended block by block (:mod:`.block_attention`): the pieces a query sees whole, its own
 causally, no ``[queries, keys]`` mask built or saved unless the model's own mask reads data.
 """
@@ -18,14 +19,14 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from ..errors import CPCompileError
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
 from ..graph.selection import Selector
-from .block_attention import CAUSAL, FULL, SKIP, block_attention_op
+from .block_attention import block_attention_op
+from ..key_plan import HALO, KeyPlan, attention_pieces, outside
 from ..layout import CONTIGUOUS
-from .masks import (MetadataMask, causal_mask, first_keys, global_shaped, in_global_order, mask_block, outside,
+from .masks import (MetadataMask, causal_mask, first_keys, global_shaped, in_global_order, mask_block,
                     query_positions, visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
@@ -44,8 +45,7 @@ class AttentionKV:
     value: torch.fx.Node
     dim: int
     """The sequence dim of ``key`` and ``value``."""
-    causal: bool
-    window: int | None
+    keys: KeyPlan
     together: bool
     """Move K and V as one tensor (one collective)."""
     enable_gqa: bool
@@ -55,22 +55,6 @@ class AttentionKV:
     notes: list[str] = field(default_factory=list)
     left_padding: int = 0
     """Zero rows in front of a halo (hidden by the mask)."""
-    ahead: int = 0
-    """Not ``causal``, with a ``window``: each query sees ``window - 1`` earlier and ``ahead`` later keys (a
-    two-sided window, brought by a halo from both sides)."""
-
-    @property
-    def before(self) -> int | None:
-        """The keys before each query a window lets it see, the width of its halo: ``window - 1`` (None: no
-        window)."""
-        return None if self.window is None else self.window - 1
-
-    @property
-    def from_first_keys(self) -> bool:
-        """Gathered, the keys move from each range's first key its mask shows (:func:`first_keys`): causal
-        attention with a model-built mask evaluated at the rank's rows (packed documents), no window."""
-        return self.causal and self.mask is not None and evaluated_locally(self.mask, self.window, False,
-                                                                            self.dropout_p)
 
     @property
     def kv_label(self) -> str:
@@ -100,10 +84,11 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     """Replace the attention's K/V with moved ones (``move(x, name)``) and its mask with one at this rank's
     global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
     node, q, rank, world, kind = request.node, edit.current(request.query), edit.rank, edit.world, edit.layout.kind
-    halo = edit.pass_name == "halo"
-    blocks = blockwise(request.window, halo, request.dropout_p)
-    mask = local_mask(edit, request.mask, q, request.causal) if blocks and request.mask is not None else None
-    if not halo and request.from_first_keys:
+    plan = request.keys
+    halo, window, ahead, causal = plan.move == HALO, plan.reach.window, plan.after, plan.reach.causal
+    blocks = blockwise(window, halo, request.dropout_p)
+    mask = local_mask(edit, request.mask, q, causal) if blocks and request.mask is not None else None
+    if plan.first_keys:
         # The keys this mask shows start at each range's first key (packed documents): only those move.
         firsts = edit.insert(first_keys, (mask, q, world, kind), name="cp_first_keys")
         move = functools.partial(move, firsts=firsts)
@@ -125,17 +110,17 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         return
     if request.mask is not None:
         whole = global_mask(edit, request.mask)
-        mask = edit.insert(mask_block, (whole, q, rank, world, kind, request.window, halo, request.left_padding,
-                                        request.causal, request.ahead), name="cp_mask_block")
+        mask = edit.insert(mask_block, (whole, q, rank, world, kind, window, halo, request.left_padding, causal,
+                                        ahead), name="cp_mask_block")
     elif halo:
-        mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, True, request.left_padding,
-                                         request.ahead), name="cp_window_mask")
-    if request.causal and not halo:  # the keys a causal query can see came (prefix_gather)
-        if mask is None and (request.window or not edit.layout.first_is_local(rank)):
-            mask = edit.insert(causal_mask, (q, rank, world, kind, request.window, False), name="cp_causal_mask")
+        mask = edit.insert(causal_mask, (q, rank, world, kind, window, True, request.left_padding, ahead),
+                           name="cp_window_mask")
+    if causal and not halo:  # the keys a causal query can see came (prefix_gather)
+        if mask is None and (window or not edit.layout.first_is_local(rank)):
+            mask = edit.insert(causal_mask, (q, rank, world, kind, window, False), name="cp_causal_mask")
     # Where the visible keys are only this rank's own, causal attention needs no mask.
     node.args = (q, keys, values, mask, request.dropout_p)
-    node.kwargs = {"is_causal": mask is None and request.causal, "scale": request.scale,
+    node.kwargs = {"is_causal": mask is None and causal, "scale": request.scale,
                    "enable_gqa": request.enable_gqa}
     edit.changed(node)
 
@@ -165,7 +150,7 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask) -> None:
     its output. Causal, the keys are those a causal query can see (the transport brought only them); a
     model-built mask (:func:`local_mask`) is cut to them too."""
     node, rank = request.node, edit.rank
-    q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.causal, mask is not None)
+    q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.keys.reach.causal, mask is not None)
     # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
     q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
@@ -186,7 +171,7 @@ def _attend_window(edit, request: AttentionKV, q, keys, values) -> None:
                        for x, name in ((q, "q"), (keys, "k"), (values, "v")))
     scale = edit.insert(sdpa_scale, (q, request.scale), name="cp_attention_scale")
     both = edit.insert(torch.ops.cp_passes.window_attention.default,
-                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.before, request.ahead,
+                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.keys.halo, request.keys.after,
                         scale), name="cp_window_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
@@ -197,54 +182,6 @@ def _attend_window(edit, request: AttentionKV, q, keys, values) -> None:
 def sdpa_scale(q: torch.Tensor, scale) -> float:
     """SDPA's softmax scale: ``scale``, or one over the square root of the head size."""
     return q.shape[-1] ** -0.5 if scale is None else scale
-
-
-def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[list[int], list[int], list[int]]:
-    """How :func:`block_attention_op` splits rank ``rank``'s queries and the keys it attends to, in units of
-    one range (``1 / layout.chunks`` of the local length): query pieces (the layout's ranges, in local order),
-    key pieces (causal: every chunk up to the rank's last, in global order; else every rank's ranges in gather
-    order), and each pair's kind. Causal pairs are ``FULL`` when the keys precede the queries, ``CAUSAL`` on the diagonal, ``SKIP``
-    after (computed not at all); adjacent ``FULL`` key pieces are one call unless a mask is cut per piece
-    (``masked``: it then decides, and may skip a piece)."""
-    units = layout.chunks
-    q_ranges = layout.ranges(rank, units)
-    if causal:  # every chunk up to this rank's last, in global order
-        k_ranges = [(c, c + 1) for c in range(layout.prefix_chunks(rank))]
-    else:
-        k_ranges = [r for other in range(layout.world) for r in layout.ranges(other, units)]
-    q_bounds = [0]
-    for start, stop in q_ranges:
-        q_bounds.append(q_bounds[-1] + stop - start)
-    k_bounds = [0]
-    for start, stop in k_ranges:
-        k_bounds.append(k_bounds[-1] + stop - start)
-
-    def kind(q_range, k_range):
-        if not causal:
-            return FULL
-        if k_range[0] >= q_range[1]:
-            return SKIP
-        if masked or k_range[1] <= q_range[0]:
-            return FULL  # a mask decides which of the pair's keys each query sees
-        if k_range == q_range:
-            return CAUSAL
-        raise CPCompileError(f"cp_passes internal error: the layout's key range {k_range} straddles its query "
-                             f"range {q_range}; block attention needs them equal or apart")
-
-    kinds = [kind(q_range, k_range) for q_range in q_ranges for k_range in k_ranges]
-    if not masked:  # merge runs of whole key pieces every query piece treats alike
-        merged_bounds, merged = [0], [[] for _ in q_ranges]
-        nk = len(k_ranges)
-        for j in range(nk):
-            column = [kinds[i * nk + j] for i in range(len(q_ranges))]
-            if j and column == [m[-1] for m in merged] and all(c == FULL for c in column):
-                merged_bounds[-1] = k_bounds[j + 1]
-                continue
-            merged_bounds.append(k_bounds[j + 1])
-            for m, c in zip(merged, column):
-                m.append(c)
-        k_bounds, kinds = merged_bounds, [c for m in merged for c in m]
-    return q_bounds, k_bounds, kinds
 
 
 def autocast_like_sdpa(x: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 The gather transport's edit calls it in place of ``scaled_dot_product_attention`` once K/V are gathered. The
 local queries and the keys they may see come in pieces (``q_bounds``, ``k_bounds``: row offsets of each
-piece, in the tensors as given); ``kinds`` says for every (query piece, key piece) pair, row-major, what the
-pair computes: ``SKIP`` nothing, ``FULL`` every score, ``CAUSAL`` the causal triangle of two pieces that start
-at the same position. Each computed pair is one attention call returning its output and logsumexp; the
+piece, in the tensors as given); ``kinds`` (:func:`~cp_passes.key_plan.attention_pieces`) says for every
+(query piece, key piece) pair, row-major, what the pair computes: ``SKIP`` nothing, ``FULL`` every score,
+``CAUSAL`` the causal triangle of two pieces that start at the same position. Each computed pair is one attention call returning its output and logsumexp; the
 outputs merge with weights ``exp(lse_pair - lse)``. So causal attention needs no mask (the pieces before
 this rank's own are seen whole, its own is causal), and no key block a query cannot see is computed.
 
@@ -27,9 +27,9 @@ from typing import Optional
 import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-aten = torch.ops.aten
+from ..key_plan import CAUSAL, SKIP
 
-SKIP, FULL, CAUSAL = 0, 1, 2
+aten = torch.ops.aten
 
 TILES, TILE_ROWS = 8, 128
 """A masked pair is cut into at most ``TILES`` tiles of query rows (of at least ``TILE_ROWS``), and each tile

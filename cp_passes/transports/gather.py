@@ -15,6 +15,7 @@ import functools
 import torch
 import torch.fx
 
+from ..key_plan import PREFIX
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, assemble, exchange, piece_counts, reduce_scatter, return_rows
@@ -157,21 +158,20 @@ class SequenceGather(Transport):
         from .attention import rewrite_attention
 
         rewrite_attention(edit, request, lambda x, name, firsts=None: self.insert(
-            edit, x, request.dim, f"{name}_gathered", request.causal, firsts))
+            edit, x, request.dim, f"{name}_gathered", request.keys.move == PREFIX, firsts))
 
     def cost(self, request, layout, rank, local_len) -> Cost:
-        row = request.row_bytes(local_len)
-        window = sum(layout.halo_counts(request.before, rank, local_len, request.ahead)[1]) * row \
-            if request.window else None
-        if request.causal:
+        row, reach = request.row_bytes(local_len), request.keys.reach
+        if request.keys.move == PREFIX:
             scope = ("from each range's first key its mask shows, at most the causal prefix"
-                     if request.from_first_keys else "causal prefix")
+                     if request.keys.first_keys else "causal prefix")
             cost = prefix_cost(layout, rank, local_len, row, request.itemsize, request.kv_label, scope=scope)
-            if window is not None:  # a window by gather, as the spec asks: its halo is the bound
+            if reach.before is not None:  # a window by gather, as the spec asks: its halo is the bound
+                window = sum(layout.halo_counts(reach.before, rank, local_len)[1]) * row
                 cost = dataclasses.replace(cost, lower_bound_bytes=window)
             return cost + request.metadata_cost(layout.world)
         total = request.elements
-        needed = window if window is not None else (layout.global_len(local_len) - local_len) * row
+        needed = (layout.global_len(local_len) - local_len) * row
         moved = (layout.world - 1) * total * request.itemsize
         return (Cost(f"all_gather {request.kv_label} | bw reduce_scatter", (layout.world - 1) * total, moved, needed,
                      moved) + request.metadata_cost(layout.world))

@@ -149,9 +149,9 @@ class Halo(Transport):
         from .attention import AttentionKV, rewrite_attention
 
         assert isinstance(request, AttentionKV), request
-        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, request.before,
+        rewrite_attention(edit, request, lambda x, name: self.insert(edit, x, request.dim, request.keys.halo,
                                                                      f"{name}_halo", left_padding=request.left_padding,
-                                                                     after=request.ahead))
+                                                                     after=request.keys.after))
 
     def insert(self, edit, x, dim: int, halo: int, name: str, before=None, left_padding: int = 0,
                after: int = 0) -> torch.fx.Node:
@@ -184,7 +184,7 @@ class Halo(Transport):
             halo, after, row, what = request.halo, 0, row_bytes(request.source, local_len), f"{request.halo} rows"
             itemsize = meta_val(request.source).dtype.itemsize
         else:
-            halo, after = request.before, request.ahead
+            halo, after = request.keys.halo, request.keys.after
             what = f"{halo} rows" + (f" before and {after} after" if after else "") + f" of {request.kv_label}"
             row, itemsize = request.row_bytes(local_len), request.itemsize
         send, recv, _ = layout.halo_counts(halo, rank, local_len, after)

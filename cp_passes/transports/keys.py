@@ -23,38 +23,32 @@ import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
+from ..key_plan import KeyPlan, band
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .attention import global_mask
 from .base import Cost, Transport, register_transport
 from .gather import prefix_cost
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
-from .masks import MetadataMask, band, check_envelope, in_global_order, key_positions, own_segment
+from .masks import MetadataMask, check_envelope, in_global_order, key_positions, own_segment
 
 aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
 class KeyRange:
-    """The keys a cut attention brings: a halo of ``halo`` rows before this rank's (a window of
-    ``halo + 1``), or with ``halo`` None the causal prefix of a gather. ``masking`` hides every other key
-    (:class:`~cp_passes.match.key_cuts.Masking`), which the run-time check confirms."""
+    """The keys a cut attention brings, as its :class:`~cp_passes.key_plan.KeyPlan` says: a halo (``plan.halo``
+    rows before each of this rank's ranges, ``plan.after`` after) or the causal prefix of a gather. ``masking``
+    hides every other key (:class:`~cp_passes.match.key_cuts.Masking`), which the run-time check confirms."""
 
-    halo: int | None
+    plan: KeyPlan
     masking: tuple
     first_part: bool = False
     """The key axis concatenates positions and windows of them: the cut applies to the first part, the
     positions (as many keys as the sequence has queries); the other parts come whole."""
-    after: int = 0
-    """A two-sided window (an encoder's): the halo brings the ``after`` rows after this rank's too."""
 
     def describe(self) -> str:
-        part = " in its positions and every window entry" if self.first_part else ""
-        if self.halo is None:
-            return "the causal prefix" + part
-        if self.after:
-            return f"a halo of the {self.halo} rows before this rank's and the {self.after} after (a two-sided window)"
-        return f"a halo of the {self.halo} rows before this rank's (window {self.halo + 1})" + part
+        return self.plan.describe() + (" in its positions and every window entry" if self.first_part else "")
 
 
 @dataclass
@@ -240,10 +234,10 @@ class KeyGather(Transport):
         """The rows of ``source`` (the current node: a scan or positions may have made it global) that
         ``keys`` asks for along ``request.dim``: a halo, the causal prefix of a gather, or a whole gather."""
         source = edit.current(source)
-        if keys is not None and keys.halo is not None:
+        if keys is not None and keys.plan.halo is not None:
             return edit.insert(torch.ops.cp_passes.halo.default,
-                               (source, request.dim, keys.halo, 0, edit.rank, edit.world, edit.group_name,
-                                edit.layout.kind) + ((keys.after,) if keys.after else ()), name=name)
+                               (source, request.dim, keys.plan.halo, 0, edit.rank, edit.world, edit.group_name,
+                                edit.layout.kind) + ((keys.plan.after,) if keys.plan.after else ()), name=name)
         if keys is not None:  # the causal prefix, in global order, as cut_mask picks the mask's keys
             return edit.insert(torch.ops.cp_passes.prefix_gather.default,
                                (source, request.dim, edit.rank, edit.world, edit.group_name, edit.layout.kind),
@@ -269,10 +263,10 @@ class KeyGather(Transport):
             checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
             fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
             rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
-                                          edit.layout.kind, request.keys.halo, checked,
+                                          edit.layout.kind, request.keys.plan.halo, checked,
                                           tuple(c[1] for c in request.checks),
                                           tuple(c[2] for c in request.checks), fill, request.keys.first_part,
-                                          request.keys.after),
+                                          request.keys.plan.after),
                                    name="cp_mask_keys")
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
@@ -296,9 +290,9 @@ class KeyGather(Transport):
         """What bringing ``keys`` of ``source`` (a part of a concatenation, or the whole operand) moves."""
         row = row_bytes(source, local_len)
         itemsize = meta_val(source).dtype.itemsize
-        if keys is not None and keys.halo is not None:
-            send, recv, _ = layout.halo_counts(keys.halo, rank, local_len, keys.after)
-            rows = f"{keys.halo} rows" + (f" before and {keys.after} after" if keys.after else "")
+        if keys is not None and keys.plan.halo is not None:
+            send, recv, _ = layout.halo_counts(keys.plan.halo, rank, local_len, keys.plan.after)
+            rows = f"{keys.plan.halo} rows" + (f" before and {keys.plan.after} after" if keys.plan.after else "")
             return Cost(f"all_to_all {rows}" + ("" if request.metadata else " | bw all_to_all"),
                         sum(recv) * row // itemsize, sum(recv) * row, sum(recv) * row, sum(send) * row)
         if keys is not None:

@@ -12,6 +12,7 @@ import torch
 import torch.fx
 
 from ..graph.analysis import SHAPE_ONLY, meta_val, numel_hint
+from ..key_plan import band, outside
 from ..layout import Layout
 from .collectives import all_gather
 
@@ -101,37 +102,6 @@ def _key_positions(query: torch.Tensor, rank: int, world: int, kind: str, window
     ever, for a halo row outside the sequence)."""
     return key_positions(query.shape[-2], rank, world, kind, window - 1 if halo else None, query.device,
                          left_padding, after=ahead if halo else 0)
-
-
-def band(size: int, window: int | None, device=None, ahead: int = 0) -> torch.Tensor:
-    """``[size, size]``: key ``j`` may be visible to query ``i`` (``-ahead <= i - j``, ``< window`` for a
-    window): causal with ``ahead`` 0, a two-sided band of ``ahead`` later keys otherwise."""
-    visible = torch.ones(size, size, dtype=torch.bool, device=device).tril(ahead)
-    return visible if window is None else visible.triu(1 - window)
-
-
-def band_sides(allowed: torch.Tensor) -> tuple[int, int] | None:
-    """``(before, after)``: how far before and after its query the farthest key any query of ``allowed``
-    (``[n, n]``, True: seen) sees lies; None when no query sees a key. Every reading of a window from a mask
-    starts here; the mask is that window's band iff it equals ``band(n, before + 1, ahead=after)``."""
-    if not bool(allowed.any()):
-        return None
-    n = allowed.shape[-1]
-    distance = (torch.arange(n, device=allowed.device)[:, None] - torch.arange(n, device=allowed.device)[None, :])
-    seen = distance[allowed]
-    return int(seen.max()), -int(seen.min())
-
-
-def outside(before: int | None, after: int = 0) -> str:
-    """The run-time message for a mask that lets a query see a key the transport did not bring: outside the
-    causal prefix (``before`` None), a causal window of ``before + 1``, or a two-sided window."""
-    envelope = ("the causal prefix" if before is None else f"the window of {before} keys before and {after} after"
-                if after else f"the window of {before + 1}")
-    return (f"cp_passes: the model's attention mask lets a query see a key outside {envelope} in this batch, and "
-            "only those keys were brought (what the mask showed for one document when compiling, or the spec "
-            "declares); fix: declare the window these modules really use in an AttentionRule (window=None: every "
-            "preceding key), or build the mask so that no query sees past it; where the data decides which keys a "
-            "query sees, attention written by hand takes CPSpec(attention_keys='all')")
 
 
 def check_envelope(visible: torch.Tensor, before: int | None, after: int = 0) -> None:
