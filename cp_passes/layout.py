@@ -184,18 +184,12 @@ class Layout:
     def halo_counts(self, halo: int, rank: int, local_len: int, after: int = 0) -> tuple[list[int], list[int], int]:
         """Rows rank ``rank`` sends to and receives from every other rank for a halo of the ``halo``
         positions before each of its ranges (and ``after`` after it), and how many of those lie outside the
-        sequence (zeros). Exactly the needed rows move; rows it holds itself are copied. ``local_len`` is
-        concrete."""
-        send, recv, zeros = [0] * self.world, [0] * self.world, 0
-        for other in range(self.world):
-            for pieces in self.halo_sources(halo, other, local_len, after):
-                for owner, _, rows in pieces:
-                    if other == rank and owner is None:
-                        zeros += rows
-                    elif other == rank and owner != rank:
-                        recv[owner] += rows
-                    elif other != rank and owner == rank:
-                        send[other] += rows
+        sequence (zeros). Exactly the needed rows move, each once (two ranges' halos that overlap share
+        their rows: :func:`wanted_rows`); rows it holds itself are copied. ``local_len`` is concrete."""
+        plans = [self.halo_sources(halo, other, local_len, after) for other in range(self.world)]
+        send = [0 if other == rank else sum(n for _, n in wanted_rows(plans[other], rank)) for other in range(self.world)]
+        recv = [0 if owner == rank else sum(n for _, n in wanted_rows(plans[rank], owner)) for owner in range(self.world)]
+        zeros = sum(n for pieces in plans[rank] for owner, _, n in pieces if owner is None)
         return send, recv, zeros
 
     def leading_zeros(self, halo: int, rank: int, local_len: int) -> int:
@@ -226,6 +220,19 @@ class Layout:
     def query_segments(self, local_len, device=None) -> torch.Tensor:
         """Which range each local row belongs to (``[local_len]`` int64)."""
         return torch.arange(local_len, device=device) // self.chunk_len(local_len)
+
+
+def wanted_rows(segments, owner: int) -> list[tuple[int, int]]:
+    """The rows of ``owner`` that a rank's ``segments`` (lists of ``(owner, owner's row, rows)`` pieces, as
+    :meth:`Layout.sources` gives them) take, each once: ``(first row, rows)`` runs in row order, overlapping
+    and adjacent pieces merged. What moves from ``owner`` to that rank, in this order."""
+    runs: list[list[int]] = []
+    for start, stop in sorted((row, row + n) for pieces in segments for o, row, n in pieces if o == owner and n):
+        if runs and start <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], stop)
+        else:
+            runs.append([start, stop])
+    return [(start, stop - start) for start, stop in runs]
 
 
 def chunk_len(local_len, chunks: int):

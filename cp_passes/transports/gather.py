@@ -105,7 +105,7 @@ def prefix_gather_op(x: torch.Tensor, dim: int, rank: int, world: int, group_nam
     rows = x.movedim(dim, 0)
     plans = _prefix_plans(world, kind, rows.shape[0], _all_firsts(firsts, world, group_name))
     received = exchange(rows, plans, rank, world, group_name)
-    pieces = assemble(rows, plans[rank][0], received, dict.fromkeys(range(world), 0), rank)
+    pieces = assemble(rows, plans[rank][0], received, plans, rank)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
@@ -130,7 +130,7 @@ def prefix_gather_backward_op(grad: torch.Tensor, dim: int, rank: int, world: in
         if owner == rank:
             out.narrow(0, row, n).add_(rows.narrow(0, at, n))
         elif owner is not None:
-            back[owner].append(rows.narrow(0, at, n))
+            back[owner].append((row, rows.narrow(0, at, n)))
         at += n
     return_rows(back, out, plans, rank, world, group_name)
     return out.movedim(0, dim).contiguous()

@@ -56,15 +56,15 @@ def halo_op(x: torch.Tensor, dim: int, halo: int, left_padding: int, rank: int, 
     local_len = rows.shape[0]
     plans = _plans(world, kind, halo, local_len, after)
     received = exchange(rows, plans, rank, world, group_name)
-    taken, pieces = dict.fromkeys(range(world), 0), []
+    pieces = []
     size = local_len // len(plans[rank])
     for i, sources in enumerate(plans[rank]):
         if left_padding:
             pieces.append(rows.new_zeros((left_padding, *rows.shape[1:])))
         before = [(owner, row, n) for owner, row, n, at in _placed(sources, halo, size) if at < halo]
-        pieces += assemble(rows, before, received, taken, rank)
+        pieces += assemble(rows, before, received, plans, rank)
         pieces.append(rows.narrow(0, i * size, size))
-        pieces += assemble(rows, sources[len(before):], received, taken, rank)
+        pieces += assemble(rows, sources[len(before):], received, plans, rank)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
@@ -94,7 +94,7 @@ def halo_backward_op(grad: torch.Tensor, dim: int, halo: int, left_padding: int,
             if owner == rank:
                 out.narrow(0, row, n).add_(rows.narrow(0, at, n))
             elif owner is not None:
-                back[owner].append(rows.narrow(0, at, n))
+                back[owner].append((row, rows.narrow(0, at, n)))
     return_rows(back, out, plans, rank, world, group_name)
     return out.movedim(0, dim).contiguous()
 

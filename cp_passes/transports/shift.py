@@ -33,7 +33,7 @@ def _shift(x: torch.Tensor, dim: int, offset: int, fill: float, rank: int, world
     rows = x.movedim(dim, 0)
     plans = _plans(world, kind, offset, x.shape[dim])
     received = exchange(rows, plans, rank, world, group_name)
-    pieces = assemble(rows, plans[rank][0], received, dict.fromkeys(range(world), 0), rank, fill)
+    pieces = assemble(rows, plans[rank][0], received, plans, rank, fill)
     return torch.cat(pieces).movedim(0, dim).contiguous()
 
 
