@@ -187,8 +187,10 @@ class Layout:
         sequence (zeros). Exactly the needed rows move, each once (two ranges' halos that overlap share
         their rows: :func:`wanted_rows`); rows it holds itself are copied. ``local_len`` is concrete."""
         plans = [self.halo_sources(halo, other, local_len, after) for other in range(self.world)]
-        send = [0 if other == rank else sum(n for _, n in wanted_rows(plans[other], rank)) for other in range(self.world)]
-        recv = [0 if owner == rank else sum(n for _, n in wanted_rows(plans[rank], owner)) for owner in range(self.world)]
+        send = [0 if other == rank else sum(n for _, n in wanted_rows(plans[other], rank))
+                for other in range(self.world)]
+        recv = [0 if owner == rank else sum(n for _, n in wanted_rows(plans[rank], owner))
+                for owner in range(self.world)]
         zeros = sum(n for pieces in plans[rank] for owner, _, n in pieces if owner is None)
         return send, recv, zeros
 

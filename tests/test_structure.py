@@ -81,7 +81,7 @@ def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
     after, forward = record.history[-1][1], record.aot_graphs["forward"]
     assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
     assert "cp_causal_mask" not in after and "aten.scaled_dot_product_attention" not in after
-    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None, 1)") == 2  # FULL, CAUSAL; 1 range
+    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None, 1, '', None)") == 2  # FULL, CAUSAL
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"
@@ -103,7 +103,8 @@ def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(f
         assert r.bytes == r.lower_bound_bytes == 11 * 8 * local_kv // 16 * 4
     after = record.history[-1][1]
     lists = r"(\[[^]]*\]), (\[[^]]*\]), (\[[^]]*\])"
-    (pieces,) = set(re.findall(r"gathered_attention\(\S+, \S+, \S+, None, " + lists + r", None, 2\)", after))
+    (pieces,) = set(re.findall(r"gathered_attention\(\S+, \S+, \S+, None, " + lists + r", None, 2, '', None\)",
+                               after))
     q_units, k_units, kinds = (eval(p) for p in pieces)
     assert q_units == [0, 1, 2]
     widths = [b - a for a, b in zip(k_units, k_units[1:])]
@@ -223,6 +224,26 @@ def test_a_window_is_attended_tile_by_tile_with_no_mask_in_the_graph(fake_world)
     assert backward["cp_passes.window_attention_backward.default"] == 2
     assert not [op for op in forward + backward if "scaled_dot_product" in op]
     for code in record.aot_graphs.values():  # shapes as the graphs print them: "b8[s70, s70 + 8]"
+        shapes = re.findall(r'"\w+\[([^\]]*)\]"', code)
+        assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
+
+
+def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
+    """The toy's packed-document mask (``q - k >= 0`` and equal doc ids) is split where query and key terms
+    meet: the terms (positions and doc ids at this rank's rows and at the keys brought) are computed in the
+    graph, the rest is a program the attention, first-key and causal-check ops evaluate a tile at a time. No
+    tensor as long as the sequence on two dims is left in the rewritten graphs."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig(n_layers=1)), cp_passes.CPSpec(), mesh=fake_world,
+                                    backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 256, (2, 16))
+    loss, _ = compiled(ids, labels=ids, doc_ids=torch.arange(16).div(6, rounding_mode="floor").expand(2, 16))
+    loss.backward()
+    record = compiled.compile_records[-1]
+    assert [r.rule for r in record.records if r.module == "layers.0.attn"] == ["sdpa_data_mask"]
+    forward = record.aot_ops["forward"]
+    assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_future_keys.default"] == 1
+    for code in record.aot_graphs.values():
         shapes = re.findall(r'"\w+\[([^\]]*)\]"', code)
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
 
@@ -368,13 +389,11 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
     assert "recomputed in the backward instead of saved" in text and "2 rewrites' collectives" in text
 
 
-@pytest.mark.parametrize("layout,prefix", [pytest.param("contiguous", (RANK + 1) * 64, marks=pytest.mark.full),
-                                           ("balanced", 13 * 32)])
-def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world, layout, prefix):
-    """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: the
-    largest [sequence x sequence] tensor (by bytes: the model's int64 position differences) is this rank's
-    rows by its causal prefix, [64, 4 * 64] (contiguous) or [64, 13 * 32] (balanced: chunks 0..12 of 32
-    positions, up to its tail), where one device builds [512, 512]; what the rank saves for the backward is at
+@pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.full), "balanced"])
+def test_packed_masks_are_never_sequence_by_sequence(fake_world, layout):
+    """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: no
+    [sequence x sequence] tensor at all (the document mask is per-position terms and a program the ops
+    evaluate a tile at a time), where one device builds [512, 512]; what the rank saves for the backward is at
     most one device's divided by P, and no gathered K/V is among it."""
     from cp_passes.tools.dryrun import dry_run
 
@@ -382,7 +401,7 @@ def test_packed_masks_are_this_rank_s_rows_by_the_keys_it_brings(fake_world, lay
     inputs = {name: ((1, local), torch.long) for name in ("input_ids", "labels", "doc_ids")}
     memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, cp_passes.CPSpec(layout=layout),
                      mesh=fake_world, memory=True).memory
-    assert memory.quadratic.elements == local * prefix, memory.quadratic
+    assert memory.quadratic.elements == 0, memory.quadratic
     assert memory.single_quadratic.elements >= (WORLD * local) ** 2, memory.single_quadratic
     assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
     assert not [s for s in memory.saved if re.search(r"\d+\*s\d+", s.shape)], memory.saved  # k * s: gathered
@@ -405,15 +424,17 @@ class _PaddedDocuments(torch.nn.Module):
 
 def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
     """The mask's inputs keep their shapes in the picked subgraph, so a pointwise op on the doc ids themselves
-    takes the picks too: the mask is [2, 1, 16, 4 * 16] at rank 3 of contiguous shards, and nothing [S, S] is
-    computed."""
+    takes the picks too: the mask's terms are this rank's 16 rows and its 4 * 16 keys at rank 3 of contiguous
+    shards, and nothing [S, S] is computed, nor [16, 4 * 16]."""
     compiled = cp_passes.cp_compile(_PaddedDocuments(), cp_passes.CPSpec(layout="contiguous"), mesh=fake_world,
                                     backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (2, 16)), torch.zeros(2, 16, dtype=torch.long)).backward()
     forward = compiled.compile_records[-1].aot_graphs["forward"]
     assert "cp_passes.block_attention.default" in forward
     assert not re.search(r"\[2, 1, 8\*s\d+, 8\*s\d+\]|\[8\*s\d+, 8\*s\d+\]", forward)
-    assert re.search(r"b8\[2, 1, s\d+, 4\*s\d+\]", forward)
+    rows, keys = r"(?:s\d+|16)", r"(?:4\*s\d+|64)"
+    assert not re.search(rf"\[(?:2, 1, )?{rows}, {keys}\]", forward)
+    assert re.search(rf"i64\[2, {rows}, 1\]", forward) and re.search(rf"b8\[2, 1, {keys}\]", forward)
 
 
 @pytest.mark.parametrize("autocast,packed", [(False, True), pytest.param(True, False, marks=pytest.mark.full)])

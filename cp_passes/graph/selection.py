@@ -106,3 +106,34 @@ class Selector:
     def _stop(self, node, picks):
         self.stopped.append(node)
         return self._pick_at(node, picks)
+
+
+_COMPARE = {aten.ge.Scalar: aten.ge.Tensor, aten.gt.Scalar: aten.gt.Tensor, aten.le.Scalar: aten.le.Tensor,
+            aten.lt.Scalar: aten.lt.Tensor, aten.eq.Scalar: aten.eq.Tensor, aten.ne.Scalar: aten.ne.Tensor}
+
+
+def compare_without_differences(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Rewrite ``(x - y) <op> c`` on integers as ``x <op> (y + c)``: a mask's ``q - k >= 0`` then compares the
+    positions by broadcasting, and no integer ``[queries, keys]`` difference is computed (the difference goes
+    with its last user). Integers only: the two forms agree exactly there, not under float rounding. Returns the
+    comparisons replaced, each with its replacement."""
+    replaced = {}
+    for node in list(graph.nodes):
+        difference = node.args[0] if node.op == "call_function" and node.target in _COMPARE else None
+        if not (isinstance(difference, torch.fx.Node) and difference.target is aten.sub.Tensor
+                and not difference.kwargs and len(difference.args) == 2 and isinstance(node.args[1], int)):
+            continue
+        x, y = difference.args
+        values = [meta_val(n) for n in (difference, x, y)]
+        if not all(isinstance(v, torch.Tensor) and not v.is_floating_point() and v.dtype != torch.bool
+                   for v in values):
+            continue
+        with graph.inserting_before(node):
+            shifted = graph.call_function(aten.add.Scalar, (y, node.args[1]))
+            shifted.meta["val"] = values[2]  # y's shape and dtype: an integer plus an int
+            compared = graph.call_function(_COMPARE[node.target], (x, shifted))
+        compared.meta.update(node.meta)
+        node.replace_all_uses_with(compared)
+        graph.erase_node(node)
+        replaced[node] = compared
+    return replaced

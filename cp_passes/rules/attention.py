@@ -238,8 +238,8 @@ def sdpa_rule(ctx: RuleContext):
         envelope = (f"window {reach.window} (spec)" if declared and declared.window else
                     f"{reach.describe()} read from the model's mask for one document" if reach.banded else
                     "causal envelope" if reach.causal else "bidirectional: every key")
-        where = ("at this rank's rows and the keys brought"
-                 if evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout) else "over the whole sequence")
+        local = evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout)
+        where = "at this rank's rows and the keys brought" if local else "over the whole sequence"
         notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
                      + (", checked at run time" if reach.causal or reach.banded else ""))
     elif reach.banded:

@@ -22,10 +22,11 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
-from ..graph.selection import Selector
+from ..graph.selection import Selector, compare_without_differences
 from .block_attention import block_attention_op
 from ..key_plan import HALO, KeyPlan, attention_pieces, outside
 from ..layout import CONTIGUOUS
+from .mask_program import MaskProgram, split_mask
 from .masks import (MetadataMask, causal_mask, first_keys, global_shaped, in_global_order, mask_block,
                     query_positions, visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
@@ -90,7 +91,11 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     mask = local_mask(edit, request.mask, q, causal) if blocks and request.mask is not None else None
     if plan.first_keys:
         # The keys this mask shows start at each range's first key (packed documents): only those move.
-        firsts = edit.insert(first_keys, (mask, q, world, kind), name="cp_first_keys")
+        firsts = (edit.insert(torch.ops.cp_passes.program_first_keys.default,
+                              (list(mask.leaves), mask.program, q, mask.key_positions, edit.layout.chunks),
+                              name="cp_first_keys")
+                  if isinstance(mask, MaskProgram) else
+                  edit.insert(first_keys, (mask, q, world, kind), name="cp_first_keys"))
         move = functools.partial(move, firsts=firsts)
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
@@ -155,8 +160,9 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask) -> None:
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
     q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
                        for x, name in ((q, "q"), (keys, "k"), (values, "v")))
-    both = edit.insert(gathered_attention, (q, keys, values, mask, q_units, k_units, kinds, request.scale,
-                                            edit.layout.chunks),
+    program = (mask.program, list(mask.leaves)) if isinstance(mask, MaskProgram) else ("", None)
+    both = edit.insert(gathered_attention, (q, keys, values, None if program[0] else mask, q_units, k_units, kinds,
+                                            request.scale, edit.layout.chunks, *program),
                        name="cp_block_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
@@ -191,23 +197,25 @@ def autocast_like_sdpa(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else x
 
 
-def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, chunks: int = 1):
+def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, chunks: int = 1, program: str = "",
+                       leaves=None):
     """:func:`block_attention_op` with its piece bounds (units of one of the rank's ``chunks`` ranges) at this
     call's local length: ``(output, logsumexp)``."""
     length = q.shape[-2] // chunks
     scale = sdpa_scale(q, scale)
     return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
-                              kinds, scale)
+                              kinds, scale, False, program, leaves)
 
 
-def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True) -> torch.fx.Node:
+def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True) -> torch.fx.Node | MaskProgram:
     """The model's mask at this rank's query rows and the keys a causal gather brings (every key, not
     ``causal``), ``[.., L, keys]``, its rows and keys picked where the mask's terms are still per position
-    (:mod:`~cp_passes.graph.selection`). No rank evaluates a future key for its own queries, so each checks the
-    transposed block instead: the queries of the keys it brings against its own keys, where a key after its
-    query must be masked. Every causal violation falls in one rank's block; the ranks add their counts (one
-    all-reduce) and all fail together. Masks whose sizes depend on data take the whole-sequence path
-    (:func:`global_mask`)."""
+    (:mod:`~cp_passes.graph.selection`): as a :class:`MaskProgram` (those terms, combined a tile at a time inside
+    the ops that read it) where :func:`split_mask` can write it so, else a tensor. No rank evaluates a future key
+    for its own queries, so each checks the transposed block instead: the queries of the keys it brings against its
+    own keys, where a key after its query must be masked. Every causal violation falls in one rank's block; the
+    ranks add their counts (one all-reduce) and all fail together. Masks whose sizes depend on data take the
+    whole-sequence path (:func:`global_mask`)."""
     kind = edit.layout.kind
     if _sized_by_data(found):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
@@ -216,15 +224,32 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     name, module = f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
     brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind, causal), name="cp_key_positions")
-    mask = edit.call_module(name, module, leaves + [positions, brought])
+    split = split_mask(module)
+    if split is None:
+        mask = edit.call_module(name, module, leaves + [positions, brought])
+    else:  # per-position terms in the graph, the [queries, keys] block a tile at a time inside the ops
+        terms, program = split
+        mask = MaskProgram(_terms(edit, name, terms, leaves + [positions, brought]), program, brought)
     if not causal:
         return mask
-    transposed = edit.call_module(name, module, leaves + [brought, positions])
-    count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
+    if split is None:
+        transposed = edit.call_module(name, module, leaves + [brought, positions])
+        count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
+    else:
+        transposed = _terms(edit, name, terms, leaves + [brought, positions])
+        count = edit.insert(torch.ops.cp_passes.program_future_keys.default,
+                            (list(transposed), program, brought, positions), name="cp_mask_future_keys")
     total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")
     edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_causal"),
                                                    CAUSAL_VIOLATION), name="cp_mask_check")
     return mask
+
+
+def _terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tuple:
+    """The per-position terms of a split mask (:func:`split_mask`), each a node."""
+    called = edit.call_module(name + "_terms", terms, inputs)
+    (outputs,) = next(n for n in terms.graph.nodes if n.op == "output").args
+    return tuple(edit.insert(operator.getitem, (called, i), name=f"{name}_term") for i in range(len(outputs)))
 
 
 CAUSAL_VIOLATION = outside(None)
@@ -288,7 +313,8 @@ def _mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModul
     picks = (graph.placeholder("query_positions"), graph.placeholder("key_positions")) if picked else ()
     for n in found.nodes:
         env[n] = graph.node_copy(n, env.__getitem__)
-    out = env[found.mask]
+    replaced = compare_without_differences(graph)
+    out = replaced.get(env[found.mask], env[found.mask])
     if picked:
         rank = meta_val(found.mask).dim()
         out = Selector(graph)(out, ((rank - 2, picks[0]), (rank - 1, picks[1])))

@@ -4,11 +4,13 @@ The gather transport's edit calls it in place of ``scaled_dot_product_attention`
 local queries and the keys they may see come in pieces (``q_bounds``, ``k_bounds``: row offsets of each
 piece, in the tensors as given); ``kinds`` (:func:`~cp_passes.key_plan.attention_pieces`) says for every
 (query piece, key piece) pair, row-major, what the pair computes: ``SKIP`` nothing, ``FULL`` every score,
-``CAUSAL`` the causal triangle of two pieces that start at the same position. Each computed pair is one attention call returning its output and logsumexp; the
-outputs merge with weights ``exp(lse_pair - lse)``. So causal attention needs no mask (the pieces before
-this rank's own are seen whole, its own is causal), and no key block a query cannot see is computed.
+``CAUSAL`` the causal triangle of two pieces that start at the same position. Each computed pair is one
+attention call returning its output and logsumexp; the outputs merge with weights ``exp(lse_pair - lse)``.
+So causal attention needs no mask (the pieces before this rank's own are seen whole, its own is causal), and
+no key block a query cannot see is computed.
 
-A mask the model builds (packed documents) is passed as booleans ``[.., queries, keys]``; each pair then
+A mask the model builds (packed documents) is passed as booleans ``[.., queries, keys]``, or as the
+per-position terms and program of :mod:`.mask_program`, evaluated a tile at a time; each pair then
 computes, per tile of query rows, only the rectangle of rows and keys its mask block lets anything through (a
 document that ended before a key block costs nothing there, a causal triangle about half its square).
 
@@ -28,6 +30,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..key_plan import CAUSAL, SKIP
+from .mask_program import evaluate
 
 aten = torch.ops.aten
 
@@ -141,8 +144,9 @@ def span(flags: torch.Tensor) -> tuple[int, int] | None:
     return None if where.numel() == 0 else (int(where[0]), int(where[-1]) + 1)
 
 
-def _pairs(q, mask, q_bounds, k_bounds, kinds):
-    """Every pair to compute: ``(rows, keys, mask block, causal)``, rows and keys as slices of the tensors."""
+def _pairs(q, mask, q_bounds, k_bounds, kinds, leaves=(), program: str = ""):
+    """Every pair to compute: ``(rows, keys, mask block, causal)``, rows and keys as slices of the tensors. The
+    mask is a tensor, or ``program`` over ``leaves`` (:mod:`.mask_program`), evaluated a tile at a time."""
     nk = len(k_bounds) - 1
     for i in range(len(q_bounds) - 1):
         for j in range(nk):
@@ -150,20 +154,22 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds):
             if kind == SKIP:
                 continue
             rows, keys = slice(q_bounds[i], q_bounds[i + 1]), slice(k_bounds[j], k_bounds[j + 1])
-            if mask is None:
+            if mask is None and not program:
                 yield rows, keys, None, kind == CAUSAL
                 continue
-            # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
-            block = mask[..., rows, keys].expand(*mask.shape[:-2], rows.stop - rows.start, keys.stop - keys.start)
-            seen = block.reshape(-1, *block.shape[-2:]).any(0)  # [rows, keys]: what any head or batch row sees
-            tile = max(TILE_ROWS, -(-seen.shape[0] // TILES))
-            for first in range(0, seen.shape[0], tile):
-                part = seen[first:first + tile]
-                row_span, key_span = span(part.any(-1)), span(part.any(0))
+            n, m = rows.stop - rows.start, keys.stop - keys.start
+            tile = max(TILE_ROWS, -(-n // TILES))
+            for first in range(0, n, tile):
+                part = slice(rows.start + first, rows.start + min(n, first + tile))
+                # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
+                block = evaluate(program, leaves, part, keys) if program else mask[..., part, keys]
+                block = block.expand(*block.shape[:-2], part.stop - part.start, m)
+                seen = block.reshape(-1, *block.shape[-2:]).any(0)  # what any head or batch row sees
+                row_span, key_span = span(seen.any(-1)), span(seen.any(0))
                 if row_span is None:
                     continue
-                a, b = first + row_span[0], first + row_span[1]
-                yield (slice(rows.start + a, rows.start + b), slice(keys.start + key_span[0], keys.start + key_span[1]),
+                a, b = row_span
+                yield (slice(part.start + a, part.start + b), slice(keys.start + key_span[0], keys.start + key_span[1]),
                        block[..., a:b, key_span[0]:key_span[1]], False)
 
 
@@ -202,50 +208,79 @@ def backward_pairs(grad, q, k, v, out, lse, pairs, scale: float, math: bool):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-@torch.library.custom_op("cp_passes::block_attention", mutates_args=())
+@torch.library.custom_op("cp_passes::block_attention", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor? mask, SymInt[] q_bounds, SymInt[] k_bounds, SymInt[] kinds, "
+    "float scale, bool math=False, str program='', Tensor[]? leaves=None) -> (Tensor, Tensor)"))
 def block_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
                        q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
-                       math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    return forward_pairs(q, k, v, _pairs(q, mask, q_bounds, k_bounds, kinds), scale, math)
+                       math: bool = False, program: str = "",
+                       leaves: Optional[list[torch.Tensor]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask`` (booleans ``[.., queries, keys]``), or ``program`` over ``leaves`` (:mod:`.mask_program`)."""
+    return forward_pairs(q, k, v, _pairs(q, mask, q_bounds, k_bounds, kinds, leaves, program), scale, math)
 
 
 @block_attention_op.register_fake
-def _(q, k, v, mask, q_bounds, k_bounds, kinds, scale, math=False):
+def _(q, k, v, mask, q_bounds, k_bounds, kinds, scale, math=False, program="", leaves=None):
     return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
 
 
-@torch.library.custom_op("cp_passes::block_attention_backward", mutates_args=())
+@torch.library.custom_op("cp_passes::block_attention_backward", mutates_args=(), schema=(
+    "(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor? mask, Tensor out, Tensor lse, SymInt[] q_bounds, "
+    "SymInt[] k_bounds, SymInt[] kinds, float scale, bool math=False, str program='', Tensor[]? leaves=None) "
+    "-> (Tensor, Tensor, Tensor)"))
 def block_attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 mask: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor,
                                 q_bounds: list[int], k_bounds: list[int], kinds: list[int], scale: float,
-                                math: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward_pairs(grad, q, k, v, out, lse, _pairs(q, mask, q_bounds, k_bounds, kinds), scale, math)
+                                math: bool = False, program: str = "",
+                                leaves: Optional[list[torch.Tensor]] = None
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward_pairs(grad, q, k, v, out, lse, _pairs(q, mask, q_bounds, k_bounds, kinds, leaves, program), scale,
+                          math)
 
 
 @block_attention_backward_op.register_fake
-def _(grad, q, k, v, mask, out, lse, q_bounds, k_bounds, kinds, scale, math=False):
+def _(grad, q, k, v, mask, out, lse, q_bounds, k_bounds, kinds, scale, math=False, program="", leaves=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the kernel's
 
 
+_DEFAULTS = (False, "", None)
+"""``math``, ``program`` and ``leaves`` where a call leaves them out."""
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, *ctx.options = inputs
-    ctx.save_for_backward(q, k, v, mask, *output)
+    q, k, v, mask, *options, leaves = tuple(inputs) + _DEFAULTS[len(inputs) - 8:]
+    ctx.options, ctx.leaves = options, leaves
+    ctx.save_for_backward(q, k, v, mask, *output, *(leaves or ()))
 
 
 def _backward(ctx, grad, _grad_lse):
-    q, k, v, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv = block_attention_backward_op(grad.contiguous(), q, k, v, mask, out, lse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    q, k, v, mask, out, lse, *leaves = ctx.saved_tensors
+    dq, dk, dv = block_attention_backward_op(grad.contiguous(), q, k, v, mask, out, lse, *ctx.options,
+                                             None if ctx.leaves is None else leaves)
+    # one for each input the dispatcher passed (it leaves out trailing defaults), a list for the leaves
+    grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+    if len(grads) == 8 + len(_DEFAULTS) and ctx.leaves is not None:
+        grads[-1] = [None] * len(ctx.leaves)
+    return tuple(grads)
 
 
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds) -> list[tuple[tuple, tuple, tuple]]:
+def pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds, program: str = "",
+                leaves=None) -> list[tuple[tuple, tuple, tuple]]:
     """The ``(query, key, value)`` shapes (4-D) of every attention call the op makes: a mask's rectangles where
     its values are known, every unskipped piece whole where they are not (fake tensors)."""
-    known = mask is not None and not isinstance(mask, torch._subclasses.FakeTensor)
-    return call_shapes(q, k, v, _pairs(q, mask if known else None, q_bounds, k_bounds, kinds))
+    fake = [t for t in [mask, *(leaves or ())] if isinstance(t, torch._subclasses.FakeTensor)]
+    if fake or (mask is None and not program):
+        return call_shapes(q, k, v, _pairs(q, None, q_bounds, k_bounds, kinds))
+    return call_shapes(q, k, v, _pairs(q, mask, q_bounds, k_bounds, kinds, leaves, program))
+
+
+def _mask_args(args: tuple, kwargs: dict) -> tuple[str, list | None]:
+    """``(program, leaves)`` of the op's arguments after ``kinds`` (``scale, math, program, leaves``)."""
+    rest = list(args) + [None] * (4 - len(args))
+    return kwargs.get("program", rest[2] or ""), kwargs.get("leaves", rest[3])
 
 
 def call_shapes(q, k, v, pairs) -> list[tuple[tuple, tuple, tuple]]:
@@ -264,10 +299,10 @@ def _block_attention_flop(q, k, v, mask, q_bounds, k_bounds, kinds, *args, **kwa
     """What :class:`torch.utils.flop_counter.FlopCounterMode` counts: every call the op makes, dense (as it
     counts SDPA), so a piece the layout skips costs nothing."""
     return sum(sdpa_flop_count(*shapes)
-               for shapes in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds))
+               for shapes in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds, *_mask_args(args, kwargs)))
 
 
 @register_flop_formula(torch.ops.cp_passes.block_attention_backward, get_raw=True)
 def _block_attention_backward_flop(grad, q, k, v, mask, out, lse, q_bounds, k_bounds, kinds, *args, **kwargs) -> int:
     return sum(sdpa_backward_flop_count(s[0][:-1] + (v.shape[-1],), *s)
-               for s in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds))
+               for s in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds, *_mask_args(args, kwargs)))

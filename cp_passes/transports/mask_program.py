@@ -1,0 +1,215 @@
+"""A model-built mask as structure: per-position vectors and the elementwise program that combines them.
+
+The model's mask at this rank's rows and the keys brought (:func:`~cp_passes.transports.attention.local_mask`)
+is, after :class:`~cp_passes.graph.selection.Selector` moved the picks to the inputs, a broadcast of per-query
+terms (``q_pos[:, None]``, ``doc[q][:, :, None]``) against per-key terms, combined elementwise. Rather than
+computing it ``[queries, keys]`` in the graph, :func:`split_mask` cuts the mask's graph where both sides meet:
+the terms (the *leaves*, ``O(queries + keys)``) are computed in the graph, and the elementwise rest is written
+down as a program (a string: each op and its arguments) that the attention op evaluates tile by tile
+(:func:`evaluate`), as FlexAttention's kernels evaluate a ``mask_mod``. No ``[queries, keys]`` tensor exists in
+the graph, and at run time at most a tile of it.
+
+A mask the split cannot write down (a reduction, a view of the ``[queries, keys]`` block) stays a tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+aten = torch.ops.aten
+
+QUERY, KEY = "query_positions", "key_positions"
+"""The picked mask module's placeholders for the two sides (:func:`~.attention._mask_module`)."""
+
+_PASS = {aten.slice.Tensor, aten.expand.default, aten.alias.default, aten.clone.default, aten.detach.default}
+"""Ops a program passes its input through: whole slices and broadcasts (the tile's own shapes broadcast)."""
+
+_ELEMENTWISE = {aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.logical_not.default,
+                aten.bitwise_not.default, aten.unsqueeze.default, aten._to_copy.default, aten.to.dtype,
+                aten.to.dtype_layout}
+"""Elementwise ops without ATen's pointwise tag (a cast keeps its dtype; its layout and device are the tile's)."""
+
+
+@dataclass(frozen=True)
+class MaskProgram:
+    """A mask in the graph as its per-position terms (``leaves``, graph nodes) and the program combining them."""
+
+    leaves: tuple
+    program: str
+    key_positions: torch.fx.Node
+    """The global positions of the keys the mask is evaluated at."""
+
+
+def _writable(node: torch.fx.Node) -> bool:
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return False
+    if target in _PASS:
+        return target is not aten.slice.Tensor or _whole(node)
+    return target in _ELEMENTWISE or torch.Tag.pointwise in target.tags
+
+
+def _whole(node: torch.fx.Node) -> bool:
+    args = list(node.args) + [None] * (5 - len(node.args))
+    return args[2] in (None, 0) and args[4] in (None, 1) and isinstance(args[3], int) and args[3] >= 2 ** 62
+
+
+def _literal(value) -> str | None:
+    """``value`` as a program token, or None where a program cannot hold it."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, torch.dtype):
+        return str(value)
+    return None
+
+
+def split_mask(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, str] | None:
+    """``(leaves module, program)``: a module of the mask's inputs returning its per-position terms, and the
+    program that combines them into the mask (:func:`evaluate`); None where the mask cannot be written so."""
+    graph = gm.graph
+    sides: dict[torch.fx.Node, frozenset] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            sides[node] = frozenset({node.target}) if node.target in (QUERY, KEY) else frozenset()
+        elif node.op == "call_function":
+            sides[node] = frozenset().union(*(sides.get(n, frozenset()) for n in node.all_input_nodes))
+    output = next(n for n in graph.nodes if n.op == "output")
+    (mask,) = output.args
+    if not isinstance(mask, torch.fx.Node) or sides.get(mask) != {QUERY, KEY}:
+        return None
+    both = [n for n in graph.nodes if sides.get(n) == {QUERY, KEY}]
+    if not all(_writable(n) for n in both) or both[-1] is not mask:
+        return None
+    leaves: list[torch.fx.Node] = []
+    registers = {n: i for i, n in enumerate(both)}
+    lines = []
+    for node in both:
+        tokens = []
+        for arg in node.args:
+            if isinstance(arg, torch.fx.Node):
+                if arg in registers:
+                    tokens.append(f"R{registers[arg]}")
+                    continue
+                if arg not in leaves:
+                    leaves.append(arg)
+                side = "Q" if sides[arg] == {QUERY} else "K" if sides[arg] == {KEY} else "C"
+                tokens.append(f"{side}{leaves.index(arg)}")
+            elif node.target is aten.expand.default or node.target is aten.slice.Tensor:
+                tokens.append("None")  # sizes and bounds of a pass-through: not read
+            else:
+                literal = _literal(arg)
+                if literal is None:
+                    return None
+                tokens.append(literal)
+        for key, value in node.kwargs.items():
+            literal = _literal(value) if not isinstance(value, torch.device) else repr(str(value))
+            if literal is None or key == "device":
+                continue
+            tokens.append(f"{key}={literal}")
+        lines.append(" ".join([str(node.target)] + tokens))
+    program = ";".join(lines)
+    terms = torch.fx.Graph()
+    env = {}
+    for node in graph.nodes:
+        if node.op == "placeholder" or (node.op == "call_function" and node not in registers):
+            env[node] = terms.node_copy(node, env.__getitem__)
+    terms.output(tuple(env[leaf] for leaf in leaves))
+    terms.eliminate_dead_code()
+    return torch.fx.GraphModule(gm, terms), program
+
+
+def _op(name: str):
+    namespace, packet, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload)
+
+
+def _value(token: str, registers: list, leaves, rows: slice, keys: slice):
+    if token[0] in "QKCR" and token[1:].isdigit():
+        index = int(token[1:])
+        if token[0] == "R":
+            return registers[index]
+        leaf = leaves[index]
+        if token[0] == "Q" and leaf.dim() >= 2 and leaf.shape[-2] > 1:
+            return leaf[..., rows, :]
+        if token[0] == "K" and leaf.shape[-1] > 1:
+            return leaf[..., keys]
+        return leaf
+    if token.startswith("torch."):
+        return getattr(torch, token[len("torch."):])
+    return {"None": None, "True": True, "False": False}.get(token) if token in ("None", "True", "False") \
+        else (float(token) if any(c in token for c in ".einf") else int(token))
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(program: str) -> tuple:
+    """``program``'s lines as ``(op, argument tokens, keyword tokens)``."""
+    lines = []
+    for line in program.split(";"):
+        name, *tokens = line.split(" ")
+        lines.append((_op(name), [t for t in tokens if "=" not in t],
+                      [tuple(t.split("=", 1)) for t in tokens if "=" in t]))
+    return tuple(lines)
+
+
+def evaluate(program: str, leaves: list[torch.Tensor], rows: slice, keys: slice) -> torch.Tensor:
+    """The mask at query rows ``rows`` and keys ``keys``: ``program`` run on those rows of the per-query leaves
+    and those keys of the per-key leaves."""
+    registers: list = []
+    for op, tokens, keywords in _parsed(program):
+        args = [_value(t, registers, leaves, rows, keys) for t in tokens]
+        if op in _PASS:
+            registers.append(args[0])
+            continue
+        registers.append(op(*args, **{k: _value(v, registers, leaves, rows, keys) for k, v in keywords}))
+    return registers[-1]
+
+
+def tiles(rows: int, keys: int, budget: int = 1 << 24) -> int:
+    """Rows per tile so that one tile of a mask holds at most ``budget`` entries (at least one row)."""
+    return max(1, min(rows, budget // max(1, keys)))
+
+
+@torch.library.custom_op("cp_passes::program_first_keys", mutates_args=())
+def program_first_keys_op(leaves: list[torch.Tensor], program: str, query: torch.Tensor, key_positions: torch.Tensor,
+                          chunks: int) -> torch.Tensor:
+    """:func:`~.masks.first_keys` of the mask ``program`` describes, tile by tile: for each of the rank's
+    ``chunks`` ranges of ``query``'s rows, the first key any of its queries sees (the keys' count where none)."""
+    local, total = query.shape[-2], key_positions.shape[0]
+    size = local // chunks
+    step = tiles(size, total)
+    firsts = []
+    for c in range(chunks):
+        seen = torch.zeros(total, dtype=torch.bool, device=query.device)
+        for first in range(c * size, (c + 1) * size, step):
+            block = evaluate(program, leaves, slice(first, min((c + 1) * size, first + step)), slice(0, total))
+            seen |= block.reshape(-1, block.shape[-1]).any(0).expand(total)
+        firsts.append(seen.to(torch.int8).argmax() if bool(seen.any()) else torch.tensor(total, device=query.device))
+    return torch.stack(firsts).to(torch.int64)
+
+
+@program_first_keys_op.register_fake
+def _(leaves, program, query, key_positions, chunks):
+    return query.new_empty(chunks, dtype=torch.int64)
+
+
+@torch.library.custom_op("cp_passes::program_future_keys", mutates_args=())
+def program_future_keys_op(leaves: list[torch.Tensor], program: str, query_positions: torch.Tensor,
+                           key_positions: torch.Tensor) -> torch.Tensor:
+    """How many (query, key) pairs the mask ``program`` describes allows with the key after the query (the
+    queries at ``query_positions``, the keys at ``key_positions``), tile by tile."""
+    rows, total = query_positions.shape[0], key_positions.shape[0]
+    step, count = tiles(rows, total), torch.zeros((), dtype=torch.int64, device=query_positions.device)
+    for first in range(0, rows, step):
+        part = slice(first, min(rows, first + step))
+        later = key_positions[None, :] > query_positions[part, None]
+        count += (evaluate(program, leaves, part, slice(0, total)) & later).sum()
+    return count
+
+
+@program_future_keys_op.register_fake
+def _(leaves, program, query_positions, key_positions):
+    return query_positions.new_empty((), dtype=torch.int64)
