@@ -1,6 +1,6 @@
 """Packed documents through the graph: attention masks built from doc ids (ToyLlama) or derived from
-restarting position ids (transformers, use_cache=False) are evaluated over the whole sequence from
-gathered metadata; losses are means over valid tokens. Parity with one device at P = 2 and 4."""
+restarting position ids (transformers, use_cache=False) are evaluated from gathered metadata at each rank's
+rows and the keys it brings; losses are means over valid tokens. Parity with one device at P = 2 and 4."""
 
 import math
 

@@ -242,7 +242,7 @@ def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
     record = compiled.compile_records[-1]
     assert [r.rule for r in record.records if r.module == "layers.0.attn"] == ["sdpa_data_mask"]
     forward = record.aot_ops["forward"]
-    assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_future_keys.default"] == 1
+    assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_outside_keys.default"] == 1
     for code in record.aot_graphs.values():
         shapes = re.findall(r'"\w+\[([^\]]*)\]"', code)
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]

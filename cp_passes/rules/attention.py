@@ -18,7 +18,7 @@ from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach,
                         probe_lengths, read_reach)
-from ..transports.attention import AttentionKV, evaluated_locally
+from ..transports.attention import AttentionKV, evaluated_locally, sized_by_data
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -238,8 +238,11 @@ def sdpa_rule(ctx: RuleContext):
         envelope = (f"window {reach.window} (spec)" if declared and declared.window else
                     f"{reach.describe()} read from the model's mask for one document" if reach.banded else
                     "causal envelope" if reach.causal else "bidirectional: every key")
-        local = evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout)
-        where = "at this rank's rows and the keys brought" if local else "over the whole sequence"
+        where = ("at this rank's rows and the keys brought"
+                 if evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout) else
+                 "over the whole sequence" if sized_by_data(metadata) else
+                 "at this rank's rows and the keys brought where it is elementwise in per-position terms (else over "
+                 "the whole sequence)")
         notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
                      + (", checked at run time" if reach.causal or reach.banded else ""))
     elif reach.banded:

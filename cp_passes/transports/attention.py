@@ -27,8 +27,8 @@ from .block_attention import block_attention_op
 from ..key_plan import HALO, KeyPlan, attention_pieces, outside
 from ..layout import CONTIGUOUS
 from .mask_program import MaskProgram, split_mask
-from .masks import (MetadataMask, causal_mask, first_keys, global_shaped, in_global_order, mask_block,
-                    query_positions, visible_key_positions)
+from .masks import (MetadataMask, brought_positions, causal_mask, first_keys, global_shaped, in_global_order,
+                    kept_keys, mask_block, query_positions, sequence_positions, visible_key_positions)
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
 
@@ -114,9 +114,11 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
         _attend_window(edit, request, q, keys, values)
         return
     if request.mask is not None:
-        whole = global_mask(edit, request.mask)
-        mask = edit.insert(mask_block, (whole, q, rank, world, kind, window, halo, request.left_padding, causal,
-                                        ahead), name="cp_mask_block")
+        mask = mask_at_keys(edit, request, q)
+        if mask is None:  # a mask the split cannot write down: over the whole sequence, then cut
+            whole = global_mask(edit, request.mask)
+            mask = edit.insert(mask_block, (whole, q, rank, world, kind, window, halo, request.left_padding, causal,
+                                            ahead), name="cp_mask_block")
     elif halo:
         mask = edit.insert(causal_mask, (q, rank, world, kind, window, True, request.left_padding, ahead),
                            name="cp_window_mask")
@@ -142,10 +144,10 @@ def _no_dropout(dropout_p) -> bool:
 def evaluated_locally(found: MetadataMask, window, halo: bool, dropout_p) -> bool:
     """Whether a model-built mask is evaluated only at this rank's rows and the keys brought (:func:`local_mask`)
     rather than over the whole sequence."""
-    return blockwise(window, halo, dropout_p) and not _sized_by_data(found)
+    return blockwise(window, halo, dropout_p) and not sized_by_data(found)
 
 
-def _sized_by_data(found: MetadataMask) -> bool:
+def sized_by_data(found: MetadataMask) -> bool:
     """Whether the mask's sizes depend on data (an indexer's top-k width): it is then inlined node by node."""
     return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
@@ -217,7 +219,7 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     ranks add their counts (one all-reduce) and all fail together. Masks whose sizes depend on data take the
     whole-sequence path (:func:`global_mask`)."""
     kind = edit.layout.kind
-    if _sized_by_data(found):
+    if sized_by_data(found):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
                                         causal), name="cp_mask_block")
     leaves = _mask_leaves(edit, found)
@@ -237,11 +239,49 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
         count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
     else:
         transposed = _terms(edit, name, terms, leaves + [brought, positions])
-        count = edit.insert(torch.ops.cp_passes.program_future_keys.default,
-                            (list(transposed), program, brought, positions), name="cp_mask_future_keys")
+        count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
+                            (list(transposed), program, brought, positions, None, 0), name="cp_mask_future_keys")
     total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")
     edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_causal"),
                                                    CAUSAL_VIOLATION), name="cp_mask_check")
+    return mask
+
+
+def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node | None:
+    """For SDPA that keeps its mask (a window's halo, a window by gather, dropout): the model's mask at this rank's
+    rows and the keys its plan brings, ``[.., L, keys]``, and the run-time check that it shows no key outside the
+    plan's reach, each rank its own queries against every key, a tile at a time (:func:`program_outside_keys_op`;
+    the ranks add their counts, so all fail together). Nothing ``[S, S]``. None where the mask's sizes depend on
+    data or :func:`split_mask` cannot write it down (then :func:`global_mask`)."""
+    found, plan = request.mask, request.keys
+    if sized_by_data(found):
+        return None
+    module = _mask_module(edit, found, picked=True)
+    split = split_mask(module)
+    if split is None:
+        return None
+    terms, program = split
+    rank, world, kind = edit.rank, edit.world, edit.layout.kind
+    halo, window, ahead, causal = plan.move == HALO, plan.reach.window, plan.after, plan.reach.causal
+    name, leaves = f"cp_mask_fn_{edit.origin.name}", _mask_leaves(edit, found)
+    positions = edit.insert(query_positions, (q, rank, world, kind), name="cp_query_positions")
+    keys = (edit.insert(brought_positions, (q, rank, world, kind, window, halo, request.left_padding, ahead),
+                        name="cp_key_positions") if causal or halo else
+            edit.insert(visible_key_positions, (q, rank, world, kind, False), name="cp_key_positions"))
+    evaluated = edit.insert(torch.clamp_min, (keys, 0), name="cp_key_positions_in_sequence")
+    block = edit.call_module(name, module, leaves + [positions, evaluated])
+    mask = edit.insert(kept_keys, (block, keys, q, world, kind, window, halo, request.left_padding, ahead),
+                       name="cp_mask_block")
+    if causal or window is not None:
+        every = edit.insert(sequence_positions, (q, world), name="cp_sequence_positions")
+        check = _terms(edit, name, terms, leaves + [positions, every])
+        count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
+                            (list(check), program, positions, every, plan.reach.before, plan.reach.after or 0),
+                            name="cp_mask_outside_keys")
+        total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name),
+                            name="cp_mask_outside_total")
+        edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_inside"),
+                                                       plan.message()), name="cp_mask_envelope_check")
     return mask
 
 
@@ -294,7 +334,7 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
     activations, for a mask computed without gradient), global lengths and the parameters it reads."""
     leaves = _mask_leaves(edit, found)
-    if _sized_by_data(found):
+    if sized_by_data(found):
         # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
         env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))
         for n in found.nodes:

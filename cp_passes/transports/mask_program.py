@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.fx
@@ -196,20 +197,22 @@ def _(leaves, program, query, key_positions, chunks):
     return query.new_empty(chunks, dtype=torch.int64)
 
 
-@torch.library.custom_op("cp_passes::program_future_keys", mutates_args=())
-def program_future_keys_op(leaves: list[torch.Tensor], program: str, query_positions: torch.Tensor,
-                           key_positions: torch.Tensor) -> torch.Tensor:
-    """How many (query, key) pairs the mask ``program`` describes allows with the key after the query (the
-    queries at ``query_positions``, the keys at ``key_positions``), tile by tile."""
+@torch.library.custom_op("cp_passes::program_outside_keys", mutates_args=())
+def program_outside_keys_op(leaves: list[torch.Tensor], program: str, query_positions: torch.Tensor,
+                            key_positions: torch.Tensor, before: Optional[int], after: int) -> torch.Tensor:
+    """How many (query, key) pairs the mask ``program`` describes allows outside the band ``-after <= q - k <=
+    before`` (``before`` None: any earlier key is inside), the queries at ``query_positions`` and the keys at
+    ``key_positions``, tile by tile."""
     rows, total = query_positions.shape[0], key_positions.shape[0]
     step, count = tiles(rows, total), torch.zeros((), dtype=torch.int64, device=query_positions.device)
     for first in range(0, rows, step):
         part = slice(first, min(rows, first + step))
-        later = key_positions[None, :] > query_positions[part, None]
-        count += (evaluate(program, leaves, part, slice(0, total)) & later).sum()
+        distance = query_positions[part, None] - key_positions[None, :]
+        outside = distance < -after if before is None else (distance < -after) | (distance > before)
+        count += (evaluate(program, leaves, part, slice(0, total)) & outside).sum()
     return count
 
 
-@program_future_keys_op.register_fake
-def _(leaves, program, query_positions, key_positions):
+@program_outside_keys_op.register_fake
+def _(leaves, program, query_positions, key_positions, before, after):
     return query_positions.new_empty((), dtype=torch.int64)

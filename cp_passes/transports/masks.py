@@ -96,8 +96,8 @@ def own_segment(local, world: int, kind: str, halo: int, device=None, left_paddi
     return layout.query_segments(local, device)[:, None] == keys[None, :]
 
 
-def _key_positions(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
-                   left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
+def brought_positions(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
+                      left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
     """The global position of every key the transport brings; -1 for a zero row in front of a halo (and, as
     ever, for a halo row outside the sequence)."""
     return key_positions(query.shape[-2], rank, world, kind, window - 1 if halo else None, query.device,
@@ -119,7 +119,7 @@ def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: i
     outside the sequence never are), and, after a halo, the key is in the query's own segment
     (:func:`own_segment`). ``ahead`` > 0: a two-sided window."""
     q_pos = Layout(world, kind).positions(rank, query.shape[-2], query.device)
-    k_pos = _key_positions(query, rank, world, kind, window, halo, left_padding, ahead)
+    k_pos = brought_positions(query, rank, world, kind, window, halo, left_padding, ahead)
     # compared by broadcasting 1-D positions: booleans [local_len, keys], no int64 distance of that size
     visible = (k_pos[None, :] <= (q_pos + ahead)[:, None]) & (k_pos >= 0)[None, :]
     if window is not None:
@@ -144,6 +144,21 @@ def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> 
     return Layout(world, kind).unshard(gathered, dim % gathered.dim())
 
 
+def kept_keys(block: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, world: int, kind: str,
+              window: int | None, halo: bool, left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
+    """A mask evaluated at this rank's rows and the keys brought (``keys``: their positions, evaluated at 0
+    where negative), with the keys outside the sequence hidden and, after a halo, each query's keys kept to its
+    own range (:func:`own_segment`)."""
+    block = block & (keys >= 0)
+    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
+    return block if own is None else block & own
+
+
+def sequence_positions(query: torch.Tensor, world: int) -> torch.Tensor:
+    """Every global position of the sequence (``world`` times ``query``'s local length)."""
+    return torch.arange(world * query.shape[-2], device=query.device)
+
+
 def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, window: int | None,
                halo: bool, left_padding: int = 0, causal: bool = True, ahead: int = 0) -> torch.Tensor:
     """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
@@ -154,7 +169,7 @@ def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world:
     if causal or window is not None:
         check_envelope(global_mask, None if window is None else window - 1, ahead)
     rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
-    k_pos = (_key_positions(query, rank, world, kind, window, halo, left_padding, ahead) if causal or halo
+    k_pos = (brought_positions(query, rank, world, kind, window, halo, left_padding, ahead) if causal or halo
              else key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=False))
     block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
     own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
