@@ -248,6 +248,25 @@ def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
 
 
+def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_world):
+    """A window of 6 over packed documents keeps its mask (the halo's keys go to SDPA with it): the mask is
+    evaluated at this rank's 16 rows and its halo's keys, and the envelope is checked a tile at a time, so no
+    tensor is as long as the whole sequence (8 * 16 positions) on any dim."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig(n_layers=1, window=6)), cp_passes.CPSpec(),
+                                    mesh=fake_world, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 256, (2, 16))
+    loss, _ = compiled(ids, labels=ids, doc_ids=torch.arange(16).div(6, rounding_mode="floor").expand(2, 16))
+    loss.backward()
+    record = compiled.compile_records[-1]
+    assert [(r.rule, r.transport) for r in record.records if r.module == "layers.0.attn"] == [("sdpa_data_mask",
+                                                                                              "halo")]
+    assert record.aot_ops["forward"]["cp_passes.program_outside_keys.default"] == 1
+    two_dims = [s for code in record.aot_graphs.values() for s in re.findall(r'"\w+\[([^\]]*)\]"', code)
+                if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
+    assert two_dims and all(re.fullmatch(r"(2, (1, )?)?s\d+, 2\*\(\(s\d+//2\)\) \+ 10", s) for s in two_dims), two_dims
+
+
 def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world):
     """Blocks under torch.utils.checkpoint: the rewrite happens inside the regions, and the backward's
     recomputation issues each layer's K/V gather and conv halo again (the forward ops appear in the backward
