@@ -34,6 +34,10 @@ def _indexed(doc, q, k):  # transformers' packed mask: ids indexed by broadcast 
     return ((k[None, None, :] <= q[None, :, None]).float().to(torch.bool) & same)[:, None].expand(-1, 3, -1, -1)
 
 
+def _blocks_of_four(doc, q, k):  # a keyword argument that computes: floor division on the grid
+    return torch.div(q[:, None] - k[None, :], 4, rounding_mode="floor") == 0
+
+
 def _cumulative(doc, q, k):  # a reduction along the keys: not elementwise
     return (q[:, None] >= k[None, :]).cumsum(-1) > 0
 
@@ -51,7 +55,8 @@ def _traced(fn, doc, q, k) -> torch.fx.GraphModule:
     return gm
 
 
-@pytest.mark.parametrize("fn", [_documents, _padded, _window, _additive, _bidirectional, _indexed])
+@pytest.mark.parametrize("fn", [_documents, _padded, _window, _additive, _bidirectional, _indexed,
+                                _blocks_of_four])
 def test_a_split_mask_is_the_mask_on_every_tile(fn):
     doc = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, -1, -1], [0, 1, 1, 1, 1, 1, 2, 2, 3, 3, 3, 3]])
     q, k = torch.tensor([4, 5, 6, 7, 8, 9]), torch.arange(10)  # a rank's queries and the keys it brings

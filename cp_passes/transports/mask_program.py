@@ -59,9 +59,15 @@ def _whole(node: torch.fx.Node) -> bool:
     return args[2] in (None, 0) and args[4] in (None, 1) and isinstance(args[3], int) and args[3] >= 2 ** 62
 
 
+_PLACEMENT = {"device", "layout", "pin_memory", "memory_format", "non_blocking"}
+"""Keyword arguments that place a value, not compute it: a tile is where its leaves are."""
+
+
 def _literal(value) -> str | None:
     """``value`` as a program token, or None where a program cannot hold it."""
     if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str) and value.isidentifier():
         return repr(value)
     if isinstance(value, torch.dtype):
         return str(value)
@@ -107,9 +113,11 @@ def split_mask(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, str] | N
                     return None
                 tokens.append(literal)
         for key, value in node.kwargs.items():
-            literal = _literal(value) if not isinstance(value, torch.device) else repr(str(value))
-            if literal is None or key == "device":
+            if key in _PLACEMENT:
                 continue
+            literal = _literal(value)
+            if literal is None:
+                return None
             tokens.append(f"{key}={literal}")
         lines.append(" ".join([str(node.target)] + tokens))
     program = ";".join(lines)
@@ -141,6 +149,8 @@ def _value(token: str, registers: list, leaves, rows: slice, keys: slice):
         return leaf
     if token.startswith("torch."):
         return getattr(torch, token[len("torch."):])
+    if token[0] == "'":
+        return token[1:-1]
     return {"None": None, "True": True, "False": False}.get(token) if token in ("None", "True", "False") \
         else (float(token) if any(c in token for c in ".einf") else int(token))
 
