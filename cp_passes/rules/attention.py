@@ -82,7 +82,7 @@ def read_window(ctx: RuleContext, found: PositionMask, declared: int | None) -> 
             "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
         )
     if window is None:
-        bool(global_len <= longer)  # a guard: longer sequences recompile and re-check
+        bool(ctx.layout.global_len(ctx.length) <= longer)  # a guard (symbolic): longer sequences re-check
     return window
 
 
