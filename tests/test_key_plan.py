@@ -4,7 +4,6 @@ and as hand-written attention and checks that both plan the same keys."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_passes
@@ -81,15 +80,6 @@ def test_a_plan_refuses_a_move_its_reach_cannot_take():
         KeyPlan(Reach(3, 0), PREFIX, first_keys=True)
 
 
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
-
-
 def _allowed(n: int, form: str) -> torch.Tensor:
     pos = torch.arange(n)
     distance = pos[:, None] - pos[None, :]
@@ -117,7 +107,7 @@ class _Attention(torch.nn.Module):
         return out.pow(2).sum()
 
 
-def _plans(group, monkeypatch, model, spec) -> list[KeyPlan]:
+def _plans(fake_group, monkeypatch, model, spec) -> list[KeyPlan]:
     """The key plans the transports receive while compiling ``model``."""
     seen = []
     for transport in TRANSPORTS.values():
@@ -130,7 +120,7 @@ def _plans(group, monkeypatch, model, spec) -> list[KeyPlan]:
             return original(edit, request)
 
         monkeypatch.setattr(transport, "apply", apply)
-    compiled = cp_passes.cp_compile(model, mesh=group, spec=spec, backend="aot_eager", verbose=False)
+    compiled = cp_passes.cp_compile(model, mesh=fake_group, spec=spec, backend="aot_eager", verbose=False)
     compiled(input_ids=torch.randint(0, 32, (2, 16)))
     monkeypatch.undo()
     return seen
@@ -142,8 +132,8 @@ def _plans(group, monkeypatch, model, spec) -> list[KeyPlan]:
     ("window", "gather", KeyPlan(Reach(5, 0), PREFIX)),
     ("two_sided", "halo", KeyPlan(Reach(3, 2), HALO)),
 ])
-def test_sdpa_and_attention_written_by_hand_plan_the_same_keys(group, monkeypatch, form, transport, plan):
+def test_sdpa_and_attention_written_by_hand_plan_the_same_keys(fake_group, monkeypatch, form, transport, plan):
     spec = cp_passes.CPSpec(window_transport=transport)
-    sdpa = _plans(group, monkeypatch, _Attention(form, sdpa=True), spec)
-    by_hand = _plans(group, monkeypatch, _Attention(form, sdpa=False), spec)
+    sdpa = _plans(fake_group, monkeypatch, _Attention(form, sdpa=True), spec)
+    by_hand = _plans(fake_group, monkeypatch, _Attention(form, sdpa=False), spec)
     assert sdpa == [plan] and set(by_hand) == {plan}, (sdpa, by_hand)
