@@ -228,18 +228,24 @@ def test_a_window_is_attended_tile_by_tile_with_no_mask_in_the_graph(fake_world)
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
 
 
+def _packed_toy(group, **config):
+    """A one-layer ToyLlama over documents of 6 positions (doc_ids), compiled for rank 3 of 8 on the balanced
+    layout, one forward and backward at 16 tokens per rank."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig(n_layers=1, **config)), cp_passes.CPSpec(), mesh=group,
+                                    backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 256, (2, 16))
+    loss, _ = compiled(ids, labels=ids, doc_ids=torch.arange(16).div(6, rounding_mode="floor").expand(2, 16))
+    loss.backward()
+    return compiled.compile_records[-1]
+
+
 def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
     """The toy's packed-document mask (``q - k >= 0`` and equal doc ids) is split where query and key terms
     meet: the terms (positions and doc ids at this rank's rows and at the keys brought) are computed in the
     graph, the rest is a program the attention, first-key and causal-check ops evaluate a tile at a time. No
     tensor as long as the sequence on two dims is left in the rewritten graphs."""
-    torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig(n_layers=1)), cp_passes.CPSpec(), mesh=fake_world,
-                                    backend="aot_eager", verbose=False)
-    ids = torch.randint(0, 256, (2, 16))
-    loss, _ = compiled(ids, labels=ids, doc_ids=torch.arange(16).div(6, rounding_mode="floor").expand(2, 16))
-    loss.backward()
-    record = compiled.compile_records[-1]
+    record = _packed_toy(fake_world)
     assert [r.rule for r in record.records if r.module == "layers.0.attn"] == ["sdpa_data_mask"]
     forward = record.aot_ops["forward"]
     assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_outside_keys.default"] == 1
@@ -252,13 +258,7 @@ def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_world):
     """A window of 6 over packed documents keeps its mask (the halo's keys go to SDPA with it): the mask is
     evaluated at this rank's 16 rows and its halo's keys, and the envelope is checked a tile at a time, so no
     tensor is as long as the whole sequence (8 * 16 positions) on any dim."""
-    torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig(n_layers=1, window=6)), cp_passes.CPSpec(),
-                                    mesh=fake_world, backend="aot_eager", verbose=False)
-    ids = torch.randint(0, 256, (2, 16))
-    loss, _ = compiled(ids, labels=ids, doc_ids=torch.arange(16).div(6, rounding_mode="floor").expand(2, 16))
-    loss.backward()
-    record = compiled.compile_records[-1]
+    record = _packed_toy(fake_world, window=6)
     assert [(r.rule, r.transport) for r in record.records if r.module == "layers.0.attn"] == [("sdpa_data_mask",
                                                                                               "halo")]
     assert record.aot_ops["forward"]["cp_passes.program_outside_keys.default"] == 1
