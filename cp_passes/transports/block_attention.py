@@ -34,10 +34,14 @@ from .mask_program import evaluate
 
 aten = torch.ops.aten
 
-TILES, TILE_ROWS = 8, 128
-"""A masked pair is cut into at most ``TILES`` tiles of query rows (of at least ``TILE_ROWS``), and each tile
-computes the rectangle of its rows and keys the mask lets anything through: a document's causal triangle
-costs about half its square, not all of it."""
+TILE_ROWS = KEY_GAP = 128
+"""A masked pair is cut into tiles of ``TILE_ROWS`` query rows, and in each tile every run of keys the mask lets
+anything through (runs ``KEY_GAP`` or more masked keys apart) is computed as the rectangle of that run and the
+rows that see it, as a block-sparse kernel computes the blocks a block mask keeps: a document's causal triangle
+costs about half its square, and the many short documents of an interleaved row
+(``shard_batch(..., balance="documents")``) a block diagonal, not one rectangle (:func:`rectangles`)."""
+MIN_ROWS = 16
+"""The fewest rows :func:`rectangles` halves a sparse rectangle into."""
 
 MATH_BLOCK = 1 << 26
 """Most scores (fp32 or fp64 elements) the matmul-softmax path holds at once: a pair is split into blocks of
@@ -144,6 +148,35 @@ def span(flags: torch.Tensor) -> tuple[int, int] | None:
     return None if where.numel() == 0 else (int(where[0]), int(where[-1]) + 1)
 
 
+def runs(flags: torch.Tensor, gap: int) -> list[tuple[int, int]]:
+    """``[first, last + 1)`` of each run of True entries of a 1-D boolean tensor, runs less than ``gap`` False
+    entries apart merged."""
+    where = flags.nonzero().flatten()
+    if where.numel() == 0:
+        return []
+    cuts = (where.diff() > gap).nonzero().flatten().tolist()
+    starts, stops = [0] + [c + 1 for c in cuts], cuts + [where.numel() - 1]
+    return [(int(where[a]), int(where[b]) + 1) for a, b in zip(starts, stops)]
+
+
+def rectangles(seen: torch.Tensor, first: int = 0) -> list[tuple[int, int, int, int]]:
+    """``(row start, row stop, key start, key stop)`` rectangles covering every True entry of ``seen`` (``[rows,
+    keys]``, rows counted from ``first``): each run of keys (:func:`runs`) with the rows that see it, and a
+    rectangle less than three quarters full (the block diagonal of documents shorter than a tile, a causal
+    triangle) halved along its rows again, down to ``MIN_ROWS``: a triangle becomes steps of ``MIN_ROWS``."""
+    found = []
+    for c, d in runs(seen.any(0), KEY_GAP):
+        a, b = span(seen[:, c:d].any(-1))
+        block = seen[a:b, c:d]
+        if b - a > MIN_ROWS and 4 * int(block.sum()) < 3 * block.numel():
+            middle = (b - a) // 2
+            found += [(r0, r1, c + k0, c + k1) for half in ((0, middle), (middle, b - a))
+                      for r0, r1, k0, k1 in rectangles(block[half[0]:half[1]], first + a + half[0])]
+        else:
+            found.append((first + a, first + b, c, d))
+    return found
+
+
 def _pairs(q, mask, q_bounds, k_bounds, kinds, leaves=(), program: str = ""):
     """Every pair to compute: ``(rows, keys, mask block, causal)``, rows and keys as slices of the tensors. The
     mask is a tensor, or ``program`` over ``leaves`` (:mod:`.mask_program`), evaluated a tile at a time."""
@@ -158,19 +191,15 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds, leaves=(), program: str = ""):
                 yield rows, keys, None, kind == CAUSAL
                 continue
             n, m = rows.stop - rows.start, keys.stop - keys.start
-            tile = max(TILE_ROWS, -(-n // TILES))
-            for first in range(0, n, tile):
-                part = slice(rows.start + first, rows.start + min(n, first + tile))
+            for first in range(0, n, TILE_ROWS):
+                part = slice(rows.start + first, rows.start + min(n, first + TILE_ROWS))
                 # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
                 block = evaluate(program, leaves, part, keys) if program else mask[..., part, keys]
                 block = block.expand(*block.shape[:-2], part.stop - part.start, m)
                 seen = block.reshape(-1, *block.shape[-2:]).any(0)  # what any head or batch row sees
-                row_span, key_span = span(seen.any(-1)), span(seen.any(0))
-                if row_span is None:
-                    continue
-                a, b = row_span
-                yield (slice(part.start + a, part.start + b), slice(keys.start + key_span[0], keys.start + key_span[1]),
-                       block[..., a:b, key_span[0]:key_span[1]], False)
+                for a, b, c, d in rectangles(seen):
+                    yield (slice(part.start + a, part.start + b), slice(keys.start + c, keys.start + d),
+                           block[..., a:b, c:d], False)
 
 
 def _merge(acc_out, acc_lse, out, lse, rows):
