@@ -25,6 +25,9 @@ def in_global_order(results: list[dict], key: str, dim: int = 1) -> torch.Tensor
     result names its local rows' global positions (``"positions"``, from ``ShardLayout.positions``). Along
     windows of ``m`` positions (fewer rows than positions) a window's order is its first position's."""
     rows = torch.cat([r[key] for r in results], dim)
+    if results[0]["positions"].dim() == 2:  # interleaved documents: each batch row in its own order (dim 1)
+        order = torch.argsort(torch.cat([r["positions"] for r in results], 1), dim=1)
+        return rows.gather(1, order.view(*order.shape, *[1] * (rows.dim() - 2)).expand(rows.shape))
     positions = torch.cat([r["positions"][::r["positions"].numel() // r[key].shape[dim]] for r in results])
     return rows.index_select(dim, torch.argsort(positions))
 
@@ -586,6 +589,7 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     hf = model == "hf"
     config = dict(config or {})
     left_padding, layout = config.pop("left_padding", 0), config.pop("layout", "auto")
+    balance = config.pop("balance", None)
     net = hf_llama(use_cache=False) if hf else toy_model(**config)
     rules = (cp_passes.AttentionRule("layers.*.attn", window=config["window"], left_padding=left_padding),) \
         if config.get("window") else ()
@@ -593,7 +597,8 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False)
     results = []
     for seq_len, layout in cases:
-        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group, spec)
+        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group, spec,
+                                             balance=balance)
         net.zero_grad()
         out = compiled(**packed_model_inputs(local, hf))
         loss, logits = (out.loss, out.logits) if hf else out
@@ -655,6 +660,13 @@ def envelope_violation(group, layout: list | None = None) -> str:
     spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=2),))
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend="aot_eager", verbose=False)
     local, _ = cp_passes.shard_batch(packed_batch(8, layout or [[(8, 8)]], 256), group, spec)
+    return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
+
+
+def interleaved_refusal(group) -> str:
+    """A windowed ToyLlama (its band reads distances) on a batch whose documents shard_batch interleaved."""
+    compiled = cp_passes.cp_compile(toy_model(window=6), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(packed_batch(16, [[(5, 5), (11, 11)]], 256), group, balance="documents")
     return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
 
 

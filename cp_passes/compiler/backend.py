@@ -35,6 +35,7 @@ from .agreement import agree_before_running, alone, check_inputs, collective_fin
 from .batch_layout import read_batch
 from ..experts import install as install_experts
 from .capture import capture, install_output_hooks
+from .interleave import interleaved_refusal
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
 from .planner import Plan
@@ -66,8 +67,9 @@ class CPBackend:
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
-            readers = pad_readers(plan, owner.spec)
+            readers, telling = pad_readers(plan, owner.spec), plan.interleave_readers
             owner._refuse_padding(readers)
+            owner._refuse_interleaved(telling)
             fingerprint = collective_fingerprint(aten_gm, collective_ops())
             self._announce(record, plan, aten_gm)
             stage = "lowering"
@@ -91,6 +93,7 @@ class CPBackend:
         @functools.wraps(compiled)
         def run(*args):
             owner._refuse_padding(readers)  # a cached graph: before the agreement, which reports it to every rank
+            owner._refuse_interleaved(telling)
             if not owner._agreed:  # a cached graph: the ranks still agree that none of them compiled
                 owner._agreed = True
                 agree_before_running(cp, None, False, [])
@@ -186,6 +189,7 @@ class CPModule(torch.nn.Module):
         self._agreed = self._entered = False
         self._guard_failures: list[str] = []
         self._padding = None  # how shard_batch padded this call's batch (the same on every rank), or None
+        self._interleaved = False  # whether shard_batch interleaved this call's documents (balance="documents")
         self._signature = inspect.signature(model.forward)
         install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
         install_functions(spec.positionwise_functions)  # and the declared autograd.Functions
@@ -280,6 +284,12 @@ class CPModule(torch.nn.Module):
             multiple = self.cp.size * self.cp.layout.chunks * self.spec.pad_multiple
             raise padding_refusal(self._padding, readers, multiple)
 
+    def _refuse_interleaved(self, readers: list[str]) -> None:
+        """Raise when shard_batch interleaved this call's documents and the graph would tell (``readers``,
+        :func:`.interleave.interleave_readers`): the same verdict on every rank."""
+        if self._interleaved and readers:
+            raise interleaved_refusal(readers, self.spec)
+
     @torch.compiler.disable  # inside an outer torch.compile, dynamo would trace the model without cp_passes
     def forward(self, *args, **kwargs):
         if not self.compile_records:
@@ -289,7 +299,7 @@ class CPModule(torch.nn.Module):
         # first: every rank then takes the same decisions
         check_inputs(self.cp, describe_inputs(leaves), batch.lines(), batch.refusal)
         seq_len = self._mark_sequence_inputs(leaves)
-        self._padding = batch.padded
+        self._padding, self._interleaved = batch.padded, batch.interleaved
         self._local_len = seq_len
         # A recompile anywhere checks every cache entry of the (shared) code and reports each entry's failed
         # guard to the hook of the module that compiled it: keep only what this call reports.

@@ -40,7 +40,13 @@ class BatchLayout:
         """What every rank must agree on (the refusal's text aside)."""
         cut = self.padded
         return [f"batch refused: {self.refusal is not None}",
-                f"padding shard_batch added: {cut.padded_len - cut.seq_len if cut else 0}"]
+                f"padding shard_batch added: {cut.padded_len - cut.seq_len if cut else 0}",
+                f"documents interleaved: {self.interleaved}"]
+
+    @property
+    def interleaved(self) -> bool:
+        """shard_batch interleaved the batch's documents (``balance="documents"``)."""
+        return self.cut is not None and self.cut.interleaved
 
 
 def read_batch(spec: CPSpec, cp: CPGroup, leaves: list[tuple[str | None, torch.Tensor]],

@@ -26,6 +26,7 @@ from ..graph.provenance import Edit, eliminate_dead_code, format_graph
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
+from .interleave import interleave_readers
 from .planner import Plan, RewriteRecord, plan_graph
 
 
@@ -48,6 +49,9 @@ class CompileRecord:
     seconds: float = 0.0
     layout: str = ""
     """Which layout the graph was rewritten for, and why (:func:`~cp_passes.layout.resolve_layout`)."""
+    interleave_readers: list[str] | None = None
+    """What in the graph would tell interleaved documents (``shard_batch(..., balance="documents")``) from their
+    packed row, one line each (:mod:`.interleave`); empty: such batches are accepted. None: not analysed."""
     recompile_reasons: list[str] = field(default_factory=list)
     """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
     recompile reasons, with the source line that added the guard)."""
@@ -85,6 +89,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
         record.history.append(("scores and their bias apart (baddbmm)", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
+    plan.interleave_readers = record.interleave_readers = interleave_readers(aten_gm.graph, sym, plan, spec)
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
     record.records = plan.records
     record.layout = describe_layout(spec, cp, plan)

@@ -67,6 +67,8 @@ class Plan:
     planner brings whole for them (along a key axis)."""
     keys: dict = field(default_factory=dict)
     """Each ``[q, k]`` block of attention written by hand -> its key dim (whole on every rank)."""
+    interleave_readers: list[str] = field(default_factory=list)
+    """What would tell interleaved documents from their packed row (:mod:`.interleave`): such a batch is refused."""
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}

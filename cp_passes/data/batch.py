@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..group import resolve_group
-from ..layout import Layout, resolve_layout
+from ..layout import BALANCED, Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
 from .marks import Mark, mark
@@ -33,6 +33,10 @@ class ShardLayout:
     """This rank's validity mask ``[batch, local_len]``: False on padding."""
     layout: Layout
     """Which global positions each rank holds (the graph side uses the same)."""
+    order: torch.Tensor | None = None
+    """With ``balance="documents"``: ``[batch, padded_len]``, the packed row's position that each position of the
+    interleaved row holds (:func:`~cp_passes.data.packing.interleaved_order`, one order per batch row); None
+    otherwise."""
 
     @property
     def local_len(self) -> int:
@@ -50,18 +54,28 @@ class ShardLayout:
     @property
     def positions(self) -> torch.Tensor:
         """The global position of every local row (``[local_len]``): local rows follow the layout, so a
-        balanced layout's tail range comes after its head."""
-        return self.layout.positions(self.rank, self.local_len, self.valid.device)
+        balanced layout's tail range comes after its head. With interleaved documents, each batch row's own
+        (``[batch, local_len]``): the position in the packed row, before interleaving."""
+        positions = self.layout.positions(self.rank, self.local_len, self.valid.device)
+        return positions if self.order is None else self.order[:, positions]
 
     def in_global_order(self, gathered: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's local rows concatenated in rank order along ``dim`` (an all-gather's result), put in
-        the order of the global sequence, padding cut off."""
-        return self.layout.unshard(gathered, dim % gathered.dim()).narrow(dim, 0, self.seq_len)
+        the order of the global sequence (the packed row's, documents no longer interleaved; ``dim`` 1 then,
+        rows along dim 0), padding cut off."""
+        rows = self.layout.unshard(gathered, dim % gathered.dim())
+        if self.order is not None:
+            if dim % gathered.dim() != 1:
+                raise ValueError(f"a batch with interleaved documents orders each row its own way: gather along "
+                                 f"dim 1 (rows along dim 0), got dim {dim}")
+            back = torch.argsort(self.order.to(rows.device), dim=1)
+            rows = rows.gather(1, back.view(*back.shape, *[1] * (rows.dim() - 2)).expand(rows.shape))
+        return rows.narrow(dim, 0, self.seq_len)
 
 
 def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_multiple: int = 1,
-                packed_alignment: int = 1,
-                mask_keys: tuple[str, ...] = ()) -> tuple[dict, ShardLayout]:
+                packed_alignment: int = 1, mask_keys: tuple[str, ...] = (),
+                balance: str | None = None) -> tuple[dict, ShardLayout]:
     """Pad every sequence tensor of ``batch`` to a multiple of ``P * pad_multiple`` (``2P * pad_multiple`` for a
     balanced layout) and keep this rank's positions of the spec's layout (:func:`cp_passes.layout.resolve_layout`):
     the ``r``-th ``1/P`` of the sequence (contiguous), or its ``r``-th and ``(2P - 1 - r)``-th ``1/2P``,
@@ -84,6 +98,13 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
     shifted inside each document from unshifted ``labels`` (targets whose ``loss_mask`` is 0 ignored).
     Validity comes from the lengths.
 
+    ``balance="documents"`` (packed rows, balanced layout) balances the attention work of packed documents:
+    every document is padded to a multiple of ``2P`` and cut into ``2P`` pieces, and rank ``r`` holds pieces ``r``
+    and ``2P - 1 - r`` of each (per-document head-tail). The row is interleaved so that the balanced layout's
+    chunks hold those pieces (:func:`~cp_passes.data.packing.interleaved_order`); the compiled module accepts
+    such a batch only where it can show the model does not tell: every document kept apart by the attention
+    masks, positions from the batch, the row's order read only through comparisons inside those masks.
+
     Before anything is packed or padded, a malformed batch is refused (see :mod:`cp_passes.batch_checks`):
     sequence tensors whose rows or length differ from ``input_ids`` (or ``inputs_embeds``) ones, except a
     one-row position tensor, which applies to every row; an integer sequence tensor that no spec field
@@ -91,33 +112,46 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
     """
     cp = resolve_group(mesh)
     return shard_for_rank(batch, cp.rank, cp.size, spec, pad_multiple=pad_multiple,
-                          packed_alignment=packed_alignment, mask_keys=mask_keys)
+                          packed_alignment=packed_alignment, mask_keys=mask_keys, balance=balance)
+
+
+BALANCES = (None, "documents")
 
 
 def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | str | None = None, *,
-                   pad_multiple: int = 1, packed_alignment: int = 1,
-                   mask_keys: tuple[str, ...] = ()) -> tuple[dict, ShardLayout]:
+                   pad_multiple: int = 1, packed_alignment: int = 1, mask_keys: tuple[str, ...] = (),
+                   balance: str | None = None) -> tuple[dict, ShardLayout]:
     """:func:`shard_batch` for an explicit rank and world size (no process group needed)."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch takes a mapping of named tensors, got {type(batch).__name__}")
     for name, value in (("pad_multiple", pad_multiple), ("packed_alignment", packed_alignment)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     spec = resolve_spec(spec)
     pad_multiple, packed_alignment = math.lcm(pad_multiple, spec.pad_multiple), math.lcm(packed_alignment,
                                                                                          spec.packed_alignment)
     checked = check_batch(dict(batch), spec, mask_keys)
     rows, seq_len = checked.rows, checked.seq_len
-    batch, packed_valid = checked.batch, None
-    if checked.padding.packed:
-        batch = pack(checked, packed_alignment)
-        packed_valid = batch.pop("valid")
-        seq_len = packed_valid.shape[1]
-    layout = resolve_layout(spec, world_size)[0]
+    batch, packed_valid, order = checked.batch, None, None
+    layout, why = resolve_layout(spec, world_size)
     multiple = world_size * layout.chunks * pad_multiple
+    if balance == "documents":
+        if not checked.padding.packed:
+            raise ValueError("balance='documents' balances packed documents: pass their lengths (seq_lens or "
+                             "cu_seqlens) with the batch")
+        if world_size > 1 and layout.kind != BALANCED:
+            raise ValueError(f"balance='documents' deals each document's pieces out head and tail, which needs the "
+                             f"balanced layout; spec {spec.name!r} gets the {layout.kind} one ({why})")
+    if checked.padding.packed:
+        pieces = 2 * world_size if balance == "documents" and world_size > 1 else 1
+        batch = pack(checked, math.lcm(packed_alignment, multiple) if pieces > 1 else packed_alignment, pieces)
+        packed_valid, order = batch.pop("valid"), batch.pop("order", None)
+        seq_len = packed_valid.shape[1]
     padded = -(-seq_len // multiple) * multiple
     local = padded // world_size
-    out, cut = {}, Mark(layout.kind, seq_len, padded)
+    out, cut = {}, Mark(layout.kind, seq_len, padded, order is not None)
     for key, value in batch.items():
         added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing: always sharded
         if not (key in checked.seq_keys or added):
@@ -141,5 +175,5 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
     if packed_valid is not None:
         valid = layout.shard(torch.cat([packed_valid, packed_valid.new_zeros(rows, padded - seq_len)], 1), 1, rank)
     shards = ShardLayout(seq_len, padded, world_size, rank, tuple(layout.ranges(r, local) for r in range(world_size)),
-                         valid.contiguous(), layout)
+                         valid.contiguous(), layout, order)
     return out, shards

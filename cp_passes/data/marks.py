@@ -28,6 +28,8 @@ class Mark:
     """The global length before padding."""
     padded_len: int
     """The global length after padding."""
+    interleaved: bool = False
+    """Packed documents interleaved to balance their work (``shard_batch(..., balance="documents")``)."""
 
 
 _BY_ID: dict[int, tuple[weakref.ref, Mark]] = {}

@@ -125,11 +125,16 @@ def _aligned(docs: list[Document], alignment: int) -> tuple[list[Document], list
     return new_docs, source
 
 
-def pack(checked, packed_alignment: int = 1) -> dict:
+def pack(checked, packed_alignment: int = 1, pieces: int = 1) -> dict:
     """The global packed batch from ``checked`` (a :class:`~cp_passes.data.checks.CheckedBatch`): sequence
     tensors re-laid for ``packed_alignment``, and ``valid``, the document-id map (``spec.doc_key``),
     per-document positions (``spec.position_keys[0]``) and labels shifted inside each document
     (``spec.packed_labels``: read unshifted from the first key, written to the second) added.
+
+    ``pieces > 1`` (``packed_alignment`` a multiple of it) then interleaves every row's documents
+    (:func:`interleaved_order`): each document cut into ``pieces`` equal pieces, the row holding every
+    document's first piece, then every second piece, and so on, each document's positions still in order;
+    ``order`` (``[rows, length]``) then says which position of the packed row each position holds.
 
     Raises ValueError naming the row and the document for lengths that do not describe the row and for
     given positions that jump inside a document or do not restart at zero.
@@ -139,6 +144,9 @@ def pack(checked, packed_alignment: int = 1) -> dict:
     for key in checked.seq_keys:
         if padding.is_position(key):
             _validate_positions(batch[key], documents, key)
+    if pieces > 1 and packed_alignment % pieces:
+        raise ValueError(f"interleaving documents in {pieces} pieces needs them aligned to a multiple of {pieces}, "
+                         f"got packed_alignment={packed_alignment}")
     sources = None
     if packed_alignment > 1:
         aligned = [_aligned(docs, packed_alignment) for docs in documents]
@@ -189,7 +197,28 @@ def pack(checked, packed_alignment: int = 1) -> dict:
             keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
         out[shifted_key] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
     out["valid"] = valid
+    if pieces > 1:
+        order = torch.stack([interleaved_order(docs, seq_len, pieces) for docs in documents])
+        for key, value in out.items():
+            if key in checked.seq_keys or key not in batch:
+                out[key] = value.gather(1, order.view(rows, -1, *[1] * (value.dim() - 2))
+                                        .expand(rows, seq_len, *value.shape[2:]))
+        out["order"] = order
     return out
+
+
+def interleaved_order(docs: list[Document], seq_len: int, pieces: int) -> torch.Tensor:
+    """The order that interleaves a row's documents (each ``slot`` a multiple of ``pieces``; the row's tail after
+    the last one a document too): for ``j`` in ``0 .. pieces - 1``, the ``j``-th ``1 / pieces`` of every
+    document in turn. Every ``1 / pieces`` of the new row then holds one piece of every document, so the balanced
+    layout's chunks ``r`` and ``2P - 1 - r`` (``pieces = 2P``) give rank ``r`` a head and a tail of each document:
+    causal work per document, and so per row, the same on every rank. Within a document the order is kept."""
+    spans = [(doc.start, doc.slot) for doc in docs if doc.slot]
+    end = spans[-1][0] + spans[-1][1] if spans else 0
+    if end < seq_len:
+        spans.append((end, seq_len - end))
+    return torch.cat([torch.arange(start + j * (slot // pieces), start + (j + 1) * (slot // pieces))
+                      for j in range(pieces) for start, slot in spans])
 
 
 def _validate_positions(positions: torch.Tensor, documents: list[list[Document]], key: str) -> None:

@@ -49,7 +49,17 @@ def format_record(record) -> str:
         lines.append(f"recomputed in the backward instead of saved (checkpointed regions; gathered keys with "
                      f"gathered_keys=\"regather\"): {len(repeated)} rewrites' collectives, receiving "
                      f"{format_bytes(sum(r.bytes for r in repeated))} again")
-    return "\n".join(lines + _memory(record))
+    return "\n".join(lines + _interleaved(record) + _memory(record))
+
+
+def _interleaved(record) -> list[str]:
+    """Whether batches of interleaved documents (``shard_batch(..., balance="documents")``) are accepted."""
+    readers = record.interleave_readers
+    if readers is None or record.world_size == 1:
+        return []
+    if not readers:
+        return ["balance='documents': accepted (every attention keeps documents apart; row positions only compared)"]
+    return [f"balance='documents': refused ({len(readers)} reasons; the first: {readers[0]})"]
 
 
 def _memory(record) -> list[str]:

@@ -40,8 +40,8 @@ def _explain(args) -> int:
                      else set(args.ranks)) if world > 1 else [0]
     dtype = getattr(torch, args.dtype)
     inputs = {"input_ids": ((args.batch, local), torch.long), "labels": ((args.batch, local), torch.long)}
-    if args.packed:
-        inputs["doc_ids"] = ((args.batch, local), torch.long)
+    if args.packed:  # what shard_batch's packing passes: the doc-id map and per-document positions
+        inputs["doc_ids"] = inputs["position_ids"] = ((args.batch, local), torch.long)
     print(f"cp_passes: planning {args.model} and partitioning its backward on fake tensors (about a minute for "
           f"llama-8b)...", file=sys.stderr, flush=True)
     with fake_group(world, rank) as group:
@@ -50,7 +50,7 @@ def _explain(args) -> int:
     run.per_rank[rank] = run.record.records
     print(f"cp_passes plan: {args.model} ({description}), spec {spec.name}")
     print(f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, {args.dtype}"
-          f"{', packed documents (doc_ids)' if args.packed else ''}, with labels (a training step); a dry run with "
+          f"{', packed documents (doc_ids, position_ids)' if args.packed else ''}, with labels (a training step); a dry run with "
           f"fake tensors and a fake process group (nothing allocated, no processes)\n")
     print(format_record(run.record))
     moved = [r for r in run.record.records if r.collective]
@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16",
                          help="parameter and activation dtype (default: bfloat16)")
     explain.add_argument("--packed", action="store_true",
-                         help="pass doc_ids: packed documents, attention within each (the mask reads them)")
+                         help="pass doc_ids and position_ids, as shard_batch packs documents: attention within each "
+                              "(the mask reads doc_ids), positions restarting at each")
     explain.add_argument("--rank", type=int, default=None,
                          help="rank whose rewrite table, graphs and memory are shown (default: the last rank, which "
                               "receives the most)")

@@ -1,0 +1,134 @@
+"""``shard_batch(..., balance="documents")``: packed documents dealt out head and tail, and the compiled module's
+proof that the model cannot tell. The batch side is checked on its own; the proof on a fake process group, for
+models that keep documents apart and variations that do not (parity and the refusal on every rank at once run
+on real processes: tests/test_packed_parity.py and the last test here)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cp_passes import CPSpec
+from cp_passes.data.batch import shard_for_rank
+from cp_passes.tools.dryrun import dry_run
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from scenarios import packed_batch
+
+LAYOUT = [[(7, 6), (9, 9), (4, 4), (12, 12)], [(20, 18), (12, 12)]]
+"""Two packed rows of 32 positions: documents shorter than their slots, one longer than a rank's share."""
+
+
+def shards(world: int, **kwargs):
+    batch = packed_batch(32, LAYOUT, 256)
+    return [shard_for_rank(batch, rank, world, **kwargs) for rank in range(world)]
+
+
+def gathered(parts, key: str) -> torch.Tensor:
+    return parts[0][1].in_global_order(torch.cat([local[key] for local, _ in parts], 1))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_holds_a_head_and_a_tail_of_every_document(world):
+    """Document d (padded to a multiple of 2P, cut in 2P pieces of ``size``) gives rank r its positions
+    ``[r * size, (r + 1) * size)`` in the head half and ``[(2P - 1 - r) * size, ...)`` in the tail half, up to its real
+    length: the same causal work from every document on every rank."""
+    parts = shards(world, balance="documents")
+    pieces = 2 * world
+    for row, documents in enumerate(LAYOUT):
+        for rank, (local, _) in enumerate(parts):
+            halves = zip(local["doc_ids"][row].chunk(2), local["position_ids"][row].chunk(2),
+                         (rank, pieces - 1 - rank))
+            for doc_ids, positions, piece in halves:
+                for d, (slot, real) in enumerate(documents):
+                    size = -(-slot // pieces)
+                    first = piece * size
+                    assert positions[doc_ids == d].tolist() == list(range(first, min(real, first + size))), (rank, d)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_in_global_order_gives_the_packed_row_back(world):
+    """Gathered and put in order, the interleaved shards are the packed row with documents aligned to 2P (what
+    shard_batch gives without balance= for that alignment), every per-token value kept."""
+    interleaved = shards(world, balance="documents")
+    aligned = shards(world, packed_alignment=2 * world)
+    for key in ("input_ids", "doc_ids", "position_ids", "shift_labels"):
+        assert torch.equal(gathered(interleaved, key), gathered(aligned, key)), key
+    assert torch.equal(gathered(interleaved, "doc_ids") >= 0,
+                       aligned[0][1].in_global_order(torch.cat([s.valid for _, s in aligned], 1)))
+
+
+def test_balance_needs_packed_rows_and_the_balanced_layout():
+    with pytest.raises(ValueError, match="pass their lengths"):
+        shard_for_rank({"input_ids": torch.zeros(1, 16, dtype=torch.long)}, 0, 2, balance="documents")
+    with pytest.raises(ValueError, match="needs the balanced layout"):
+        shard_for_rank(packed_batch(32, LAYOUT, 256), 0, 2, CPSpec(layout="contiguous"), balance="documents")
+    with pytest.raises(ValueError, match="balance must be one of"):
+        shard_for_rank(packed_batch(32, LAYOUT, 256), 0, 2, balance="docs")
+
+
+class Probe(nn.Module):
+    """Embeddings, one attention whose mask ``mask(pos, doc)`` builds, and a head: the variations below change the
+    mask, or use positions elsewhere."""
+
+    def __init__(self, mask, extra=None):
+        super().__init__()
+        self.embed, self.qkv, self.out = nn.Embedding(64, 16), nn.Linear(16, 48), nn.Linear(16, 8)
+        self.mask, self.extra = mask, extra
+
+    def forward(self, input_ids, position_ids, doc_ids):
+        x = self.embed(input_ids)
+        pos = torch.arange(input_ids.shape[1])
+        if self.extra is not None:
+            x = x + self.extra(pos, x)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(pos, doc_ids))
+        return self.out(out.transpose(1, 2).flatten(2))
+
+
+def documents(doc):
+    return doc[:, :, None] == doc[:, None, :]
+
+
+def causal_documents(pos, doc):  # the toy's own form, in a helper
+    return ((pos[:, None] - pos[None, :]) >= 0) & documents(doc)
+
+
+VARIATIONS = {
+    "toy": (lambda: ToyLlama(ToyLlamaConfig()), None),
+    "toy, window 6": (lambda: ToyLlama(ToyLlamaConfig(window=6)), "distance < cfg.window"),
+    "toy, short convolution": (lambda: ToyLlama(ToyLlamaConfig(conv_kernel=4)), "self.conv(h)"),
+    "causal mask in a helper": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None]), None),
+    "keys before queries, logical_and": (lambda: Probe(lambda p, d: torch.logical_and(
+        documents(d), p[None, :] <= p[:, None])[:, None]), None),
+    "not a later key": (lambda: Probe(lambda p, d: (~(p[None, :] > p[:, None]) & documents(d))[:, None]), None),
+    "documents only, both ways": (lambda: Probe(lambda p, d: documents(d)[:, None]), None),
+    "causal, documents not kept apart": (lambda: Probe(lambda p, d: (p[:, None] >= p[None, :])[None, None]),
+                                         "does not keep documents apart"),
+    "one side's doc ids twice": (lambda: Probe(lambda p, d: ((p[:, None] >= p[None, :])
+                                                              & (d[:, :, None] == d[:, :, None]))[:, None]),
+                                 "does not keep documents apart"),
+    "a band around the query": (lambda: Probe(lambda p, d: ((p[:, None] - p[None, :]).abs() < 3)
+                                              & documents(d)[:, None]), "abs"),
+    "positions as features": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                            lambda p, x: p[None, :, None].to(x.dtype) * 0.01), "mul"),
+    "first positions": (lambda: Probe(lambda p, d: (causal_documents(p, d) | (p[None, :] < 2))[:, None]), "lt"),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIATIONS))
+def test_the_compiler_proves_the_model_cannot_tell_or_says_where_it_can(fake_group, name):
+    build, refused = VARIATIONS[name]
+    inputs = {key: ((1, 16), torch.long) for key in ("input_ids", "position_ids", "doc_ids")}
+    if isinstance(build(), ToyLlama):
+        inputs["labels"] = ((1, 16), torch.long)
+    readers = dry_run(build, inputs, CPSpec(), mesh=fake_group).record.interleave_readers
+    if refused is None:
+        assert readers == [], readers
+    else:
+        assert readers and any(refused in line for line in readers), readers
+
+
+def test_an_interleaved_batch_the_model_could_tell_fails_on_every_rank(pool):
+    messages = pool.run("interleaved_refusal", 2)
+    for message in messages:
+        assert "documents were interleaved" in message and "distance < cfg.window" in message, message
