@@ -3,161 +3,204 @@
 ``shard_batch(..., balance="documents")`` cuts every packed document into ``2P`` pieces and interleaves them
 (:func:`~cp_passes.data.packing.interleaved_order`), so that the balanced layout deals each rank a head and a tail
 of every document. Every per-token value is kept (tokens, per-document positions, labels shifted inside each
-document, doc ids) and so is the order of the positions inside each document. What changes is which positions
-neighbour which, how far apart two positions of a document are, and the order of positions of different
-documents. A model computes the same on both rows when:
+document, doc ids), and so is the order of the positions inside each document; what changes is which positions
+neighbour which, how far apart two are, and the order of positions of different documents.
 
-- every attention keeps documents apart: its mask is ``... & (doc[q] == doc[k])``, one side of the equality the
-  queries', the other the keys', both the batch's doc ids (``spec.doc_key``) as they are;
-- the row's own positions (an ``arange`` over the sequence) are only compared with each other (``q >= k``, or
-  ``q - k >= 0``), and what the comparisons give reaches nothing but such masks, through logic ops;
-- nothing else reads across rows but sums over the sequence (losses, counts).
+A model computes the same on both rows, token for token, when every op is equivariant under that permutation:
+per-token ops are; attention is when its mask is. So a batch interleaved this way is accepted when
 
-Halos, shifts, scans, carries, convolutions, table slices and attention written by hand read neighbours or
-distances: a plan with any of them refuses interleaved batches. The analysis runs on the planned graph before
-the transports rewrite it; the refusal is per call (:meth:`~cp_passes.compiler.backend.CPModule._refuse_interleaved`),
-the same on every rank (the batch's cut and the graph are).
+- every attention is SDPA whose keys come by a gather (a halo brings the row's neighbours) and whose mask
+  :func:`~cp_passes.transports.mask_program.split_mask` writes as a program of per-position terms, each term a
+  per-token function of the model's tensors picked at a query's or key's position, or the position itself; the
+  positions enter the program only through comparisons of a query's with a key's (``q >= k``, ``q - k >= 0``),
+  and a mask that compares them is ``... & (doc[q] == doc[k])`` over the batch's doc ids (``spec.doc_key``) as
+  they are: documents apart, the only pairs whose order the interleaving changes never meet;
+- nothing else reads across rows but losses that ignore the padding labels (the interleaved row pads every
+  document; padding rows see one another): no ``arange`` over the sequence outside such masks, no halos,
+  shifts, scans, carries, hand-written attention, other sums.
+
+Anything not shown to fit is listed (op, source line, why); the refusal is per call
+(:meth:`~cp_passes.compiler.backend.CPModule._refuse_interleaved`), the same on every rank. The analysis runs on
+the planned graph, before the transports rewrite it.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
+from ..key_plan import HALO
+from ..match.head_repeat import is_whole_slice
 from ..spec import CPSpec
+from ..transports.attention import mask_module
+from ..transports.mask_program import KEY, QUERY, parsed_program, split_mask
+from ..transports.reductions import GlobalMean, GlobalSum
+from .padding import ignores_padding
 from .planner import Plan
 
 aten = torch.ops.aten
 
-SEPARATING_ATTENTION = ("sdpa_data_mask", "sdpa_bidirectional")
-ORDER_FREE = ("global_sum", "global_mean", "masked_count")
-"""Rules whose results do not depend on the order of the rows: sums and counts over the sequence."""
-
-_PASS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand, aten.expand_as, aten.broadcast_to, aten.unsqueeze,
-         aten.squeeze, aten.transpose, aten.permute, aten.alias, aten.clone, aten.detach, aten.contiguous,
-         aten._to_copy, aten.to, aten.slice}
-"""Ops that keep which position (or which pair) each element is about."""
-_METADATA = {aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride}
-"""Ops that read a tensor's shape or dtype only."""
+_VIEW = {aten.unsqueeze, aten.expand, aten.alias, aten.clone, aten.detach, aten.slice}
+"""Ops that keep which position each element is about (a slice only when whole)."""
 _ORDER = {aten.ge, aten.gt, aten.le, aten.lt, aten.eq, aten.ne}
 _AND = {aten.__and__, aten.bitwise_and, aten.logical_and}
-_LOGIC = _AND | {aten.__or__, aten.bitwise_or, aten.logical_or, aten.logical_not, aten.bitwise_not}
+_OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
+_NOT = {aten.logical_not, aten.bitwise_not}
+_EXACT = (torch.int32, torch.int64)
+"""Dtypes a position keeps its value in (a narrower one can make two positions equal in one row only)."""
+
+POSITIONS, ROWS, DOCS, TOKENS = "positions", "rows", "doc ids", "tokens"
+"""What a term of a mask holds: the position of each query or key; every row's position (an arange over the
+sequence, before the picks); the batch's doc ids as they are; a per-token function of the model's tensors."""
 
 
-def _packet(node: torch.fx.Node):
-    return getattr(node.target, "overloadpacket", None)
+def _packet(node) -> object:
+    return getattr(getattr(node, "target", None), "overloadpacket", None)
 
 
-def _passes(node: torch.fx.Node) -> bool:
-    """A pass-through op; a slice only when it keeps every element (a partial one moves rows)."""
-    if _packet(node) is not aten.slice:
-        return _packet(node) in _PASS
-    args = list(node.args) + [None] * (5 - len(node.args))
-    return args[2] in (None, 0) and args[4] in (None, 1) and isinstance(args[3], int) and args[3] >= 2 ** 62
+def _view(node: torch.fx.Node) -> bool:
+    return _packet(node) in _VIEW and (_packet(node) is not aten.slice or is_whole_slice(node))
 
 
-def _source(node: torch.fx.Node) -> torch.fx.Node:
-    while isinstance(node, torch.fx.Node) and _passes(node):
-        node = node.args[0]
-    return node
+def _dtype(node: torch.fx.Node):
+    """The dtype a node makes (its value's, or a cast's argument where the picks made it without one)."""
+    value = meta_val(node)
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return next((a for a in node.args if isinstance(a, torch.dtype)), node.kwargs.get("dtype"))
 
 
-def _is_one(size) -> bool:
-    return isinstance(size, int) and size == 1
+class _Terms:
+    """What each node of a mask's term module holds (:data:`POSITIONS`, ...), with its side (``"Q"``, ``"K"`` or
+    None), or why it holds something the interleaving changes."""
+
+    def __init__(self, found, spec: CPSpec):
+        self.kinds: dict = {}
+        tensors = {leaf.name: leaf for leaf in found.tensor_leaves + found.inputs}
+        self.sizes = {leaf.name for leaf in found.size_leaves}
+        self.docs = {name for name, leaf in tensors.items()
+                     if leaf.op == "placeholder" and leaf.meta.get(INPUT_NAME) == spec.doc_key}
+        self.tensors = set(tensors)
+
+    def of(self, node) -> tuple[str, str | None] | str:
+        if not isinstance(node, torch.fx.Node):
+            return TOKENS, None
+        if node not in self.kinds:
+            self.kinds[node] = self._kind(node)
+        return self.kinds[node]
+
+    def _kind(self, node: torch.fx.Node) -> tuple[str, str | None] | str:
+        if node.op == "placeholder":
+            if node.target in (QUERY, KEY):
+                return POSITIONS, "Q" if node.target == QUERY else "K"
+            if node.target in self.docs:
+                return DOCS, None
+            if node.target in self.tensors:
+                return TOKENS, None
+            return "a length of the sequence" if node.target in self.sizes else f"'{node.target}'"
+        packet = _packet(node)
+        if packet is aten.arange:
+            args = bind_args(node)
+            if args.get("start", 0) == 0 and args.get("step", 1) == 1 and (_dtype(node) or torch.int64) in _EXACT \
+                    and self.of(args.get("end")) == "a length of the sequence":
+                return ROWS, None
+            return "an arange other than the sequence's positions (int32 or int64, 0 .. S - 1)"
+        if packet is aten.index_select:
+            source, positions = self.of(node.args[0]), self.of(node.args[2])
+            if isinstance(source, str):
+                return source
+            if isinstance(positions, tuple) and positions[0] == POSITIONS and isinstance(source, tuple):
+                picked = {ROWS: POSITIONS, DOCS: DOCS, TOKENS: TOKENS}.get(source[0])
+                if picked is not None and source[1] is None:
+                    return picked, positions[1]
+            return "a pick the interleaving moves"
+        if _view(node):
+            return self.of(node.args[0])
+        inputs = [self.of(a) for a in node.args if isinstance(a, torch.fx.Node)]
+        for kind in inputs:
+            if isinstance(kind, str):
+                return kind
+        if packet in (aten.add, aten.sub) and len(inputs) == 1 and inputs[0][0] in (POSITIONS, ROWS) \
+                and node.args[1] == 0 \
+                and node.args[0] in node.all_input_nodes and not node.kwargs:
+            return inputs[0]
+        if packet in (aten._to_copy, aten.to) and inputs and inputs[0][0] in (POSITIONS, ROWS) \
+                and _dtype(node) in _EXACT:
+            return inputs[0]
+        cast = packet in (aten._to_copy, aten.to)
+        if not cast and (not isinstance(packet, torch._ops.OpOverloadPacket)
+                         or torch.Tag.pointwise not in node.target.tags):
+            return f"{op_name(node)} (not elementwise)"
+        if any(kind[0] in (POSITIONS, ROWS) for kind in inputs):
+            return f"{op_name(node)} on positions"
+        sides = {kind[1] for kind in inputs} - {None}
+        return (TOKENS, sides.pop()) if len(sides) == 1 else (TOKENS, None)
 
 
-def _keeps_documents_apart(mask, spec: CPSpec) -> bool:
-    """Whether ``mask`` is a conjunction with ``doc[q] == doc[k]`` over the batch's doc ids."""
-    node = _source(mask)
-    if not isinstance(node, torch.fx.Node):
-        return False
-    if _packet(node) in _AND:
-        return any(_keeps_documents_apart(arg, spec) for arg in node.args if isinstance(arg, torch.fx.Node))
-    if node.target is not aten.eq.Tensor:
-        return False
-    sides = [arg for arg in node.args if isinstance(arg, torch.fx.Node)]
-    if len(sides) != 2 or not all(_is_doc_ids(_source(side), spec) for side in sides):
-        return False
-    a, b = (list(meta_val(side).shape) for side in sides)
-    out = list(meta_val(node).shape)
-    if len(out) < 2 or _is_one(out[-1]) or _is_one(out[-2]):
-        return False
-    a, b = [1] * (len(out) - len(a)) + a, [1] * (len(out) - len(b)) + b
-    return (_is_one(a[-1]) and _is_one(b[-2]) and not _is_one(a[-2]) and not _is_one(b[-1])) or \
-        (_is_one(a[-2]) and _is_one(b[-1]) and not _is_one(a[-1]) and not _is_one(b[-2]))
+def _mask_cannot_tell(found, spec: CPSpec) -> str | None:
+    """Why the mask ``found`` could differ between the two rows (see the module's docstring), or None."""
+    module = mask_module(types.SimpleNamespace(gm=torch.nn.Module()), found, picked=True)
+    split = split_mask(module)
+    if split is None:
+        return "its mask is not an elementwise combination of per-position terms"
+    terms_module, program = split
+    terms = _Terms(found, spec)
+    (output,) = terms_module.graph.find_nodes(op="output")
+    leaves = []
+    for leaf in output.args[0]:
+        kind = terms.of(leaf)
+        if isinstance(kind, str):
+            return f"a term of its mask computes {kind}"
+        leaves.append(kind)
+    registers: list[tuple[bool, bool]] = []  # per register: (reads the row's order, false across documents)
 
+    def term(token: str):
+        if token[0] == "R":
+            return registers[int(token[1:])]
+        if token[0] in "QKC" and token[1:].isdigit():
+            return leaves[int(token[1:])]
+        return None
 
-def _is_doc_ids(node, spec: CPSpec) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "placeholder" and node.meta.get(INPUT_NAME) == spec.doc_key
-
-
-_EXACT = (torch.int32, torch.int64, torch.float32, torch.float64)
-"""Dtypes that hold a position exactly (float32 up to 2**24): a cast to a narrower one can make two positions equal
-in one row and not in the other."""
-
-
-def _closure(nodes: set) -> set:
-    """``nodes`` and every value passed through from them, in a dtype that keeps every position apart."""
-    todo = list(nodes)
-    while todo:
-        for user in todo.pop().users:
-            if user not in nodes and _passes(user) and meta_val(user).dtype in _EXACT:
-                nodes.add(user)
-                todo.append(user)
-    return nodes
-
-
-def _order_only(aranges: list, masks: set) -> tuple[torch.fx.Node, str] | None:
-    """Where and why the row positions of ``aranges`` are read other than by comparing two of them into the mask
-    of one of ``masks`` (attentions that keep documents apart), or None."""
-    positions = _closure(set(aranges))
-    differences = _closure({user for node in positions for user in node.users
-                            if user.target is aten.sub.Tensor and all(a in positions for a in user.args)})
-    orders = set()
-    for node in positions | differences:
-        for user in node.users:
-            if user in positions or user in differences or _packet(user) in _METADATA:
-                continue
-            inputs = [a for a in user.args if isinstance(a, torch.fx.Node)]
-            if _packet(user) in _ORDER and len(inputs) == 2 and all(a in positions for a in inputs):
-                orders.add(user)
-            elif (_packet(user) in _ORDER and inputs == [user.args[0]] and user.args[0] in differences
-                  and user.args[1] == 0):
-                orders.add(user)
-            else:
-                return user, "computes with the row's positions (an arange over the sequence)"
-    seen, todo = set(orders), list(orders)
-    while todo:
-        for user in todo.pop().users:
-            if user in seen or _packet(user) in _METADATA:
-                continue
-            if user in masks and bind_args(user).get("attn_mask") in seen:
-                continue
-            if _passes(user) or _packet(user) in _LOGIC:
-                seen.add(user)
-                todo.append(user)
-            else:
-                return user, ("reads an order of the row's positions outside an attention mask that keeps documents "
-                              "apart")
+    for op, tokens, _ in parsed_program(program):
+        values = [v for v in map(term, tokens) if v is not None]
+        kinds = [v for v in values if isinstance(v[0], str)]
+        flags = [v for v in values if isinstance(v[0], bool)]
+        packet = op.overloadpacket
+        if any(kind[0] == ROWS for kind in kinds):
+            return "a term of its mask holds every row's position, not a query's or a key's"
+        if any(kind[0] == POSITIONS for kind in kinds):
+            if not (packet in _ORDER and len(values) == 2 and len(kinds) == 2 and kinds[0][0] == kinds[1][0]
+                    and {kinds[0][1], kinds[1][1]} == {"Q", "K"}):
+                return f"its mask computes with positions other than comparing a query's with a key's ({op})"
+            registers.append((True, False))
+        elif packet is aten.eq and len(kinds) == 2 and not flags and all(k[0] == DOCS for k in kinds) \
+                and {kinds[0][1], kinds[1][1]} == {"Q", "K"}:
+            registers.append((False, True))
+        elif packet in _AND:
+            registers.append((any(f[0] for f in flags), any(f[1] for f in flags)))
+        elif packet in _OR:
+            registers.append((any(f[0] for f in flags), len(flags) == len(values) and all(f[1] for f in flags)))
+        elif packet in _NOT:
+            registers.append((any(f[0] for f in flags), False))
+        elif packet in _VIEW and flags:
+            registers.append(flags[0])
+        elif any(f[0] for f in flags):
+            return f"its mask computes with a comparison of positions ({op})"
+        else:
+            registers.append((False, False))
+    order, apart = registers[-1] if registers else (False, False)
+    if order and not apart:
+        return (f"its mask compares positions without keeping documents apart (it needs '& ({spec.doc_key}[q] == "
+                f"{spec.doc_key}[k])' over the batch's {spec.doc_key})")
     return None
 
 
-def _row_positions(graph: torch.fx.Graph, sym) -> list[torch.fx.Node]:
-    """Every ``arange`` over the sequence (its length has the sequence symbol): planned as positions, or picked
-    into a mask that the attention evaluates itself."""
-    found = []
-    for node in graph.nodes:
-        if _packet(node) is aten.arange:
-            size = meta_val(node).shape[0]
-            if isinstance(size, torch.SymInt) and sym in size.node.expr.free_symbols:
-                found.append(node)
-    return found
-
-
-def interleave_readers(graph: torch.fx.Graph, sym, plan: Plan, spec: CPSpec) -> list[str]:
-    """One line per planned rewrite (or read of the row's positions) that a row of interleaved documents would
-    change; run on the graph as planned, before the transports rewrite it."""
+def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
+    """One line per planned rewrite that a row of interleaved documents could change; run on the graph as planned,
+    before the transports rewrite it."""
     found: list[str] = []
 
     def add(node: torch.fx.Node, what: str) -> None:
@@ -165,20 +208,35 @@ def interleave_readers(graph: torch.fx.Graph, sym, plan: Plan, spec: CPSpec) -> 
         if line not in found:
             found.append(line)
 
-    masks = set()
     for node, rw, _ in plan.rewrites:
-        if rw.rule in SEPARATING_ATTENTION and _keeps_documents_apart(bind_args(node).get("attn_mask"), spec):
-            masks.add(node)
-        elif rw.rule in SEPARATING_ATTENTION:
-            add(node, f"its mask does not keep documents apart (it needs '& ({spec.doc_key}[q] == {spec.doc_key}[k])' "
-                      f"over the batch's {spec.doc_key})")
+        request = rw.request
+        if rw.rule in ("sdpa_data_mask", "sdpa_bidirectional"):
+            if request.keys.move == HALO:
+                add(node, "its keys come by a halo: the rows next to its own, other documents' pieces once "
+                          "interleaved")
+            elif request.mask.mask is not bind_args(node).get("attn_mask"):
+                add(node, "its mask is not the one the matcher read")
+            else:
+                why = _mask_cannot_tell(request.mask, spec)
+                if why is not None:
+                    add(node, why)
+        elif rw.rule.startswith("sdpa_") and request.keys.reach.banded:
+            add(node, f"attention over a window ({rw.rule}): distances between positions, which the interleaving "
+                      f"changes")
         elif rw.rule.startswith("sdpa_"):
-            add(node, f"attention ({rw.rule}) that does not keep documents apart by a mask over {spec.doc_key}")
-        elif rw.rule not in ORDER_FREE + ("arange_positions",):
-            add(node, f"{rw.rule} ({rw.transport}) reads neighbouring rows or their distances")
-    read = _order_only(_row_positions(graph, sym), masks)
-    if read is not None:
-        add(*read)
+            add(node, f"attention ({rw.rule}) with no mask over {spec.doc_key} to keep documents apart")
+        elif isinstance(request, GlobalMean) and request.ignore_index is not None:
+            continue
+        elif isinstance(request, GlobalSum) and not request.lengths and ignores_padding(request.origin, spec):
+            continue
+        elif rw.rule == "arange_positions":
+            if node.users:  # one that only fed a mask the attention evaluates itself is gone by then
+                add(node, "positions from an arange over the sequence, outside an attention mask")
+        else:
+            add(node, f"{rw.rule} ({rw.transport}): not shown to read only what the interleaving keeps")
+    for origin in plan.partial_origins:
+        if not ignores_padding(origin, spec):
+            add(origin, "a sum over the sequence that counts the padding rows")
     for node in plan.keys:
         add(node, "attention written by hand (its keys gathered as they are)")
     return found
@@ -189,7 +247,7 @@ def interleaved_refusal(readers: list[str], spec: CPSpec) -> CPCompileError:
     listed = "\n".join(f"  - {line}" for line in readers)
     return CPCompileError(
         f"this batch's documents were interleaved to balance their work (shard_batch(..., balance='documents')), "
-        f"and the model would tell: its results would differ from the single-device model's on the packed row:\n"
+        f"and the model could tell: its results could differ from the single-device model's on the packed row:\n"
         f"{listed}\nfix: shard the batch without balance= (documents then stay whole, in row order), or keep every "
         f"document apart in the model's attention masks with the batch's {spec.doc_key} and take positions from "
         f"{spec.position_keys[0] if spec.position_keys else 'position_ids'}")

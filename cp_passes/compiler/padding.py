@@ -53,7 +53,7 @@ def _end_fill(node: torch.fx.Node, spec: CPSpec):
     return 0 if val.dtype == torch.bool or val.is_floating_point() else None
 
 
-def _ignores_padding(origin: torch.fx.Node, spec: CPSpec) -> bool:
+def ignores_padding(origin: torch.fx.Node, spec: CPSpec) -> bool:
     """A summed loss that gives the padded labels (``spec.ignore_index``) nothing."""
     if getattr(origin.target, "overloadpacket", None) not in _IGNORING_LOSSES:
         return False
@@ -74,7 +74,7 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
     reads += [(origin, "partial_sum", None) for origin in plan.partial_origins]
     for node, rule, request in reads:
         what = None
-        if rule == "partial_sum" and not _ignores_padding(node, spec):
+        if rule == "partial_sum" and not ignores_padding(node, spec):
             what = "a sum over the sequence returned as this rank's share: it adds the padded rows"
         elif isinstance(request, Shift) and request.offset > 0 and _end_fill(request.source, spec) != request.fill:
             what = (f"a shift that reads {request.offset} row(s) later: the last real rows read the padding in "
@@ -94,7 +94,7 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
         elif isinstance(request, GlobalSum) and not _counts_a_mask(request.origin) \
-                and not _ignores_padding(request.origin, spec):
+                and not ignores_padding(request.origin, spec):
             what = "a sum over the sequence read as a whole (all-reduced): it adds the padded rows"
         if what is not None:
             line = f"{op_name(node)} at {source_line(node)}: {what}"

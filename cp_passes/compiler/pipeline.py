@@ -89,7 +89,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
         record.history.append(("scores and their bias apart (baddbmm)", format_graph(aten_gm)))
     before = _output_values(aten_gm)
     plan = plan_graph(aten_gm, sym, spec, cp)
-    plan.interleave_readers = record.interleave_readers = interleave_readers(aten_gm.graph, sym, plan, spec)
+    plan.interleave_readers = record.interleave_readers = interleave_readers(plan, spec)
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
     record.records = plan.records
     record.layout = describe_layout(spec, cp, plan)

@@ -223,7 +223,7 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
                                         causal), name="cp_mask_block")
     leaves = _mask_leaves(edit, found)
-    name, module = f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=True)
+    name, module = f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
     brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind, causal), name="cp_key_positions")
     split = split_mask(module)
@@ -256,7 +256,7 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
     found, plan = request.mask, request.keys
     if sized_by_data(found):
         return None
-    module = _mask_module(edit, found, picked=True)
+    module = mask_module(edit, found, picked=True)
     split = split_mask(module)
     if split is None:
         return None
@@ -340,10 +340,10 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
         for n in found.nodes:
             env[n] = edit.copy(n, env, name=f"cp_mask_{n.name}")
         return env[found.mask]
-    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", _mask_module(edit, found, picked=False), leaves)
+    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=False), leaves)
 
 
-def _mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule:
+def mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule:
     """The mask's subgraph as a module of its leaves (:func:`_mask_leaves`' order); ``picked`` adds two inputs,
     the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`)."""
     graph, env = torch.fx.Graph(), {}

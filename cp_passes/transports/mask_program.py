@@ -24,7 +24,7 @@ import torch.fx
 aten = torch.ops.aten
 
 QUERY, KEY = "query_positions", "key_positions"
-"""The picked mask module's placeholders for the two sides (:func:`~.attention._mask_module`)."""
+"""The picked mask module's placeholders for the two sides (:func:`~.attention.mask_module`)."""
 
 _PASS = {aten.slice.Tensor, aten.expand.default, aten.alias.default, aten.clone.default, aten.detach.default}
 """Ops a program passes its input through: whole slices and broadcasts (the tile's own shapes broadcast)."""
@@ -156,7 +156,7 @@ def _value(token: str, registers: list, leaves, rows: slice, keys: slice):
 
 
 @functools.lru_cache(maxsize=64)
-def _parsed(program: str) -> tuple:
+def parsed_program(program: str) -> tuple:
     """``program``'s lines as ``(op, argument tokens, keyword tokens)``."""
     lines = []
     for line in program.split(";"):
@@ -170,7 +170,7 @@ def evaluate(program: str, leaves: list[torch.Tensor], rows: slice, keys: slice)
     """The mask at query rows ``rows`` and keys ``keys``: ``program`` run on those rows of the per-query leaves
     and those keys of the per-key leaves."""
     registers: list = []
-    for op, tokens, keywords in _parsed(program):
+    for op, tokens, keywords in parsed_program(program):
         args = [_value(t, registers, leaves, rows, keys) for t in tokens]
         if op in _PASS:
             registers.append(args[0])
