@@ -156,6 +156,9 @@ class Attention(nn.Module):
             h = h + F.pad(h, (0, 0, 0, 1))[:, 1:]
         if self.kind == "causal_sum_of_squares":
             return self.out(h).pow(2).sum()
+        if self.kind == "causal_loss_then_sum":  # the second of two sums adds the padded rows
+            loss = F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            return loss + self.out(h).pow(2).sum()
         if self.kind == "causal_shifted_labels":  # the label shift inside the model, a summed loss
             labels = F.pad(labels, (0, 1), value=-100)[:, 1:]
             return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
@@ -177,6 +180,7 @@ def run(group, kind: str, seq_len: int, spec: CPSpec | None = None, **extra):
     ("mean_mse", "aten.mse_loss.default at "),
     ("causal_next_row", "a shift that reads 1 row(s) later: the last real rows read the padding"),
     ("causal_sum_of_squares", "a sum over the sequence returned as this rank's share: it adds the padded rows"),
+    ("causal_loss_then_sum", "a sum over the sequence returned as this rank's share: it adds the padded rows"),
 ])
 def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
     with pytest.raises(CPCompileError) as info:

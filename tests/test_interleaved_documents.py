@@ -16,8 +16,9 @@ from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 from scenarios import packed_batch
 
-LAYOUT = [[(7, 6), (9, 9), (4, 4), (12, 12)], [(20, 18), (12, 12)]]
-"""Two packed rows of 32 positions: documents shorter than their slots, one longer than a rank's share."""
+LAYOUT = [[(7, 6), (9, 9), (4, 4), (12, 12)]] * 2
+"""Two packed rows of 32 positions with the same document lengths (other tokens): documents shorter than their
+slots, and one longer than a rank's share at P = 2."""
 
 
 def shards(world: int, **kwargs):
@@ -66,6 +67,18 @@ def test_balance_needs_packed_rows_and_the_balanced_layout():
         shard_for_rank(packed_batch(32, LAYOUT, 256), 0, 2, CPSpec(layout="contiguous"), balance="documents")
     with pytest.raises(ValueError, match="balance must be one of"):
         shard_for_rank(packed_batch(32, LAYOUT, 256), 0, 2, balance="docs")
+    with pytest.raises(ValueError, match="Pass one packed row per batch"):  # rows ordered differently
+        shard_for_rank(packed_batch(32, [LAYOUT[0], [(20, 18), (12, 12)]], 256), 0, 2, balance="documents")
+
+
+def test_padding_rows_have_no_target():
+    """Every document is padded to a multiple of 2P: those rows (doc id -1) hold ignore_index in every label key,
+    the unshifted labels included, so a loss over them counts only real tokens."""
+    local, _ = shard_for_rank(packed_batch(32, LAYOUT, 256), 1, 4, balance="documents")
+    padding = local["doc_ids"] < 0
+    assert padding.any()
+    for key in ("labels", "shift_labels"):
+        assert (local[key][padding] == -100).all(), key
 
 
 class Probe(nn.Module):
@@ -77,7 +90,7 @@ class Probe(nn.Module):
         self.embed, self.qkv, self.out = nn.Embedding(64, 16), nn.Linear(16, 48), nn.Linear(16, 8)
         self.mask, self.extra, self.post = mask, extra, post
 
-    def forward(self, input_ids, position_ids, doc_ids):
+    def forward(self, input_ids, position_ids, doc_ids, labels):
         x = self.embed(input_ids)
         pos = torch.arange(input_ids.shape[1])
         if self.extra is not None:
@@ -85,7 +98,7 @@ class Probe(nn.Module):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask(pos, doc_ids))
         out = self.out(out.transpose(1, 2).flatten(2))
-        return out if self.post is None else self.post(out)
+        return out if self.post is None else self.post(out, labels)
 
 
 def documents(doc):
@@ -145,23 +158,39 @@ VARIATIONS = {  # name: (model, None if accepted else a piece of the reason)
                              "aten.ones"),
     "positions as features": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
                                             lambda p, x: p[None, :, None].to(x.dtype) * 0.01), "arange"),
-    "a sum over the sequence": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None], post=lambda y: y.sum(1)),
-                                "counts the padding rows"),
+    "a loss over the labels": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None], post=loss), ACCEPTED),
+    "a mean loss over the labels": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                                  post=lambda y, t: loss(y, t, "mean")), ACCEPTED),
+    "a sum over the sequence": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                              post=lambda y, t: y.sum(1)), "counts the padding rows"),
+    "a loss and a z-loss": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                          post=lambda y, t: loss(y, t) + 1e-2 * (y.logsumexp(-1) ** 2).sum()),
+                            "counts the padding rows"),
+    "a z-loss and a loss": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                          post=lambda y, t: 1e-2 * (y.logsumexp(-1) ** 2).sum() + loss(y, t)),
+                            "counts the padding rows"),
+    "a loss over clamped labels": (lambda: Probe(lambda p, d: causal_documents(p, d)[:, None],
+                                                 post=lambda y, t: loss(y, t.clamp(min=0))), "counts the padding rows"),
 }
+
+
+def loss(logits, labels, reduction="sum"):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction=reduction)
 
 
 def one_device(build, world: int = 4):
     """The largest difference, over real tokens, between the model's outputs on the packed row (documents aligned to
     2P) and on the interleaved row put back in order, on one device."""
-    batch = check_batch(packed_batch(32, LAYOUT, 64), CPSpec(), ())
+    batch = check_batch(packed_batch(32, LAYOUT, 8), CPSpec(), ())  # tokens and labels < the Probe's 8 classes
     rows = [pack(batch, 2 * world, pieces) for pieces in (1, 2 * world)]
     torch.manual_seed(0)
     model = build().eval()
     with torch.no_grad():
-        outs = [model(**{k: row[k] for k in ("input_ids", "position_ids", "doc_ids")}) for row in rows]
+        outs = [model(**{k: row[k] for k in ("input_ids", "position_ids", "doc_ids")}, labels=row["shift_labels"])
+                for row in rows]
     packed, interleaved = (o[0] if isinstance(o, tuple) else o for o in outs)
-    if packed.dim() < 2 or packed.shape[1] != rows[0]["valid"].shape[1]:
-        return (packed - interleaved).abs().max().item()
+    if packed.dim() < 2 or packed.shape[1] != rows[0]["valid"].shape[1]:  # a loss: summed in another order
+        return ((packed - interleaved).abs() / packed.abs().clamp(min=1)).max().item()
     back = torch.argsort(rows[1]["order"], dim=1)
     back = back.view(*back.shape, *[1] * (interleaved.dim() - 2)).expand(interleaved.shape)
     interleaved = interleaved.gather(1, back)
@@ -173,7 +202,7 @@ def test_the_compiler_proves_the_model_cannot_tell_or_says_where_it_can(fake_gro
     """Each variation's verdict, and what it means on one device: an accepted model computes the same on the packed
     and the interleaved row (several of the refused ones do not: that is what the proof is for)."""
     build, refused = VARIATIONS[name]
-    inputs = {key: ((1, 16), torch.long) for key in ("input_ids", "position_ids", "doc_ids")}
+    inputs = {key: ((1, 16), torch.long) for key in ("input_ids", "position_ids", "doc_ids", "labels")}
     readers = dry_run(build, inputs, CPSpec(), mesh=fake_group).record.interleave_readers
     if refused is ACCEPTED:
         assert readers == [], readers

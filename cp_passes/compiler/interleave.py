@@ -15,9 +15,13 @@ per-token ops are; attention is when its mask is. So a batch interleaved this wa
   positions enter the program only through comparisons of a query's with a key's (``q >= k``, ``q - k >= 0``),
   and a mask that compares them is ``... & (doc[q] == doc[k])`` over the batch's doc ids (``spec.doc_key``) as
   they are: documents apart, the only pairs whose order the interleaving changes never meet;
-- nothing else reads across rows but losses that ignore the padding labels (the interleaved row pads every
-  document; padding rows see one another): no ``arange`` over the sequence outside such masks, no halos,
-  shifts, scans, carries, hand-written attention, other sums.
+- nothing else reads across rows but losses over the batch's labels that ignore ``ignore_index`` (the
+  interleaved row pads every document, shard_batch writes ``ignore_index`` to its labels there, and padding rows
+  see one another): no ``arange`` over the sequence outside such masks, no halos, shifts, scans, carries,
+  hand-written attention, other sums (every sum a partial output or an all-reduce adds, not only the first);
+- the batch has one row order: shard_batch interleaves a batch only when its rows share their documents'
+  lengths (one row, in long-context training), since an op across the batch would mix rows ordered alike on
+  one side and differently on the other.
 
 Anything not shown to fit is listed (op, source line, why); the refusal is per call
 (:meth:`~cp_passes.compiler.backend.CPModule._refuse_interleaved`), the same on every rank. The analysis runs on
@@ -38,13 +42,16 @@ from ..spec import CPSpec
 from ..transports.attention import mask_module
 from ..transports.mask_program import KEY, QUERY, parsed_program, split_mask
 from ..transports.reductions import GlobalMean, GlobalSum
-from .padding import ignores_padding
+from .padding import end_fill, ignores_padding, partial_output_sources, sum_sources
 from .planner import Plan
 
 aten = torch.ops.aten
 
 _VIEW = {aten.unsqueeze, aten.expand, aten.alias, aten.clone, aten.detach, aten.slice}
 """Ops that keep which position each element is about (a slice only when whole)."""
+_RESHAPES = {aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.squeeze, aten.unsqueeze, aten.clone,
+             aten.contiguous, aten.alias, aten.detach, aten._to_copy, aten.to}
+"""What a loss's targets may go through: every label keeps its value (a padding row's ``ignore_index`` too)."""
 _ORDER = {aten.ge, aten.gt, aten.le, aten.lt, aten.eq, aten.ne}
 _AND = {aten.__and__, aten.bitwise_and, aten.logical_and}
 _OR = {aten.__or__, aten.bitwise_or, aten.logical_or}
@@ -198,6 +205,25 @@ def _mask_cannot_tell(found, spec: CPSpec) -> str | None:
     return None
 
 
+def _ignores_padding_labels(target, ignore_index, spec: CPSpec) -> bool:
+    """A loss's targets are a label input that shard_batch fills with ``ignore_index`` on padding rows, and the
+    loss ignores that index."""
+    while isinstance(target, torch.fx.Node) and _packet(target) in _RESHAPES:
+        target = target.args[0]  # the same values, laid out for the loss
+    return ignore_index == spec.ignore_index and isinstance(target, torch.fx.Node) \
+        and end_fill(target, spec) == spec.ignore_index
+
+
+def _check_losses(sources, spec: CPSpec, add) -> None:
+    """Every sum over the sequence in ``sources`` must be a loss over the batch's labels that ignores the padding
+    rows: padding rows see one another, in another order once interleaved."""
+    for origin in sorted(sources, key=lambda n: n.name):
+        if not (ignores_padding(origin, spec) and _ignores_padding_labels(bind_args(origin).get("target"),
+                                                                          spec.ignore_index, spec)):
+            add(origin, "a sum over the sequence other than a loss over the batch's labels that ignores "
+                        f"ignore_index={spec.ignore_index}: it counts the padding rows")
+
+
 def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
     """One line per planned rewrite that a row of interleaved documents could change; run on the graph as planned,
     before the transports rewrite it."""
@@ -225,18 +251,21 @@ def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
                       f"changes")
         elif rw.rule.startswith("sdpa_"):
             add(node, f"attention ({rw.rule}) with no mask over {spec.doc_key} to keep documents apart")
-        elif isinstance(request, GlobalMean) and request.ignore_index is not None:
-            continue
-        elif isinstance(request, GlobalSum) and not request.lengths and ignores_padding(request.origin, spec):
-            continue
+        elif isinstance(request, GlobalMean):
+            if not _ignores_padding_labels(bind_args(node).get(request.target_name), request.ignore_index, spec):
+                add(node, "a mean over the sequence whose targets are not the batch's labels with ignore_index "
+                          "(padding rows would count)")
+        elif isinstance(request, GlobalSum) and not request.lengths:
+            _check_losses(sum_sources(plan, request), spec, add)
+        elif rw.rule == "share":
+            _check_losses(frozenset().union(*(plan.partial_sources.get(t, frozenset())
+                                              for t in node.all_input_nodes)), spec, add)
         elif rw.rule == "arange_positions":
             if node.users:  # one that only fed a mask the attention evaluates itself is gone by then
                 add(node, "positions from an arange over the sequence, outside an attention mask")
         else:
             add(node, f"{rw.rule} ({rw.transport}): not shown to read only what the interleaving keeps")
-    for origin in plan.partial_origins:
-        if not ignores_padding(origin, spec):
-            add(origin, "a sum over the sequence that counts the padding rows")
+    _check_losses(partial_output_sources(plan), spec, add)
     for node in plan.keys:
         add(node, "attention written by hand (its keys gathered as they are)")
     return found

@@ -34,7 +34,7 @@ _COPIES = {aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_l
 _IGNORING_LOSSES = (aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_nd, aten.nll_loss2d)
 
 
-def _end_fill(node: torch.fx.Node, spec: CPSpec):
+def end_fill(node: torch.fx.Node, spec: CPSpec):
     """What shard_batch pads the input ``node`` reads (through copies) with; None if not an input or unknown."""
     while node.target in _COPIES:
         node = node.args[0]
@@ -66,17 +66,28 @@ def _counts_a_mask(origin: torch.fx.Node | None) -> bool:
             and meta_val(origin.args[0]).dtype == torch.bool)
 
 
+def sum_sources(plan: Plan, request: GlobalSum) -> frozenset:
+    """Every op whose sum over the sequence ``request`` reads (a sum of several losses: each of them)."""
+    return frozenset().union(*(plan.partial_sources.get(t, frozenset()) for t in request.partial)) \
+        or frozenset({request.origin})
+
+
+def partial_output_sources(plan: Plan) -> frozenset:
+    """Every op whose sum over the sequence a partial output adds up."""
+    return frozenset().union(*(plan.partial_sources.get(o, frozenset({o})) for o in plan.partial_values))
+
+
 def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
     """One line per rewrite of ``plan`` whose op lets a real position read end padding."""
     data_masks = any(isinstance(rw.request, KeyMask) and rw.request.mask.tensor_leaves for _, rw, _ in plan.rewrites)
     found = []
     reads = [(node, rw.rule, rw.request) for node, rw, _ in plan.rewrites]
-    reads += [(origin, "partial_sum", None) for origin in plan.partial_origins]
+    reads += [(origin, "partial_sum", None) for origin in partial_output_sources(plan)]
     for node, rule, request in reads:
         what = None
         if rule == "partial_sum" and not ignores_padding(node, spec):
             what = "a sum over the sequence returned as this rank's share: it adds the padded rows"
-        elif isinstance(request, Shift) and request.offset > 0 and _end_fill(request.source, spec) != request.fill:
+        elif isinstance(request, Shift) and request.offset > 0 and end_fill(request.source, spec) != request.fill:
             what = (f"a shift that reads {request.offset} row(s) later: the last real rows read the padding in "
                     f"place of the fill {request.fill}")
         elif rule == "sdpa_full":
@@ -93,8 +104,8 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     "reads")
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
-        elif isinstance(request, GlobalSum) and not _counts_a_mask(request.origin) \
-                and not ignores_padding(request.origin, spec):
+        elif isinstance(request, GlobalSum) and not all(_counts_a_mask(o) or ignores_padding(o, spec)
+                                                        for o in sum_sources(plan, request)):
             what = "a sum over the sequence read as a whole (all-reduced): it adds the padded rows"
         if what is not None:
             line = f"{op_name(node)} at {source_line(node)}: {what}"

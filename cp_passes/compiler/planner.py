@@ -67,6 +67,10 @@ class Plan:
     planner brings whole for them (along a key axis)."""
     keys: dict = field(default_factory=dict)
     """Each ``[q, k]`` block of attention written by hand -> its key dim (whole on every rank)."""
+    partial_values: list[torch.fx.Node] = field(default_factory=list)
+    """The node of each of ``partial_outputs``."""
+    partial_sources: dict = field(default_factory=dict)
+    """Each partial sum -> every op whose sum over the sequence it adds (``partial_origins`` names the first)."""
     interleave_readers: list[str] = field(default_factory=list)
     """What would tell interleaved documents from their packed row (:mod:`.interleave`): such a batch is refused."""
 
@@ -284,6 +288,8 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         if out is Value.PARTIAL:
             values[node] = Value.PARTIAL
             origins[node] = next((origins[t] for t in ctx.tensor_inputs() if t in origins), node)
+            sources = [plan.partial_sources[t] for t in ctx.tensor_inputs() if t in plan.partial_sources]
+            plan.partial_sources[node] = frozenset().union(*sources) or frozenset({node})
         for origin, rw in rewrites:
             cost = TRANSPORTS[rw.transport].cost(rw.request, cp.layout, cp.rank, ctx.local_len())
             plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
@@ -302,6 +308,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
             plan.partial_outputs.append(i)
             plan.partial_origins.append(origins[value])
+            plan.partial_values.append(value)
             share = Cost(collective="none (caller sums over ranks)")
             plan.records.append(RewriteRecord.of(
                 origins[value], "partial_sum", "none", share,

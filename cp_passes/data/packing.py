@@ -134,7 +134,9 @@ def pack(checked, packed_alignment: int = 1, pieces: int = 1) -> dict:
     ``pieces > 1`` (``packed_alignment`` a multiple of it) then interleaves every row's documents
     (:func:`interleaved_order`): each document cut into ``pieces`` equal pieces, the row holding every
     document's first piece, then every second piece, and so on, each document's positions still in order;
-    ``order`` (``[rows, length]``) then says which position of the packed row each position holds.
+    ``order`` (``[rows, length]``) then says which position of the packed row each position holds. Labels
+    (``spec.label_keys`` and ``spec.packed_labels``) then hold ``spec.ignore_index`` on every padding row, and the
+    rows must share one order (the same document lengths).
 
     Raises ValueError naming the row and the document for lengths that do not describe the row and for
     given positions that jump inside a document or do not restart at zero.
@@ -198,7 +200,13 @@ def pack(checked, packed_alignment: int = 1, pieces: int = 1) -> dict:
         out[shifted_key] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
     out["valid"] = valid
     if pieces > 1:
+        for key in {*spec.label_keys, *spec.packed_labels} & set(out):  # padding rows: no target
+            out[key] = torch.where(valid, out[key], torch.full_like(out[key], spec.ignore_index))
         order = torch.stack([interleaved_order(docs, seq_len, pieces) for docs in documents])
+        if any(not torch.equal(row, order[0]) for row in order[1:]):
+            raise ValueError("balance='documents' orders a row by its own documents, and these rows' documents "
+                             "differ in length: an op across the batch would then mix rows ordered differently. "
+                             "Pass one packed row per batch (or rows whose documents have the same lengths)")
         for key, value in out.items():
             if key in checked.seq_keys or key not in batch:
                 out[key] = value.gather(1, order.view(rows, -1, *[1] * (value.dim() - 2))
