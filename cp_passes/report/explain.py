@@ -55,7 +55,7 @@ def format_record(record) -> str:
 def _interleaved(record) -> list[str]:
     """Whether batches of interleaved documents (``shard_batch(..., balance="documents")``) are accepted."""
     readers = record.interleave_readers
-    if readers is None or record.world_size == 1:
+    if readers is None or not record.layout.startswith("balanced"):  # shard_batch interleaves only for that one
         return []
     if not readers:
         return ["balance='documents': accepted (every attention keeps documents apart; row positions only compared)"]
