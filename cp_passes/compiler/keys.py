@@ -317,11 +317,7 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
             if keys is not None and x is keys.masking[0].mask:  # one check per cut, with its first hiding mask
                 checks = tuple((blocks.masks[m.mask], _step(m), _dims(m.mask, blocks, ctx.sym)) for m in keys.masking)
             request = state.masks[(x, keys)] = KeyMask(mask, query_dim, key_dim, keys, checks)
-            names = ", ".join(leaf.name for leaf in mask.tensor_leaves) or "positions"
-            cut = (f", cut to {keys.describe()}" + (" and checked to hide every other key" if checks else "")
-                   if keys else "")
-            rewrites.append((x, Rewrite("key_mask", "key_gather", request,
-                                        note=f"the model's mask from {names}, evaluated over the whole sequence{cut}")))
+            rewrites.append((x, Rewrite("key_mask", "key_gather", request, note=request.describe())))
         request.consumers.append(node)
     return rewrites
 

@@ -222,7 +222,7 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     if sized_by_data(found):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
                                         causal), name="cp_mask_block")
-    leaves = _mask_leaves(edit, found)
+    leaves = mask_leaves(edit, found)
     name, module = f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
     brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind, causal), name="cp_key_positions")
@@ -231,14 +231,14 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
         mask = edit.call_module(name, module, leaves + [positions, brought])
     else:  # per-position terms in the graph, the [queries, keys] block a tile at a time inside the ops
         terms, program = split
-        mask = MaskProgram(_terms(edit, name, terms, leaves + [positions, brought]), program, brought)
+        mask = MaskProgram(mask_terms(edit, name, terms, leaves + [positions, brought]), program, brought)
     if not causal:
         return mask
     if split is None:
         transposed = edit.call_module(name, module, leaves + [brought, positions])
         count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
     else:
-        transposed = _terms(edit, name, terms, leaves + [brought, positions])
+        transposed = mask_terms(edit, name, terms, leaves + [brought, positions])
         count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
                             (list(transposed), program, brought, positions, None, 0), name="cp_mask_future_keys")
     total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")
@@ -263,7 +263,7 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
     terms, program = split
     rank, world, kind = edit.rank, edit.world, edit.layout.kind
     halo, window, ahead, causal = plan.move == HALO, plan.reach.window, plan.after, plan.reach.causal
-    name, leaves = f"cp_mask_fn_{edit.origin.name}", _mask_leaves(edit, found)
+    name, leaves = f"cp_mask_fn_{edit.origin.name}", mask_leaves(edit, found)
     positions = edit.insert(query_positions, (q, rank, world, kind), name="cp_query_positions")
     keys = (edit.insert(brought_positions, (q, rank, world, kind, window, halo, request.left_padding, ahead),
                         name="cp_key_positions") if causal or halo else
@@ -274,7 +274,7 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
                        name="cp_mask_block")
     if causal or window is not None:
         every = edit.insert(sequence_positions, (q, world), name="cp_sequence_positions")
-        check = _terms(edit, name, terms, leaves + [positions, every])
+        check = mask_terms(edit, name, terms, leaves + [positions, every])
         count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
                             (list(check), program, positions, every, plan.reach.before, plan.reach.after or 0),
                             name="cp_mask_outside_keys")
@@ -285,7 +285,7 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
     return mask
 
 
-def _terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tuple:
+def mask_terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tuple:
     """The per-position terms of a split mask (:func:`split_mask`), each a node."""
     called = edit.call_module(name + "_terms", terms, inputs)
     (outputs,) = next(n for n in terms.graph.nodes if n.op == "output").args
@@ -301,7 +301,7 @@ def future_keys_allowed(transposed: torch.Tensor, query_pos: torch.Tensor, key_p
     return (transposed & (key_pos[None, :] > query_pos[:, None])).sum()
 
 
-def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
+def mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
     """The mask's inputs over the whole sequence, in global order: gathered metadata (and activations, for a
     mask computed without gradient, detached), global lengths, and the parameters it reads."""
 
@@ -333,7 +333,7 @@ def _mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
 def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
     activations, for a mask computed without gradient), global lengths and the parameters it reads."""
-    leaves = _mask_leaves(edit, found)
+    leaves = mask_leaves(edit, found)
     if sized_by_data(found):
         # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
         env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))
@@ -344,7 +344,7 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
 
 
 def mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule:
-    """The mask's subgraph as a module of its leaves (:func:`_mask_leaves`' order); ``picked`` adds two inputs,
+    """The mask's subgraph as a module of its leaves (:func:`mask_leaves`' order); ``picked`` adds two inputs,
     the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`)."""
     graph, env = torch.fx.Graph(), {}
     for leaf in found.tensor_leaves + found.size_leaves + found.inputs:

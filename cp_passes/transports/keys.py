@@ -4,33 +4,41 @@ The planner asks for :class:`KeyOperand` where a sequence-sharded tensor lands o
 ``[q, k]`` block (K in ``q @ k^T``, V in ``probs @ v``, a key-side bias), and for :class:`KeyMask` where a
 block is combined with a mask the model builds from sequence metadata. An operand is moved where it is
 smallest (before a GQA head repeat and any transposes), then the ops between are replayed on what arrived;
-a mask is evaluated over the whole sequence from gathered metadata and this rank's query rows taken.
+a mask is evaluated at this rank's query rows and the keys brought only, its inputs picked there
+(:func:`~cp_passes.transports.attention.mask_module`), from gathered metadata.
 
 Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
 says which keys come: the ``window - 1`` rows before this rank's (a halo; for a two-sided window the rows after
 too) or the causal prefix (every position before the end of the rank's last range, only those moved).
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
-at run time over the whole sequence, on every rank alike, so no rank goes on while another fails. Keys
-concatenated from positions and windows of them are cut in their first part (the positions); the windows
-come whole.
+at run time: each rank its own queries against every key, a tile at a time where the masks split into
+per-position terms (:func:`hidden_outside_keys_op`); the ranks add their counts (one all-reduce), so all reach
+the same verdict and no rank goes on while another fails. Keys concatenated from positions and windows of them
+are cut in their first part (the positions); the windows come whole, and those masks are still evaluated over
+the whole sequence and cut (:func:`cut_mask`), as are masks whose query and key axes are not their last two
+dims or whose sizes depend on data.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.fx
 
 from ..graph.analysis import meta_val
-from ..key_plan import KeyPlan, band
+from ..key_plan import KeyPlan, outside
 from ..layout import CONTIGUOUS, KINDS, Layout
-from .attention import global_mask
+from .attention import global_mask, mask_leaves, mask_module, mask_terms, sized_by_data
 from .base import Cost, Transport, register_transport
 from .gather import prefix_cost
 from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
-from .masks import MetadataMask, check_envelope, in_global_order, key_positions, own_segment
+from .mask_program import evaluate, split_mask, tiles
+from .masks import MetadataMask, in_global_order, key_positions, own_segment
+from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
 aten = torch.ops.aten
 
@@ -93,6 +101,42 @@ class KeyMask:
     consumers: list[torch.fx.Node] = field(default_factory=list)
     """The block ops that read the mask with these keys."""
 
+    @property
+    def at_rows(self) -> bool:
+        """Whether the masks are evaluated at this rank's query rows only (:meth:`KeyGather._rows`): each mask's
+        query and key axes are its last two dims, its sizes do not depend on data, an input of it says the local
+        length, and the key axis is no concatenation of positions and windows."""
+        if self.keys is not None and self.keys.first_part:
+            return False
+        masks = [(self.mask, (self.query_dim, self.key_dim))] + [(found, dims) for found, _, dims in self.checks]
+        return length_source(self.mask, self.query_dim) is not None and all(
+            _last_two(found, dims) and not sized_by_data(found) for found, dims in masks)
+
+    def describe(self) -> str:
+        names = ", ".join(leaf.name for leaf in self.mask.tensor_leaves) or "positions"
+        where = "at this rank's rows and the keys brought" if self.at_rows else "over the whole sequence"
+        cut = (f", cut to {self.keys.describe()}" + (" and checked to hide every other key" if self.checks else "")
+               if self.keys else "")
+        return f"the model's mask from {names}, evaluated {where}{cut}"
+
+
+def _last_two(found: MetadataMask, dims: tuple[int, int]) -> bool:
+    rank = meta_val(found.mask).dim()
+    return (dims[0] % rank, dims[1] % rank) == (rank - 2, rank - 1)
+
+
+def length_source(found: MetadataMask, query_dim: int) -> tuple[torch.fx.Node, int | None] | None:
+    """An input of the mask that holds the rank's local length: a size (``(node, None)``) or a tensor and its
+    dim that the mask's query axis is as long as; None if none is."""
+    want = str(meta_val(found.mask).shape[query_dim])
+    for leaf in found.size_leaves:
+        if str(meta_val(leaf)) == want:
+            return leaf, None
+    for leaf, dim in zip(found.tensor_leaves, found.leaf_dims):
+        if str(meta_val(leaf).shape[dim]) == want:
+            return leaf, dim
+    return None
+
 
 @dataclass
 class KeySize:
@@ -136,22 +180,119 @@ def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> tor
     return value <= torch.finfo(value.dtype).min / 2
 
 
+EVERY_KEY_HIDDEN = ("cp_passes: the model's attention mask hides every key from some query, whose softmax then "
+                    "spreads over every key on one device and over fewer under CP; let each query see a key "
+                    "(itself), or set CPSpec(attention_keys='all')")
+"""A row that hides every key is uniform over all keys on one device (``finfo.min``) but not over fewer."""
+
+
+def hidden_counts(masks: list[torch.Tensor], steps: tuple, dims: tuple, query_positions: torch.Tensor,
+                  key_positions: torch.Tensor, before: int | None, after: int = 0) -> torch.Tensor:
+    """``[2]``: how many (query, key) pairs the masks together (:func:`hidden_together`) show outside the band
+    ``-after <= q - k <= before`` (``before`` None: every earlier key), and how many queries they hide every key
+    of that band from; the masks evaluated at the queries at ``query_positions`` and the keys at
+    ``key_positions``."""
+    shown = ~hidden_together(masks, steps, dims)
+    distance = query_positions[:, None] - key_positions[None, :]
+    inside = distance >= -after
+    if before is not None:
+        inside = inside & (distance <= before)
+    return torch.stack([(shown & ~inside).sum(), (~(shown & inside).any(-1)).sum()])
+
+
 def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
                  first_part: bool = False, after: int = 0) -> None:
-    """Fail unless the masks together (:func:`hidden_together`) hide every key a cut attention leaves out: a
-    later key (more than ``after`` positions on), or (with ``halo``) one ``halo + 1`` or more positions back
-    (with ``first_part``, among the first keys, one per query). Every rank checks the whole sequence, so all
-    reach the same verdict and none is left waiting in a collective."""
+    """Fail unless the masks together (:func:`hidden_together`), evaluated over the whole sequence, hide every key
+    a cut attention leaves out: a later key (more than ``after`` positions on), or (with ``halo``) one ``halo +
+    1`` or more positions back (with ``first_part``, among the first keys, one per query); and unless each query
+    sees a key. Every rank checks the whole sequence, so all reach the same verdict."""
     if first_part:
         masks = [mask.narrow(k, 0, mask.shape[q]) for mask, (q, k) in zip(masks, dims)]
-    together = hidden_together(masks, steps, dims)
-    check_envelope(~together, halo, after)
-    kept = band(together.shape[-1], None if halo is None else halo + 1, together.device, after)
-    # A row that hides every key is uniform over all keys on one device (finfo.min) but not over fewer.
-    torch._assert_async((kept & ~together).any(-1).all(),
-                        "cp_passes: the model's attention mask hides every key from some query, whose softmax then "
-                        "spreads over every key on one device and over fewer under CP; let each query see a key "
-                        "(itself), or set CPSpec(attention_keys='all')")
+    (q, k), device = dims[0], masks[0].device
+    counts = hidden_counts(masks, steps, dims, torch.arange(masks[0].shape[q], device=device),
+                           torch.arange(masks[0].shape[k], device=device), halo, after)
+    torch._assert_async(counts[0] == 0, outside(halo, after))
+    torch._assert_async(counts[1] == 0, EVERY_KEY_HIDDEN)
+
+
+def _steps_text(steps: tuple) -> str:
+    """``steps`` (:func:`hidden_together`) as text, for :func:`hidden_outside_keys_op`."""
+    return ";".join(f"{hides},{fill!r},{str(dtype).removeprefix('torch.')}" for hides, fill, dtype in steps)
+
+
+def _steps(text: str) -> tuple:
+    steps = []
+    for step in text.split(";"):
+        hides, fill, dtype = step.split(",")
+        steps.append((hides, None if fill == "None" else float(fill), None if dtype == "None" else getattr(torch, dtype)))
+    return tuple(steps)
+
+
+@torch.library.custom_op("cp_passes::hidden_outside_keys", mutates_args=())
+def hidden_outside_keys_op(leaves: list[torch.Tensor], programs: str, counts: list[int], steps: str,
+                           query_positions: torch.Tensor, key_positions: torch.Tensor, before: Optional[int],
+                           after: int) -> torch.Tensor:
+    """:func:`hidden_counts` of the masks ``programs`` describe (one per line, the one applied last first;
+    ``counts[i]`` of ``leaves`` each, :func:`~.mask_program.split_mask`'s terms), a tile of queries at a time:
+    nothing ``[queries, keys]`` is held whole."""
+    texts, replays = programs.split("\n"), _steps(steps)
+    groups, start = [], 0
+    for count in counts:
+        groups.append(leaves[start:start + count])
+        start += count
+    rows, total = query_positions.shape[0], key_positions.shape[0]
+    step, found = tiles(rows, total * len(texts)), torch.zeros(2, dtype=torch.int64, device=query_positions.device)
+    for first in range(0, rows, step):
+        part = slice(first, min(rows, first + step))
+        masks = [evaluate(text, group, part, slice(0, total)) for text, group in zip(texts, groups)]
+        found += hidden_counts(masks, replays, ((-2, -1),) * len(masks), query_positions[part], key_positions,
+                               before, after)
+    return found
+
+
+@hidden_outside_keys_op.register_fake
+def _(leaves, programs, counts, steps, query_positions, key_positions, before, after):
+    return query_positions.new_empty(2, dtype=torch.int64)
+
+
+def rank_positions(local, rank: int, world: int, kind: str, device) -> torch.Tensor:
+    """The global positions of the rank's ``local`` rows."""
+    return Layout(world, kind).positions(rank, local, device)
+
+
+def every_position(local, world: int, device) -> torch.Tensor:
+    """Every global position of the sequence (``world`` times ``local``)."""
+    return torch.arange(world * local, device=device)
+
+
+def first_query(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int64, device=device)
+
+
+def last_key(local, world: int, device) -> torch.Tensor:
+    return torch.full((1,), world * local - 1, dtype=torch.int64, device=device)
+
+
+def _hiding(cut: torch.Tensor, fill: str | None, corner: torch.Tensor | None) -> torch.Tensor:
+    """The value a cut mask takes at a key it must hide: as ``fill`` (how the mask hides keys) says, or, for a mask
+    that hides none, ``corner`` (its value at query 0 and the last key)."""
+    if fill == "additive":
+        return torch.tensor(torch.finfo(cut.dtype).min, dtype=cut.dtype, device=cut.device)
+    if fill is not None:
+        return torch.tensor(fill == "true", device=cut.device)
+    return corner
+
+
+def hide_outside(cut: torch.Tensor, brought: torch.Tensor, local, rank: int, world: int, kind: str, halo: int,
+                 after: int, fill: str | None, corner: torch.Tensor | None) -> torch.Tensor:
+    """``cut`` (``[.., local, keys]``: a mask at this rank's rows and a halo's keys, at ``brought``) with the keys
+    before the sequence start (the halo's zero rows) and those of another of the rank's ranges (a row two ranges
+    share counts once, :func:`~.masks.own_segment`) hidden (:func:`_hiding`)."""
+    hide = (brought < 0)[None, :]
+    own = own_segment(local, world, kind, halo, cut.device, after=after)
+    if own is not None:
+        hide = hide | ~own
+    return torch.where(hide, _hiding(cut, fill, corner), cut)
 
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
@@ -186,13 +327,8 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
         pair = [1] * cut.dim()
         pair[query_dim], pair[key_dim] = own.shape
         hide = hide | ~(own if query_dim < key_dim else own.t()).reshape(pair)
-    if fill == "additive":
-        hiding = torch.tensor(torch.finfo(cut.dtype).min, dtype=cut.dtype, device=cut.device)
-    elif fill is not None:
-        hiding = torch.tensor(fill == "true", device=cut.device)
-    else:
-        hiding = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
-    return torch.where(hide, hiding, cut)
+    corner = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
+    return torch.where(hide, _hiding(cut, fill, corner), cut)
 
 
 class KeyGather(Transport):
@@ -255,22 +391,84 @@ class KeyGather(Transport):
         return packet.default
 
     def _mask(self, edit, request: KeyMask) -> None:
-        whole = global_mask(edit, request.mask)
-        if request.keys is None:
-            rows = edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world, edit.layout.kind),
-                               name="cp_mask_rows")
-        else:
-            checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
-            fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
-            rows = edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
-                                          edit.layout.kind, request.keys.plan.halo, checked,
-                                          tuple(c[1] for c in request.checks),
-                                          tuple(c[2] for c in request.checks), fill, request.keys.first_part,
-                                          request.keys.plan.after),
-                                   name="cp_mask_keys")
+        rows = self._rows(edit, request) if request.at_rows else self._whole(edit, request)
         for consumer in request.consumers:
             consumer.replace_input_with(request.mask.mask, rows)
             edit.changed(consumer)
+
+    def _rows(self, edit, request: KeyMask) -> torch.fx.Node:
+        """The mask at this rank's query rows and the keys brought, its inputs picked there: ``[.., L, keys]``,
+        nothing ``[S, S]``; with :meth:`_check` where it hides keys the cut leaves out."""
+        found, keys, rank, world, kind = request.mask, request.keys, edit.rank, edit.world, edit.layout.kind
+        halo, after = (keys.plan.halo, keys.plan.after) if keys is not None else (None, 0)
+        device = meta_val(found.mask).device
+        source, dim = length_source(found, request.query_dim)
+        length = source if dim is None else edit.insert(aten.sym_size.int, (source, dim), name="cp_mask_length")
+        queries = edit.insert(rank_positions, (length, rank, world, kind, device), name="cp_query_positions")
+        brought = (edit.insert(every_position, (length, world, device), name="cp_key_positions") if keys is None else
+                   edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
+                               name="cp_key_positions"))
+        leaves = {id(found): mask_leaves(edit, found)}
+        modules = {id(found): mask_module(edit, found, picked=True)}
+        name = f"cp_mask_fn_{edit.origin.name}"
+        evaluated = edit.insert(torch.clamp_min, (brought, 0), name="cp_key_positions_in_sequence")
+        rows = edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, evaluated])
+        if halo is not None:
+            fill = next((m.hides for m in keys.masking if m.mask is found.mask), None)
+            corner = None if fill is not None else edit.call_module(
+                name, modules[id(found)], leaves[id(found)] + [edit.insert(first_query, (device,), name="cp_first_query"),
+                                                               edit.insert(last_key, (length, world, device),
+                                                                           name="cp_last_key")])
+            rows = edit.insert(hide_outside, (rows, brought, length, rank, world, kind, halo, after, fill, corner),
+                               name="cp_mask_keys")
+        if request.checks:
+            self._check(edit, request, leaves, modules, queries, length, device)
+        return rows
+
+    @staticmethod
+    def _check(edit, request: KeyMask, leaves: dict, modules: dict, queries, length, device) -> None:
+        """Each rank counts, for its own queries against every key, what the masks show outside the keys brought
+        and the queries they hide every key from (:func:`hidden_counts`; a tile at a time where every mask splits
+        into per-position terms, else ``[.., L, S]`` in the graph); the ranks add the counts and all fail alike."""
+        plan, world, name = request.keys.plan, edit.world, f"cp_mask_fn_{edit.origin.name}"
+        every = edit.insert(every_position, (length, world, device), name="cp_sequence_positions")
+        for found, _, _ in request.checks:
+            if id(found) not in leaves:
+                leaves[id(found)] = mask_leaves(edit, found)
+                modules[id(found)] = mask_module(edit, found, picked=True)
+        steps = tuple(step for _, step, _ in request.checks)
+        splits = [split_mask(modules[id(found)]) for found, _, _ in request.checks]
+        if all(split is not None for split in splits):
+            terms = [mask_terms(edit, name, split[0], leaves[id(found)] + [queries, every])
+                     for split, (found, _, _) in zip(splits, request.checks)]
+            count = edit.insert(torch.ops.cp_passes.hidden_outside_keys.default,
+                                ([t for part in terms for t in part], "\n".join(split[1] for split in splits),
+                                 [len(part) for part in terms], _steps_text(steps), queries, every, plan.halo,
+                                 plan.after), name="cp_mask_hidden")
+        else:
+            masks = [edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, every])
+                     for found, _, _ in request.checks]
+            count = edit.insert(hidden_counts, (masks, steps, ((-2, -1),) * len(masks), queries, every, plan.halo,
+                                                plan.after), name="cp_mask_hidden")
+        total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_hidden_total")
+        for i, message in enumerate((outside(plan.halo, plan.after), EVERY_KEY_HIDDEN)):
+            broken = edit.insert(operator.getitem, (total, i), name="cp_mask_hidden_count")
+            edit.insert(aten._assert_async.msg, (edit.insert(operator.eq, (broken, 0), name="cp_mask_hides"), message),
+                        name="cp_mask_hidden_check")
+
+    def _whole(self, edit, request: KeyMask) -> torch.fx.Node:
+        """The mask over the whole sequence, then this rank's rows and the keys brought (:func:`cut_mask`)."""
+        whole = global_mask(edit, request.mask)
+        if request.keys is None:
+            return edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world, edit.layout.kind),
+                               name="cp_mask_rows")
+        checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
+        fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
+        return edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
+                                      edit.layout.kind, request.keys.plan.halo, checked,
+                                      tuple(c[1] for c in request.checks), tuple(c[2] for c in request.checks),
+                                      fill, request.keys.first_part, request.keys.plan.after),
+                           name="cp_mask_keys")
 
     def cost(self, request, layout, rank, local_len) -> Cost:
         if isinstance(request, KeySize):

@@ -21,6 +21,8 @@ from typing import Optional
 import torch
 import torch.fx
 
+from ..graph.selection import FACTORIES
+
 aten = torch.ops.aten
 
 QUERY, KEY = "query_positions", "key_positions"
@@ -51,7 +53,7 @@ def _writable(node: torch.fx.Node) -> bool:
         return False
     if target in _PASS:
         return target is not aten.slice.Tensor or _whole(node)
-    return target in _ELEMENTWISE or torch.Tag.pointwise in target.tags
+    return target in FACTORIES or target in _ELEMENTWISE or torch.Tag.pointwise in target.tags
 
 
 def _whole(node: torch.fx.Node) -> bool:
@@ -61,6 +63,21 @@ def _whole(node: torch.fx.Node) -> bool:
 
 _PLACEMENT = {"device", "layout", "pin_memory", "memory_format", "non_blocking"}
 """Keyword arguments that place a value, not compute it: a tile is where its leaves are."""
+
+
+def _sizes(sizes) -> str | None:
+    """A factory's sizes as a token: ``[1,ROWS,KEYS]``, where ``ROWS`` and ``KEYS`` are the lengths of the queries'
+    and the keys' picks (a tile's); None for any other size that is not an int."""
+    items = []
+    for size in sizes:
+        if isinstance(size, torch.fx.Node) and size.target is aten.sym_size.int and size.args[1] == 0 and \
+                size.args[0].op == "placeholder" and size.args[0].target in (QUERY, KEY):
+            items.append("ROWS" if size.args[0].target == QUERY else "KEYS")
+        elif isinstance(size, int):
+            items.append(str(size))
+        else:
+            return None
+    return "[" + ",".join(items) + "]"
 
 
 def _literal(value) -> str | None:
@@ -107,6 +124,11 @@ def split_mask(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, str] | N
                 tokens.append(f"{side}{leaves.index(arg)}")
             elif node.target is aten.expand.default or node.target is aten.slice.Tensor:
                 tokens.append("None")  # sizes and bounds of a pass-through: not read
+            elif node.target in FACTORIES and arg is node.args[0]:
+                sizes = _sizes(arg)
+                if sizes is None:
+                    return None
+                tokens.append(sizes)
             else:
                 literal = _literal(arg)
                 if literal is None:
@@ -124,7 +146,7 @@ def split_mask(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, str] | N
     terms = torch.fx.Graph()
     env = {}
     for node in graph.nodes:
-        if node.op == "placeholder" or (node.op == "call_function" and node not in registers):
+        if node.op in ("placeholder", "get_attr") or (node.op == "call_function" and node not in registers):
             env[node] = terms.node_copy(node, env.__getitem__)
     terms.output(tuple(env[leaf] for leaf in leaves))
     terms.eliminate_dead_code()
@@ -147,6 +169,9 @@ def _value(token: str, registers: list, leaves, rows: slice, keys: slice):
         if token[0] == "K" and leaf.shape[-1] > 1:
             return leaf[..., keys]
         return leaf
+    if token[0] == "[":
+        counts = {"ROWS": rows.stop - rows.start, "KEYS": keys.stop - keys.start}
+        return [counts[item] if item in counts else int(item) for item in token[1:-1].split(",") if item]
     if token.startswith("torch."):
         return getattr(torch, token[len("torch."):])
     if token[0] == "'":
@@ -175,7 +200,8 @@ def evaluate(program: str, leaves: list[torch.Tensor], rows: slice, keys: slice)
         if op in _PASS:
             registers.append(args[0])
             continue
-        registers.append(op(*args, **{k: _value(v, registers, leaves, rows, keys) for k, v in keywords}))
+        placed = {"device": leaves[0].device} if op in FACTORIES and leaves else {}
+        registers.append(op(*args, **{k: _value(v, registers, leaves, rows, keys) for k, v in keywords}, **placed))
     return registers[-1]
 
 
