@@ -71,8 +71,8 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents):
     """A sliding-window layer, a CSA layer (windows of 2, each paired with the previous one by a halo of one
     window, a top-2 indexer over the compressed entries) and an HCA layer (windows of 4), two windows a rank
     at least. Each compressed layer's keys are the raw positions and the compressed entries, brought part by
-    part; its masks (sliding window, causal block rule, the indexer's top-k) are evaluated over the whole
-    sequence. Packed rows: documents aligned to the spec's groups, one across three ranks."""
+    part; its masks (sliding window, causal block rule, the indexer's top-k) are evaluated at each rank's query
+    rows and cut to the keys brought. Packed rows: documents aligned to the spec's groups, one across three ranks."""
     seq_len = 8 * P
     per_rank = pool.run("deepseek_v4_parity", P, documents=documents, seq_len=seq_len)
     batch, loss, logits, grads = _reference(P, documents)
@@ -109,6 +109,8 @@ def test_what_each_rank_receives_per_layer_at_p8():
     keys = [r.bytes for r in records if r.rule == "key_operand"]
     assert keys == [11 * row] * 2 + [(11 + 7 * 4) * row] * 2 + [(11 + 7 * 2) * row] * 2, keys
     # The masks gather position ids (7 shards of 2 x 8 int64); HCA's reads the compressed entries' shape only.
+    notes = [r.note for r in records if r.rule == "key_mask"]  # never [S, S]: the rank's rows, every key cut
+    assert len(notes) == 3 and all("evaluated at this rank's rows and the keys brought" in n for n in notes), notes
     masks = [r.bytes for r in records if r.rule == "key_mask"]
     assert masks[0] == masks[2] == 7 * 2 * 8 * 8 < masks[1], masks
     # explain counts them apart: metadata, gathered without autograd; the keys are not

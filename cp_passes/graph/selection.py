@@ -3,7 +3,8 @@
 A mask the model builds over the whole sequence (``doc[:, :, None] == doc[:, None, :]``, transformers'
 ``index`` by ``arange`` positions) is a broadcast of per-query and per-key terms. Picking this rank's query
 rows and the keys its transport brings commutes with elementwise ops, ``unsqueeze``, ``expand``, whole-range
-``slice``, ``index`` by broadcast index tensors and ``zeros``/``ones``/``full`` (the picked sizes), so the picks move back to where those terms are still
+``slice``, ``index`` by broadcast index tensors, ``cat`` along another dim and ``zeros``/``ones``/``full`` (the
+picked sizes), so the picks move back to where those terms are still
 one-dimensional (an ``arange``, the gathered doc ids) and nothing ``[S, S]`` is computed. At any other op the
 pick stays where it is (the value is computed whole, then picked): still exact, only not smaller.
 """
@@ -18,13 +19,14 @@ from .analysis import meta_val
 aten = torch.ops.aten
 
 _ELEMENTWISE = {aten.to, aten._to_copy, aten.clone, aten.detach, aten.alias, aten.lift_fresh_copy, aten.__and__,
-                aten.__or__, aten.__xor__}
+                aten.__or__, aten.__xor__, aten.where, aten.floor_divide}
 """Elementwise (broadcasting) ops without ATen's pointwise tag."""
 
 
-FACTORIES = {aten.zeros.default, aten.ones.default, aten.full.default}
-"""Ops that fill a tensor of the sizes they are given (their first argument) with one value: picked, the same
-value at the picked sizes."""
+FACTORIES = {aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0, aten.new_zeros.default: 1,
+             aten.new_ones.default: 1, aten.new_full.default: 1}
+"""Ops that fill a tensor of the sizes they are given (the argument at this index) with one value: picked, the
+same value at the picked sizes."""
 
 
 def _elementwise(target) -> bool:
@@ -102,11 +104,16 @@ class Selector:
             for d, index in picks:  # a broadcast dim takes the picked length; the others follow the source
                 sizes[d] = -1 if d in moved else self.graph.call_function(aten.sym_size.int, (index, 0))
             return self._call(node, [self(source, inner), sizes])
+        if target is aten.cat.default:
+            parts, dim = node.args[0], (node.args[1] if len(node.args) > 1 else 0) % rank
+            if all(d != dim for d, _ in picks):  # picks along other dims pick each part
+                return self._call(node, [[self(p, self._aligned(p, rank, picks)) for p in parts], *node.args[1:]])
         if target in FACTORIES:
-            sizes = list(node.args[0])
+            args, at = list(node.args), FACTORIES[target]
+            args[at] = list(args[at])
             for d, index in picks:
-                sizes[d] = self.graph.call_function(aten.sym_size.int, (index, 0))
-            return self._call(node, [sizes, *node.args[1:]])
+                args[at][d] = self.graph.call_function(aten.sym_size.int, (index, 0))
+            return self._call(node, args)
         if target is aten.index.Tensor:
             source, indices = node.args[0], list(node.args[1])
             if all(isinstance(i, torch.fx.Node) for i in indices) and len(indices) == meta_val(source).dim():

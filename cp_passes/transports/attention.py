@@ -343,9 +343,10 @@ def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
     return edit.call_module(f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=False), leaves)
 
 
-def mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule:
+def mask_module(edit, found: MetadataMask, picked: bool, keys: bool = True) -> torch.fx.GraphModule:
     """The mask's subgraph as a module of its leaves (:func:`mask_leaves`' order); ``picked`` adds two inputs,
-    the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`)."""
+    the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`;
+    not ``keys``: those rows and every key, the key positions unread)."""
     graph, env = torch.fx.Graph(), {}
     for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
         env[leaf] = graph.placeholder(leaf.name)
@@ -357,7 +358,7 @@ def mask_module(edit, found: MetadataMask, picked: bool) -> torch.fx.GraphModule
     out = replaced.get(env[found.mask], env[found.mask])
     if picked:
         rank = meta_val(found.mask).dim()
-        out = Selector(graph)(out, ((rank - 2, picks[0]), (rank - 1, picks[1])))
+        out = Selector(graph)(out, ((rank - 2, picks[0]), (rank - 1, picks[1])) if keys else ((rank - 2, picks[0]),))
     graph.output(out)
     graph.eliminate_dead_code()  # the whole-sequence nodes the picks went around
     return torch.fx.GraphModule(edit.gm, graph)

@@ -14,9 +14,9 @@ Every operand and mask of that attention is cut to those keys, and the masks tha
 at run time: each rank its own queries against every key, a tile at a time where the masks split into
 per-position terms (:func:`hidden_outside_keys_op`); the ranks add their counts (one all-reduce), so all reach
 the same verdict and no rank goes on while another fails. Keys concatenated from positions and windows of them
-are cut in their first part (the positions); the windows come whole, and those masks are still evaluated over
-the whole sequence and cut (:func:`cut_mask`), as are masks whose query and key axes are not their last two
-dims or whose sizes depend on data.
+are cut in their first part (the positions); the windows come whole, and those masks are evaluated at the
+rank's rows and every key, then cut (:func:`cut_mask`). Masks whose query and key axes are not their last two
+dims, or whose sizes depend on data, are evaluated over the whole sequence and cut.
 """
 
 from __future__ import annotations
@@ -104,10 +104,8 @@ class KeyMask:
     @property
     def at_rows(self) -> bool:
         """Whether the masks are evaluated at this rank's query rows only (:meth:`KeyGather._rows`): each mask's
-        query and key axes are its last two dims, its sizes do not depend on data, an input of it says the local
-        length, and the key axis is no concatenation of positions and windows."""
-        if self.keys is not None and self.keys.first_part:
-            return False
+        query and key axes are its last two dims, its sizes do not depend on data and an input of it says the local
+        length."""
         masks = [(self.mask, (self.query_dim, self.key_dim))] + [(found, dims) for found, _, dims in self.checks]
         return length_source(self.mask, self.query_dim) is not None and all(
             _last_two(found, dims) and not sized_by_data(found) for found, dims in masks)
@@ -255,6 +253,16 @@ def _(leaves, programs, counts, steps, query_positions, key_positions, before, a
     return query_positions.new_empty(2, dtype=torch.int64)
 
 
+def first_part_counts(masks: list[torch.Tensor], steps: tuple, query_positions: torch.Tensor, world: int,
+                      before: int | None, after: int) -> torch.Tensor:
+    """:func:`hidden_counts` of masks at this rank's queries and every key of a key axis that concatenates the
+    positions and windows of them, over the positions part (the first ``world`` times the local length)."""
+    length = world * query_positions.shape[0]
+    masks = [mask.narrow(-1, 0, length) for mask in masks]
+    return hidden_counts(masks, steps, ((-2, -1),) * len(masks), query_positions,
+                         torch.arange(length, device=query_positions.device), before, after)
+
+
 def rank_positions(local, rank: int, world: int, kind: str, device) -> torch.Tensor:
     """The global positions of the rank's ``local`` rows."""
     return Layout(world, kind).positions(rank, local, device)
@@ -297,22 +305,23 @@ def hide_outside(cut: torch.Tensor, brought: torch.Tensor, local, rank: int, wor
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
              halo: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
-             first_part: bool, after: int = 0) -> torch.Tensor:
+             first_part: bool, after: int = 0, corner: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
     before the sequence start (a halo's zeros), or in another of the rank's ranges' halos (a row two ranges
     share counts once), takes the hiding value (``fill``: how this mask hides keys) or, for a mask that
-    hides none, the value of query 0 and the last key."""
+    hides none, the value of query 0 and the last key. Given ``corner`` (the mask at query 0 and every key),
+    ``global_mask`` holds this rank's query rows only, at every key."""
     if checked:
         check_hidden(checked, steps, dims, halo, first_part, after)
     query_dim, key_dim = query_dim % global_mask.dim(), key_dim % global_mask.dim()
-    rows = query_rows(global_mask, query_dim, rank, world, kind)
+    rows = global_mask if corner is not None else query_rows(global_mask, query_dim, rank, world, kind)
     local = rows.shape[query_dim]
     positions = key_positions(local, rank, world, kind, halo, global_mask.device, after=after)
     before = positions < 0
     own = own_segment(local, world, kind, halo, global_mask.device, after=after) if halo is not None else None
     if first_part:
-        length, total = global_mask.shape[query_dim], global_mask.shape[key_dim]
+        length, total = world * local, global_mask.shape[key_dim]
         positions = torch.cat([positions, torch.arange(length, total, device=positions.device)])
         before = torch.cat([before, torch.zeros(total - length, dtype=torch.bool, device=before.device)])
         if own is not None:
@@ -327,7 +336,8 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
         pair = [1] * cut.dim()
         pair[query_dim], pair[key_dim] = own.shape
         hide = hide | ~(own if query_dim < key_dim else own.t()).reshape(pair)
-    corner = global_mask.narrow(query_dim, 0, 1).narrow(key_dim, global_mask.shape[key_dim] - 1, 1)
+    corner = (global_mask if corner is None else corner).narrow(query_dim, 0, 1)
+    corner = corner.narrow(key_dim, corner.shape[key_dim] - 1, 1)
     return torch.where(hide, _hiding(cut, fill, corner), cut)
 
 
@@ -409,6 +419,8 @@ class KeyGather(Transport):
                    edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
                                name="cp_key_positions"))
         leaves = {id(found): mask_leaves(edit, found)}
+        if keys is not None and keys.first_part:
+            return self._first_part(edit, request, leaves, queries, length, device)
         modules = {id(found): mask_module(edit, found, picked=True)}
         name = f"cp_mask_fn_{edit.origin.name}"
         evaluated = edit.insert(torch.clamp_min, (brought, 0), name="cp_key_positions_in_sequence")
@@ -450,6 +462,38 @@ class KeyGather(Transport):
                      for found, _, _ in request.checks]
             count = edit.insert(hidden_counts, (masks, steps, ((-2, -1),) * len(masks), queries, every, plan.halo,
                                                 plan.after), name="cp_mask_hidden")
+        KeyGather._fail_together(edit, count, plan)
+
+    @staticmethod
+    def _first_part(edit, request: KeyMask, leaves: dict, queries, length, device) -> torch.fx.Node:
+        """Keys that concatenate positions and windows of them: the masks at this rank's query rows and every key
+        (``[.., L, keys]``), then cut as :func:`cut_mask` cuts (the positions part to the keys brought, the
+        windows whole); the check counts over the positions part, each rank its own queries."""
+        found, plan, name = request.mask, request.keys.plan, f"cp_mask_fn_{edit.origin.name}"
+        first = edit.insert(first_query, (device,), name="cp_first_query")
+        for checked, _, _ in request.checks:
+            if id(checked) not in leaves:
+                leaves[id(checked)] = mask_leaves(edit, checked)
+        rows = {}
+        for mask in [found] + [checked for checked, _, _ in request.checks]:
+            if id(mask) not in rows:
+                module = mask_module(edit, mask, picked=True, keys=False)
+                rows[id(mask)] = (module, edit.call_module(name, module, leaves[id(mask)] + [queries, queries]))
+        module, picked = rows[id(found)]
+        fill = next((m.hides for m in request.keys.masking if m.mask is found.mask), None)
+        corner = edit.call_module(name, module, leaves[id(found)] + [first, first])
+        cut = edit.insert(cut_mask, (picked, -2, -1, edit.rank, edit.world, edit.layout.kind, plan.halo, [], (), (),
+                                     fill, True, plan.after, corner), name="cp_mask_keys")
+        if request.checks:
+            count = edit.insert(first_part_counts, ([rows[id(c)][1] for c, _, _ in request.checks],
+                                                    tuple(step for _, step, _ in request.checks), queries,
+                                                    edit.world, plan.halo, plan.after), name="cp_mask_hidden")
+            KeyGather._fail_together(edit, count, plan)
+        return cut
+
+    @staticmethod
+    def _fail_together(edit, count, plan) -> None:
+        """Add the ranks' counts (:func:`hidden_counts`) and fail on every rank if any is not zero."""
         total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_hidden_total")
         for i, message in enumerate((outside(plan.halo, plan.after), EVERY_KEY_HIDDEN)):
             broken = edit.insert(operator.getitem, (total, i), name="cp_mask_hidden_count")

@@ -33,7 +33,8 @@ _PASS = {aten.slice.Tensor, aten.expand.default, aten.alias.default, aten.clone.
 
 _ELEMENTWISE = {aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.logical_not.default,
                 aten.bitwise_not.default, aten.unsqueeze.default, aten._to_copy.default, aten.to.dtype,
-                aten.to.dtype_layout}
+                aten.to.dtype_layout, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+                aten.floor_divide.default}
 """Elementwise ops without ATen's pointwise tag (a cast keeps its dtype; its layout and device are the tile's)."""
 
 
@@ -124,7 +125,7 @@ def split_mask(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, str] | N
                 tokens.append(f"{side}{leaves.index(arg)}")
             elif node.target is aten.expand.default or node.target is aten.slice.Tensor:
                 tokens.append("None")  # sizes and bounds of a pass-through: not read
-            elif node.target in FACTORIES and arg is node.args[0]:
+            elif node.target in FACTORIES and arg is node.args[FACTORIES[node.target]]:
                 sizes = _sizes(arg)
                 if sizes is None:
                     return None
