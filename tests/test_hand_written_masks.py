@@ -54,6 +54,12 @@ def alibi_slopes(x, doc):  # a per-head bias from a constant tensor, then a caus
     return (scores.softmax(-1) @ q).transpose(1, 2).reshape(x.shape)
 
 
+def window_with_bias(x, doc):  # a window of 4, then a distance bias that hides nothing (the halo's zero rows)
+    d = _distance(x)
+    scores = (x @ x.transpose(1, 2)).masked_fill((d < 0) | (d >= 4), float("-inf"))
+    return (scores + d.to(x.dtype) * -0.25).softmax(-1) @ x
+
+
 def later_across_documents(x, doc):  # causal inside a document, every key across documents
     hide = (_distance(x) < 0) & (doc[:, :, None] == doc[:, None, :])
     return (x @ x.transpose(1, 2)).masked_fill(hide, float("-inf")).softmax(-1) @ x
@@ -71,7 +77,7 @@ def document_seven_seen(x, doc):  # window 3 inside documents, document 7's keys
 
 
 ATTENTIONS = {f.__name__: f for f in (causal_from_zeros, causal_documents_fill, window_heads_4d, two_sided_band,
-                                      window_documents, alibi_slopes, later_across_documents, document_five_hidden,
+                                      window_documents, alibi_slopes, window_with_bias, later_across_documents, document_five_hidden,
                                       document_seven_seen)}
 
 
@@ -134,7 +140,7 @@ def parity(group, names: list[str], seq_len: int, documents: list) -> dict:
 
 
 PARITY = ["causal_from_zeros", "causal_documents_fill", "window_heads_4d", "two_sided_band", "window_documents",
-          "alibi_slopes"]
+          "alibi_slopes", "window_with_bias"]
 
 
 @pytest.mark.parametrize("P,seq_len,documents", [

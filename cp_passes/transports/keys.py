@@ -415,12 +415,12 @@ class KeyGather(Transport):
         source, dim = length_source(found, request.query_dim)
         length = source if dim is None else edit.insert(aten.sym_size.int, (source, dim), name="cp_mask_length")
         queries = edit.insert(rank_positions, (length, rank, world, kind, device), name="cp_query_positions")
-        brought = (edit.insert(every_position, (length, world, device), name="cp_key_positions") if keys is None else
-                   edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
-                               name="cp_key_positions"))
         leaves = {id(found): mask_leaves(edit, found)}
         if keys is not None and keys.first_part:
             return self._first_part(edit, request, leaves, queries, length, device)
+        brought = (edit.insert(every_position, (length, world, device), name="cp_key_positions") if keys is None else
+                   edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
+                               name="cp_key_positions"))
         modules = {id(found): mask_module(edit, found, picked=True)}
         name = f"cp_mask_fn_{edit.origin.name}"
         evaluated = edit.insert(torch.clamp_min, (brought, 0), name="cp_key_positions_in_sequence")
