@@ -38,6 +38,7 @@ from .capture import capture, install_output_hooks
 from .interleave import interleaved_refusal
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
+from .regions import mark_gradients, mark_regions, repeated_blocks, schema_once, stamp_regions
 from .planner import Plan
 
 BACKENDS = ("inductor", "aot_eager")
@@ -67,13 +68,20 @@ class CPBackend:
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
-            readers, telling = pad_readers(plan, owner.spec), plan.interleave_readers
+            readers = [line for _, part in plan.parts() for line in pad_readers(part, owner.spec)]
+            telling = plan.interleave_readers
             owner._refuse_padding(readers)
             owner._refuse_interleaved(telling)
-            fingerprint = collective_fingerprint(aten_gm, collective_ops())
+            fingerprint = collective_fingerprint(aten_gm, collective_ops()) + [
+                f"{region.name} ({len(region.calls)} calls): {line}" for region in plan.regions
+                for line in collective_fingerprint(region.graph, collective_ops())]
             self._announce(record, plan, aten_gm)
             stage = "lowering"
-            compiled = _lower(aten_gm, example_inputs, owner.backend, record)
+            if owner.backend == "inductor" and stamp_regions(aten_gm):
+                record.history.append(("regions stamped out at their calls (for Inductor)", format_graph(aten_gm)))
+            mark_gradients(aten_gm, example_inputs)
+            with schema_once():
+                compiled = _lower(aten_gm, example_inputs, owner.backend, record)
             stage = "record"
             record.seconds = time.perf_counter() - start
             trace_record(record)
@@ -191,11 +199,7 @@ class CPModule(torch.nn.Module):
         self._padding = None  # how shard_batch padded this call's batch (the same on every rank), or None
         self._interleaved = False  # whether shard_batch interleaved this call's documents (balance="documents")
         self._signature = inspect.signature(model.forward)
-        install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
-        install_functions(spec.positionwise_functions)  # and the declared autograd.Functions
-        self.eager_modules = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
-        install_experts(model, spec.experts)  # experts without transformers' switch: its grouped_mm forward
-        install_output_hooks(model)
+        self.eager_modules = prepare_model(model, spec)
         # torch.compile(fullgraph=True, dynamic=False), plus the hook that reports which guard of an earlier
         # graph failed when a call recompiles.
         compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,
@@ -324,6 +328,16 @@ class CPModule(torch.nn.Module):
         return out
 
 
+def prepare_model(model: torch.nn.Module, spec: CPSpec) -> dict:
+    """What the spec declares, installed before the model is traced; returns the modules run eagerly."""
+    install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
+    install_functions(spec.positionwise_functions)  # and the declared autograd.Functions
+    eager = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
+    install_experts(model, spec.experts)  # experts without transformers' switch: its grouped_mm forward
+    install_output_hooks(model)
+    return eager
+
+
 def _did_you_mean(names, candidates) -> str:
     close = [(n, c) for n in names for c in difflib.get_close_matches(n, [c for c in candidates if c and c != n], 1)]
     return "".join(f"; did you mean {c!r} for {n!r}?" for n, c in close)
@@ -348,7 +362,8 @@ def _explain_ranks(explain):
 
 
 def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh, backend: str = "inductor",
-               dump_dir: str | os.PathLike | None = None, verbose: bool = True, explain=None) -> CPModule:
+               dump_dir: str | os.PathLike | None = None, verbose: bool = True, explain=None,
+               regions=False) -> CPModule:
     """Compile ``model`` for context parallelism over ``mesh`` (a 1-D DeviceMesh or a ProcessGroup).
 
     ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None``: the shipped spec for the
@@ -356,8 +371,10 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     LM (``CPSpec()`` asks for those whatever the model). ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
     ``dump_dir`` receives every graph and the rewrite table. ``explain`` prints the rewrite table to stderr
     when a graph compiles: ``True`` on every rank, or a collection of ranks; ``None`` reads the environment
-    variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). Compilation happens on the
-    first call.
+    variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). ``regions=True`` compiles each
+    repeated block (a class a ``ModuleList`` holds twice or more: transformer layers) once, as a nested compile
+    region planned once for all its layers; a list of classes or class names marks those. Compilation happens on
+    the first call.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -367,6 +384,8 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
               else f"model_specs/{picked}.py, picked by model_type {config.model_type!r}")
     spec = resolve_spec(spec, config)
     spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
+    if regions:
+        mark_regions(model, repeated_blocks(model) if regions is True else regions)
     compiled = CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))
     compiled.spec_origin = origin
     return compiled

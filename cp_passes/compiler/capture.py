@@ -18,6 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CPCompileError, source_line
 from ..graph.analysis import INPUT_NAME, meta_val
+from .regions import schema_once
 
 _KEEP_SYMBOLIC = (
     "keep the sequence length symbolic there (no Python loop over chunks of the sequence, no int() of a size, "
@@ -156,8 +157,11 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local
     sym = shape_env.replace(sizes[0].node.expr)
     _refuse_float_lengths(gm, shape_env, sym)
     retracer = _Retracer(gm, shape_env, sym if sym.is_Symbol else None)
-    with fx_traceback.preserve_node_meta():
+    with fx_traceback.preserve_node_meta(), schema_once():
         aten_gm = make_fx(retracer.run, pre_dispatch=True, tracing_mode="fake")(*[meta_val(n) for n in placeholders])
+    context = torch._guards.TracingContext.try_get()
+    if context is not None:  # the re-trace cached each region's graphs by name; AOTAutograd traces them afresh
+        context.hop_dispatch_set_cache = type(context.hop_dispatch_set_cache)()
     if shape_env.replace(sym).is_number:
         at = retracer.specialized_at
         where = source_line(at) if at is not None else "an unknown node"

@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import CPCompileError, op_name, source_line
-from ..graph.analysis import meta_val, sequence_symbol
+from ..graph.analysis import meta_val, seq_dims, sequence_symbol
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
@@ -28,6 +28,8 @@ from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
 from .interleave import interleave_readers
 from .planner import Plan, RewriteRecord, plan_graph
+from .regions import InlineRegion, Region, calls_by_subgraph, constants_as_factories, flatten_nested, inline, mismatch, \
+    name_placeholders, operands, schema_once
 
 
 @dataclass
@@ -78,34 +80,128 @@ def find_symbol(gm: torch.fx.GraphModule, local_len: int):
 
 def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord) -> Plan:
     """analyse -> match -> plan -> guards on the length -> transports -> verify. Records every stage in
-    ``record``; raises CPCompileError on refusal."""
+    ``record``; raises CPCompileError on refusal. Each nested compile region (:mod:`.regions`) is planned and
+    rewritten once, as a graph of its own, for all its calls."""
     sym = find_symbol(aten_gm, record.local_len)
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
-    if fills_out_of_place(aten_gm):
-        record.history.append(("fills out of place", format_graph(aten_gm)))
-    if shifted_writes_as_shifts(aten_gm, sym, spec.pad_multiple):
-        record.history.append(("shifted writes as shifts", format_graph(aten_gm)))
-    if scores_bias_split(aten_gm, sym):
-        record.history.append(("scores and their bias apart (baddbmm)", format_graph(aten_gm)))
+    for name, calls in calls_by_subgraph(aten_gm).items():
+        flatten_nested(getattr(aten_gm, name))
+        if not constants_as_factories(getattr(aten_gm, name)):
+            count = inline(aten_gm, name)
+            record.history.append((f"{name} inlined at its {count} calls: it creates a tensor from data",
+                                   format_graph(aten_gm)))
+    for label, gm in [("", aten_gm)] + [(f"{name}: ", getattr(aten_gm, name)) for name in calls_by_subgraph(aten_gm)]:
+        _prepare(gm, sym, spec, record.history, label)
     before = _output_values(aten_gm)
-    plan = plan_graph(aten_gm, sym, spec, cp)
-    plan.interleave_readers = record.interleave_readers = interleave_readers(plan, spec)
+    plan = plan_with_regions(aten_gm, sym, spec, cp, record.history)
+    plan.interleave_readers = record.interleave_readers = [
+        line for _, part in plan.parts() for line in interleave_readers(part, spec)]
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
-    record.records = plan.records
-    record.layout = describe_layout(spec, cp, plan)
     record.partial_outputs = plan.partial_outputs
-    done = run_transports(aten_gm, plan, cp, record.history)
-    verify(aten_gm, plan, [edit for edit, _ in done], fakes, before)
+    position, done = {node.name: i for i, node in enumerate(aten_gm.graph.nodes)}, []
+    with schema_once():
+        for region in plan.regions:
+            region_before = _output_values(region.graph)
+            applied = run_transports(region.graph, region.plan, cp, record.history, f"{region.name}: ")
+            verify(region.graph, region.plan, [edit for edit, _ in applied], region.fakes(), region_before)
+            done += applied
+        applied = run_transports(aten_gm, plan, cp, record.history)
+        verify(aten_gm, plan, [edit for edit, _ in applied], fakes, before)
+    done += applied
+    record.records = table(plan, position)
+    record.layout = describe_layout(spec, cp, record.records)
     regather = spec.gathered_keys == "regather"
     for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
         rewrite.backward = tag_transport(edit, regather and TRANSPORTS[edit.pass_name].gathers_keys)
     return plan
 
 
-def describe_layout(spec, cp, plan: Plan) -> str:
+def plan_records(gm: torch.fx.GraphModule, sym, spec, cp) -> list[RewriteRecord]:
+    """The rewrite table for ``cp``'s rank, without rewriting."""
+    plan = plan_with_regions(gm, sym, spec, cp, [])
+    return table(plan, {node.name: i for i, node in enumerate(gm.graph.nodes)})
+
+
+def table(plan: Plan, position: dict[str, int]) -> list[RewriteRecord]:
+    """The graph's rows (in planning order) with each region's rows once per call, placed at the call;
+    ``position`` numbers the graph's nodes by name, as planned."""
+    if not plan.regions:
+        return plan.records
+    placed, rows = [], {call.name: [] for region in plan.regions for call in region.calls}
+    for region in plan.regions:
+        for row in region.rows():
+            rows[row.node.split(".")[0]].append(row)
+    pending = sorted(rows, key=position.get)
+    for row in plan.records:
+        while pending and position.get(row.node, len(position)) > position[pending[0]]:
+            placed += rows[pending.pop(0)]
+        placed.append(row)
+    for name in pending:
+        placed += rows[name]
+    return placed
+
+
+def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]], label: str) -> None:
+    """The rewrites that put a graph in the form the rules read."""
+    if fills_out_of_place(gm):
+        history.append((f"{label}fills out of place", format_graph(gm)))
+    if shifted_writes_as_shifts(gm, sym, spec.pad_multiple):
+        history.append((f"{label}shifted writes as shifts", format_graph(gm)))
+    if scores_bias_split(gm, sym):
+        history.append((f"{label}scores and their bias apart (baddbmm)", format_graph(gm)))
+
+
+def plan_with_regions(gm: torch.fx.GraphModule, sym, spec, cp, history: list[tuple[str, str]]) -> Plan:
+    """Plan each nested compile region on its own, then the graph that calls them. A region whose calls do not
+    match, whose plan needs the context around it, or whose operands it cannot read on its own is inlined at each
+    call (noted in ``history``), and planning starts again."""
+    while True:
+        regions, why = [], None
+        for name, calls in calls_by_subgraph(gm).items():
+            sub = getattr(gm, name)
+            why = mismatch(calls) or _alone(sub, calls, sym, spec, cp, regions)
+            if why is not None:
+                break
+        if why is None:
+            try:
+                plan = plan_graph(gm, sym, spec, cp)
+            except InlineRegion as conflict:
+                name, why = conflict.name, conflict.why
+            else:
+                plan.regions = regions
+                return plan
+        count = inline(gm, name)
+        history.append((f"{name} inlined at its {count} calls: {why}", format_graph(gm)))
+
+
+def _alone(sub: torch.fx.GraphModule, calls: list, sym, spec, cp, regions: list) -> str | None:
+    """Plan region ``sub`` on its own and add it to ``regions``; or say why it cannot be."""
+    name = calls[0].args[0].target
+    name_placeholders(sub, calls[0])
+    blocks = [v.name for v in operands(calls[0]) if isinstance(v, torch.fx.Node) and len(seq_dims(v, sym)) >= 2]
+    if blocks:
+        return f"operand '{blocks[0]}' is a [seq, seq] block, built outside it"
+    if not any(isinstance(meta_val(p), torch.Tensor) and seq_dims(p, sym)
+               for p in sub.graph.find_nodes(op="placeholder")):
+        return "it reads no sequence-sharded tensor"
+    try:
+        region_plan = plan_graph(sub, sym, spec, cp)
+    except CPCompileError:
+        return "its plan refuses it on its own; planned in place, the refusal names the model's code"
+    if region_plan.partial_outputs:
+        return "it returns a per-rank partial sum"
+    (output,) = sub.graph.find_nodes(op="output")
+    if any(isinstance(v, torch.fx.Node) and len(seq_dims(v, sym)) >= 2
+           for v in torch.utils._pytree.tree_leaves(output.args[0])):
+        return "it returns a [seq, seq] block"
+    regions.append(Region(name, sub, calls, region_plan))
+    return None
+
+
+def describe_layout(spec, cp, records: list[RewriteRecord]) -> str:
     """The layout in use and why; for an automatic choice of contiguous shards, the nodes that need them."""
     layout, why = resolve_layout(spec, cp.size)
-    needs = [f"{r.node} ({r.transport})" for r in plan.records
+    needs = [f"{r.node} ({r.transport})" for r in records
              if r.transport in TRANSPORTS and BALANCED not in TRANSPORTS[r.transport].layouts]
     if spec.layout == AUTO and layout.kind == CONTIGUOUS and needs:
         why += f"; nodes whose transport needs it: {', '.join(needs)}"
@@ -113,12 +209,14 @@ def describe_layout(spec, cp, plan: Plan) -> str:
 
 
 def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
-                   history: list[tuple[str, str]]) -> list[tuple[Edit, RewriteRecord]]:
+                   history: list[tuple[str, str]], label: str = "") -> list[tuple[Edit, RewriteRecord]]:
     """Apply each transport's rewrites in the transports' order, recording the graph after each. Returns each
     applied edit with its row of the table."""
     edits, records = [], []
     for transport in in_order():
         todo = [(n, r, rec) for n, r, rec in plan.rewrites if r.transport == transport.name]
+        if label and not todo:
+            continue
         for node, rewrite, record in todo:
             edit = Edit(gm, node, transport.name, rewrite.rule, rank=cp.rank, world=cp.size, group_name=cp.name,
                         layout=cp.layout, keep=plan.claimed)
@@ -128,7 +226,7 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
         eliminate_dead_code(gm)
         gm.graph.lint()
         gm.recompile()
-        history.append((f"after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))
+        history.append((f"{label}after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))
     # A rewrite whose node and edits all went dead (an arange that only fed a replaced mask) changed nothing.
     alive = set(gm.graph.nodes)
     dropped = {id(r) for e, r in zip(edits, records) if e.origin not in alive and not any(n in alive for n in e.nodes)}

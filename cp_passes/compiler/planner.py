@@ -24,6 +24,7 @@ from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum, Share
 from .keys import KeyState, plan_keys
+from .regions import INVOKE, InlineRegion
 
 aten = torch.ops.aten
 
@@ -73,6 +74,12 @@ class Plan:
     """Each partial sum -> every op whose sum over the sequence it adds (``partial_origins`` names the first)."""
     interleave_readers: list[str] = field(default_factory=list)
     """What would tell interleaved documents from their packed row (:mod:`.interleave`): such a batch is refused."""
+    regions: list = field(default_factory=list)
+    """The nested compile regions planned on their own (:class:`.regions.Region`), each with its plan."""
+
+    def parts(self) -> list:
+        """``(region, plan)`` for this graph (region None) and each region."""
+        return [(None, self)] + [(region, region.plan) for region in self.regions]
 
 
 _PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
@@ -254,7 +261,9 @@ def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
 
 
 def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
-    """Match every node that touches the sequence to a rule; raise one error listing every refusal."""
+    """Match every node that touches the sequence to a rule; raise one error listing every refusal. A call of a
+    nested compile region (:mod:`.regions`, planned on its own) runs as it is; one whose operands the region cannot
+    read on its own raises :class:`~.regions.InlineRegion`."""
     plan = Plan()
     problems: list[Problem] = []
     refused: set[torch.fx.Node] = set()
@@ -271,6 +280,9 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         if node.op != "call_function" or node in matches.claimed:
             continue
         ctx = RuleContext(node, sym, spec, cp.rank, cp.size, cp.layout, length, matches, values, orders)
+        if node.target is INVOKE:
+            _check_region_call(ctx)
+            continue
         try:
             rewrites = plan_keys(ctx, keys)
             decision = _plan_node(ctx, origins)
@@ -314,6 +326,17 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                 origins[value], "partial_sum", "none", share,
                 "a sum over the sequence: this rank's share; add the ranks' values for the total", name=f"output[{i}]"))
     return plan
+
+
+def _check_region_call(ctx: RuleContext) -> None:
+    """A region planned on its own sees its operands as plain values: sharded rows, or whole."""
+    for t in ctx.tensor_inputs():
+        why = ("a per-rank partial sum" if ctx.is_partial(t) else
+               "a value a pattern matcher claimed" if t in ctx.matches.claimed else
+               "a [q, k] block of attention scores" if t in ctx.matches.blocks.keys else
+               "a [seq, seq] block" if len(seq_dims(t, ctx.sym)) >= 2 else None)
+        if why is not None:
+            raise InlineRegion(ctx.node.args[0].target, f"operand '{t.name}' is {why}")
 
 
 def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set, keys: dict) -> list[Problem]:

@@ -20,9 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph.analysis import INPUT_NAME
-from ..compiler.pipeline import CompileRecord, rewrite_graph
-from ..compiler.planner import plan_graph
-from ..graph.analysis import meta_val, numel_hint, sequence_symbol
+from ..compiler.backend import prepare_model
+from ..compiler.capture import capture
+from ..compiler.pipeline import CompileRecord, plan_records, rewrite_graph
+from ..compiler.regions import mark_gradients, mark_regions, repeated_blocks, schema_once
+from ..graph.analysis import meta_val, sequence_symbol
 from ..graph.provenance import format_graph
 from ..group import resolve_group
 from ..kernels import install
@@ -48,19 +50,65 @@ def _export(build_model, inputs, spec: CPSpec):
     return exported.graph_module, seq_len, parameter_bytes
 
 
+class _Captured(Exception):
+    """Raised by the dry run's dynamo backend once it holds the graph: nothing is compiled or run."""
+
+
+def _capture(build_model, inputs, spec: CPSpec, regions):
+    """The model as ``cp_compile`` captures it (dynamo, then the pre-dispatch ATen re-trace), on fake parameters and
+    inputs; with ``regions`` (True, or classes) its repeated blocks are nested compile regions."""
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    with fake_mode:
+        model = build_model()
+        kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
+    prepare_model(model, spec)
+    if regions:
+        mark_regions(model, repeated_blocks(model) if regions is True else regions)
+    found = spec.length_input(list(kwargs.items()))
+    if found is None:
+        raise ValueError(f"no input has a sequence dim that spec {spec.name!r} may shard: {list(kwargs)}")
+    seq_len, leading = spec.length_of(*found), spec.batch_dims(*found)
+    sharded = {}
+    for name, t in kwargs.items():
+        if spec.is_sharded(name, t, seq_len, leading):
+            sharded[id(t)] = (name, spec.dim_of(name, t))
+            torch._dynamo.mark_dynamic(t, spec.dim_of(name, t))
+    held = {}
+
+    def backend(gm, example_inputs):
+        held["graph"], fakes = capture(gm, sharded, seq_len, spec.pad_multiple)
+        for fake, example in zip(fakes, example_inputs):  # the re-trace's fakes lose it; the partition needs it
+            if isinstance(example, torch.Tensor) and example.requires_grad:
+                fake.requires_grad_(True)
+        raise _Captured
+
+    try:
+        torch._dynamo.optimize(backend, nopython=True, dynamic=False)(model)(**kwargs)
+    except torch._dynamo.exc.BackendCompilerFailed as failed:
+        if not isinstance(failed.inner_exception, _Captured):
+            raise failed.inner_exception from None
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return held["graph"], seq_len, parameter_bytes
+
+
 def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
-            spec: CPSpec | None = None, *, mesh, plan_ranks: Iterable[int] = (), memory: bool = False) -> DryRun:
+            spec: CPSpec | None = None, *, mesh, plan_ranks: Iterable[int] = (), memory: bool = False,
+            regions=None) -> DryRun:
     """Rewrite ``build_model()`` for the CP group ``mesh`` as ``cp_compile`` would, with fake tensors only.
 
     ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)``. The rewrite (every graph,
     the table) is for ``mesh``'s rank; ``plan_ranks`` are only planned, for their
     byte counts. ``memory`` adds the estimate from AOTAutograd's partitions (tens of seconds for a large
-    model).
+    model). ``regions`` (True, or block classes) captures the model as ``cp_compile(regions=...)`` does, through
+    dynamo, each repeated block planned once; without it the model is exported (``torch.export``).
     """
     spec = spec if spec is not None else CPSpec()
     cp = resolve_group(mesh, spec)
     install(spec.recurrences)
-    gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
+    if regions:
+        gm, seq_len, parameter_bytes = _capture(build_model, inputs, spec, regions)
+    else:
+        gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     (sym,) = sequence_symbol(placeholders) or (None,)
     for node in placeholders:
@@ -69,18 +117,22 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     per_rank = {}
     if sym is not None:
         for rank in plan_ranks:
-            per_rank[rank] = plan_graph(gm, sym, spec, dataclasses.replace(cp, rank=rank)).records
+            per_rank[rank] = plan_records(gm, sym, spec, dataclasses.replace(cp, rank=rank))
     record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
     record.history.append(("exported (torch.export, fake tensors)", gm.print_readable(print_output=False)))
     fakes = [meta_val(n) for n in placeholders]
     rewrite_graph(gm, fakes, spec, cp, record)
     estimate = None
     if memory and sym is not None:
-        forward, backward = partition(gm, fakes)
+        mark_gradients(gm, fakes)
+        with schema_once():
+            forward, backward = partition(gm, fakes)
         record.aot_graphs.update(forward=format_graph(forward), backward=format_graph(backward))
-        single_gm = _export(build_model, inputs, spec)[0]
-        single_forward, single_backward = partition(single_gm, [meta_val(n) for n in
-                                                                single_gm.graph.find_nodes(op="placeholder")])
+        single_gm = (_capture(build_model, inputs, spec, regions) if regions else _export(build_model, inputs, spec))[0]
+        single_fakes = [meta_val(n) for n in single_gm.graph.find_nodes(op="placeholder")]
+        mark_gradients(single_gm, single_fakes)
+        with schema_once():
+            single_forward, single_backward = partition(single_gm, single_fakes)
         single_sym = _symbol(single_gm)
         whole = (single_sym, cp.layout.global_len(seq_len))
         estimate = MemoryEstimate(

@@ -1,0 +1,281 @@
+"""Repeated layers planned once: dynamo's nested compile regions (``invoke_subgraph``).
+
+A model whose block class is marked ``torch.compiler.nested_compile_region`` (by the user, or by
+``cp_compile(regions=True)`` through :func:`mark_regions`) reaches the backend with one subgraph per distinct
+block and a call of it per layer. Each distinct subgraph is planned and rewritten once, as a graph of its own,
+and every call runs the rewritten one. That holds only where every call hands the subgraph the same kind of
+values, so the match is checked, not assumed: the calls' operands must agree (:func:`call_signature`: shapes,
+dtypes, which inputs they are), none may be a value the subgraph cannot read on its own (a per-rank partial
+sum, a ``[seq, seq]`` block, a value a matcher claimed), and the subgraph's plan must return no partial sum.
+A subgraph that fails any of these is inlined at each call, and the whole graph is planned as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.fx
+
+from ..errors import module_path
+from ..graph.analysis import INPUT_NAME, meta_val
+
+INVOKE = torch.ops.higher_order.invoke_subgraph
+
+
+class InlineRegion(Exception):
+    """Raised by the planner at a call whose operands the subgraph cannot read on its own."""
+
+    def __init__(self, name: str, why: str):
+        super().__init__(f"{name}: {why}")
+        self.name, self.why = name, why
+
+
+def calls_by_subgraph(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """Each subgraph's name -> the ``invoke_subgraph`` nodes that call it, in graph order."""
+    found: dict[str, list[torch.fx.Node]] = {}
+    for node in gm.graph.find_nodes(op="call_function", target=INVOKE):
+        found.setdefault(node.args[0].target, []).append(node)
+    return found
+
+
+def operands(call: torch.fx.Node) -> tuple:
+    return call.args[2:]
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.fx.Node):
+        name = value.meta.get(INPUT_NAME) if value.op == "placeholder" else None
+        val = meta_val(value)
+        if isinstance(val, torch.Tensor):
+            return f"{val.dtype}{list(val.shape)} grad={val.requires_grad} input={name}"
+        return f"{type(val).__name__}({val}) input={name}"
+    return repr(value)
+
+
+def call_signature(call: torch.fx.Node) -> list[str]:
+    """What the subgraph's plan may depend on at this call: each operand's shape, dtype, whether it needs a
+    gradient, and which model input it is (a ``doc_ids`` placeholder reads differently from any tensor)."""
+    return [_describe(v) for v in operands(call)]
+
+
+def mismatch(calls: list[torch.fx.Node]) -> str | None:
+    """Why the calls cannot share one plan, or None."""
+    first = call_signature(calls[0])
+    for call in calls[1:]:
+        other = call_signature(call)
+        if other != first:
+            at = next((i for i, (a, b) in enumerate(zip(first, other)) if a != b), len(first))
+            return (f"its calls differ at operand {at}: {first[at] if at < len(first) else '-'} "
+                    f"({module_path(calls[0])}) vs {other[at] if at < len(other) else '-'} ({module_path(call)})")
+    return None
+
+
+def name_placeholders(sub: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    """The subgraph's placeholders take the model-input names of the operands that are model inputs."""
+    for placeholder, value in zip(sub.graph.find_nodes(op="placeholder"), operands(call)):
+        placeholder.meta.pop(INPUT_NAME, None)
+        if isinstance(value, torch.fx.Node) and value.op == "placeholder" and INPUT_NAME in value.meta:
+            placeholder.meta[INPUT_NAME] = value.meta[INPUT_NAME]
+
+
+def inline(gm: torch.fx.GraphModule, name: str) -> int:
+    """Replace every call of subgraph ``name`` by a copy of its nodes; returns how many calls were inlined."""
+    calls = calls_by_subgraph(gm).get(name, [])
+    sub = getattr(gm, name)
+    traced = _block_path(calls[0]) if calls else None  # the subgraph's modules are the first call's
+    for call in calls:
+        env = dict(zip(sub.graph.find_nodes(op="placeholder"), operands(call)))
+        (output,) = sub.graph.find_nodes(op="output")
+        here = _block_path(call)
+        with gm.graph.inserting_before(call):
+            for node in sub.graph.nodes:
+                if node.op in ("placeholder", "output"):
+                    continue
+                env[node] = copy = gm.graph.node_copy(node, lambda n: env[n])
+                if traced and here and "nn_module_stack" in copy.meta:
+                    copy.meta["nn_module_stack"] = {
+                        key: ((here + path[len(traced):], cls) if path.startswith(traced) else (path, cls))
+                        for key, (path, cls) in copy.meta["nn_module_stack"].items()}
+        results = [env[v] if isinstance(v, torch.fx.Node) else v for v in output.args[0]]
+        for user in list(call.users):  # dynamo reads a call's results by getitem only
+            user.replace_all_uses_with(results[user.args[1]])
+            gm.graph.erase_node(user)
+        getter = call.args[0]
+        gm.graph.erase_node(call)
+        if not getter.users:
+            gm.graph.erase_node(getter)
+    if not gm.graph.find_nodes(op="get_attr", target=name):
+        delattr(gm, name)
+    gm.graph.lint()
+    gm.recompile()
+    return len(calls)
+
+
+def _block_path(call: torch.fx.Node) -> str | None:
+    """The module path (as dynamo spells it) of the block a call runs."""
+    stack = call.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else None
+
+
+def stamp_regions(gm: torch.fx.GraphModule) -> int:
+    """Inline every region, rewritten once, at each of its calls; returns how many regions there were. For
+    Inductor: torch 2.13's Inductor computes wrong gradients for a region called more than once (plain
+    ``torch.compile`` of the 4-layer ToyLlama with its block a nested compile region: the last block's RMSNorm
+    weight off by 29% relative, with or without cp_passes; likely pytorch/pytorch#193960), so regions save cp_passes'
+    planning there, not Inductor's time."""
+    names = list(calls_by_subgraph(gm))
+    for name in names:
+        inline(gm, name)
+    return len(names)
+
+
+def call_module(call: torch.fx.Node, first: torch.fx.Node, path: str) -> str:
+    """``path``, a module inside the first call's block, as the same module inside ``call``'s block."""
+    base, here = module_path(first), module_path(call)
+    if base and path.startswith(base):
+        return here + path[len(base):]
+    return path
+
+
+_SUBCLASSES: dict[type, type] = {}
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[type]:
+    """The classes of the blocks a model repeats: the children of a ``ModuleList`` that holds at least two
+    modules of one class (transformer layers), as accelerate's regional compilation finds them."""
+    found: list[type] = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList):
+            classes = [type(child) for child in module]
+            for cls in dict.fromkeys(classes):
+                if classes.count(cls) >= 2 and cls not in found:
+                    found.append(cls)
+    return found
+
+
+def mark_regions(model: torch.nn.Module, classes) -> list[str]:
+    """Make every instance of ``classes`` (a class or class name) a nested compile region: its class becomes a
+    subclass whose ``forward`` is ``torch.compiler.nested_compile_region(forward)`` (the user's class is left as it
+    is; ``isinstance`` still holds). Returns the names of the classes marked."""
+    wanted = list(classes)
+    names = {c for c in wanted if isinstance(c, str)}
+    types = tuple(c for c in wanted if isinstance(c, type))
+    marked = []
+    for module in model.modules():
+        cls = type(module)
+        base = next((b for b, sub in _SUBCLASSES.items() if sub is cls), cls)
+        if not (isinstance(module, types) and types) and base.__name__ not in names:
+            continue
+        if cls is base:
+            if base not in _SUBCLASSES:
+                _SUBCLASSES[base] = type(base.__name__, (base,), {
+                    "forward": torch.compiler.nested_compile_region(base.forward),
+                    "__module__": base.__module__, "__qualname__": base.__qualname__})
+            module.__class__ = _SUBCLASSES[base]
+        if base.__name__ not in marked:
+            marked.append(base.__name__)
+    return marked
+
+
+class Region:
+    """A nested compile region planned on its own: its subgraph, the calls that run it, and its plan."""
+
+    def __init__(self, name: str, graph: torch.fx.GraphModule, calls: list[torch.fx.Node], plan):
+        self.name, self.graph, self.calls, self.plan = name, graph, calls, plan
+
+    def fakes(self) -> list:
+        return [meta_val(p) for p in self.graph.graph.find_nodes(op="placeholder")]
+
+    def rows(self) -> list:
+        """The plan's rows of the rewrite table once per call, each under its call's module (``layers.5.attn``)."""
+        return [dataclasses.replace(row, node=f"{call.name}.{row.node}", module=call_module(call, self.calls[0], row.module))
+                for call in self.calls for row in self.plan.records]
+
+
+def flatten_nested(sub: torch.fx.GraphModule) -> None:
+    """Inline the regions a region calls: a region is planned as one graph."""
+    for name in list(calls_by_subgraph(sub)):
+        flatten_nested(getattr(sub, name))
+        inline(sub, name)
+
+
+@contextlib.contextmanager
+def schema_once():
+    """Trace each region's schema once per subgraph. Under autograd, every call of ``invoke_subgraph`` re-traces its
+    subgraph to learn whether it mutates an input (``HigherOrderOperator.gen_schema``, a third of a second per call
+    of a Llama-8B block on fake tensors): the answer is the subgraph's, the same at every call."""
+    original = INVOKE.gen_schema
+    seen: dict = {}
+
+    def once(subgraph, identifier, *operands):
+        key = (id(subgraph), identifier, tuple((str(o.shape), o.dtype, o.requires_grad) if isinstance(o, torch.Tensor)
+                                               else type(o) for o in operands))
+        if key not in seen:
+            seen[key] = original(subgraph, identifier, *operands)
+        return seen[key]
+
+    INVOKE.gen_schema = once
+    try:
+        yield
+    finally:
+        del INVOKE.gen_schema
+
+
+def mark_gradients(gm: torch.fx.GraphModule, inputs: list) -> None:
+    """Mark which of each region's results need a gradient, for AOTAutograd, which reads it from the subgraph's
+    output values (``invoke_subgraph.get_output_metadata``): the pre-dispatch re-trace records every value as
+    needing none. A result needs one where it depends on an operand that does, at any call; ``inputs`` are the
+    graph's example inputs."""
+    needs = {p: isinstance(x, torch.Tensor) and x.requires_grad
+             for p, x in zip(gm.graph.find_nodes(op="placeholder"), inputs)}
+    calls = calls_by_subgraph(gm)
+    operand_needs = {name: [False] * len(operands(found[0])) for name, found in calls.items()}
+    _flow(gm.graph, needs)
+    for name, found in calls.items():
+        for call in found:
+            for i, value in enumerate(operands(call)):
+                operand_needs[name][i] |= bool(needs.get(value, False))
+    for name, flags in operand_needs.items():
+        sub = getattr(gm, name)
+        inner = dict(zip(sub.graph.find_nodes(op="placeholder"), flags))
+        _flow(sub.graph, inner)
+        (output,) = sub.graph.find_nodes(op="output")
+        for value in output.args[0]:
+            val = meta_val(value) if isinstance(value, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.requires_grad != inner.get(value, False):
+                value.meta["val"] = val.detach().requires_grad_(inner.get(value, False))
+
+
+def _flow(graph: torch.fx.Graph, needs: dict) -> None:
+    """Whether each value depends on one that needs a gradient (floating point; ``detach`` cuts)."""
+    for node in graph.nodes:
+        if node in needs or node.op != "call_function":
+            continue
+        val = meta_val(node)
+        floating = not isinstance(val, torch.Tensor) or val.is_floating_point() or val.is_complex()
+        needs[node] = floating and node.target is not torch.ops.aten.detach.default and any(
+            needs.get(a, False) for a in node.all_input_nodes)
+
+
+def constants_as_factories(sub: torch.fx.GraphModule) -> bool:
+    """A tensor a region's code creates from data (``torch.tensor([])`` in transformers' KV cache) is a constant of
+    its subgraph, which AOTAutograd's trace of the region turns fake and then refuses. An empty one becomes the
+    op that makes it (``aten.empty``). False where a constant holds data (the region is then inlined, where
+    constants stay real)."""
+    for node in list(sub.graph.find_nodes(op="get_attr")):
+        value = getattr(sub, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.numel():
+            return False
+        with sub.graph.inserting_before(node):
+            empty = sub.graph.call_function(torch.ops.aten.empty.memory_format, (list(value.shape),),
+                                            {"dtype": value.dtype, "device": value.device})
+        empty.meta = dict(node.meta)
+        node.replace_all_uses_with(empty)
+        sub.graph.erase_node(node)
+        delattr(sub, node.target)
+    sub.recompile()
+    return True

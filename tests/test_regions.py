@@ -1,0 +1,157 @@
+"""Repeated layers planned once (``cp_compile(regions=True)``: each repeated block a nested compile region).
+
+On a fake process group: a model's regions give the rewrite table the flat graph gives, each distinct block
+planned once; a region its calls cannot share (a mask built outside it, a partial sum returned, calls that
+differ) is inlined at its calls, saying why. On real processes (the pool's task :func:`parity`): loss and
+gradients as on one device, ToyLlama with two kinds of block and transformers' Llama.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cp_passes
+from cp_passes.tools.dryrun import dry_run
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+
+MIXED = ToyLlamaConfig(n_layers=4, window=5, conv_kernel=(0, 3, 0, 3))
+"""Sliding-window attention on packed documents in every block, a causal convolution in every other one: two
+kinds of block, each called twice."""
+
+
+def _rows(run):
+    return sorted((r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.module) for r in run.record.records)
+
+
+def _inlined(run):
+    return [label for label, _ in run.record.history if " inlined at its " in label]
+
+
+def test_each_kind_of_block_is_planned_once_with_the_flat_table(fake_group):
+    inputs = {name: ((2, 16), torch.int64) for name in ("input_ids", "doc_ids", "labels")}
+    flat = dry_run(lambda: ToyLlama(MIXED), inputs, mesh=fake_group)
+    regions = dry_run(lambda: ToyLlama(MIXED), inputs, mesh=fake_group, regions=True)
+    assert _rows(regions) == _rows(flat)
+    planned = {label.split(":")[0] for label, _ in regions.record.history if label.startswith("repeated_subgraph")}
+    assert len(planned) == 2 and not _inlined(regions), [label for label, _ in regions.record.history]
+
+
+class Block(nn.Module):
+    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids; optionally also
+    returning the sum of its output."""
+
+    def __init__(self, returns_sum: bool = False):
+        super().__init__()
+        self.qkv, self.returns_sum = nn.Linear(8, 24), returns_sum
+
+    def forward(self, x, mask_or_ids):
+        if mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
+            pos = torch.arange(x.shape[1])
+            ids = mask_or_ids
+            mask_or_ids = ((pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_ids).transpose(1, 2).flatten(2)
+        return (out, out.sum()) if self.returns_sum else out
+
+
+class Stack(nn.Module):
+    """Two blocks given a causal ``[S, S]`` mask built outside them (``"outside"``); the documents' ids for the
+    first block and a copy of them for the next (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(Block(returns_sum=kind == "sum") for _ in range(2))
+
+    def forward(self, input_ids, doc_ids):
+        x, total = self.embed(input_ids), 0
+        pos = torch.arange(input_ids.shape[1])
+        for i, block in enumerate(self.blocks):
+            if self.kind == "outside":
+                x = block(x, pos[:, None] >= pos[None, :])
+            elif self.kind == "differ":
+                x = block(x, doc_ids if i == 0 else doc_ids + 0)
+            else:
+                x, part = block(x, doc_ids)
+                total = total + part
+        return x.pow(2).sum() + total
+
+
+@pytest.mark.parametrize("kind,why", [("outside", "[seq, seq] block"), ("differ", "its calls differ"),
+                                      ("sum", "returns a per-rank partial sum")])
+def test_a_region_its_calls_cannot_share_is_inlined(fake_group, kind, why):
+    inputs = {"input_ids": ((2, 16), torch.int64), "doc_ids": ((2, 16), torch.int64)}
+    flat = dry_run(lambda: Stack(kind), inputs, mesh=fake_group)
+    regions = dry_run(lambda: Stack(kind), inputs, mesh=fake_group, regions=True)
+    (inlined,) = _inlined(regions)
+    assert why in inlined, inlined
+    assert _rows(regions) == _rows(flat)
+
+
+def _toy_batch(seq_len: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 256, (2, seq_len), generator=g)
+    doc = (torch.arange(seq_len) >= seq_len // 3).long() + (torch.arange(seq_len) >= seq_len - 3).long()
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    return {"input_ids": ids, "doc_ids": doc.expand(2, -1).clone(), "labels": labels}
+
+
+def _llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa"))
+
+
+def _relative(group, compiled_loss, model, reference_loss, reference) -> tuple[float, float]:
+    import torch.distributed as dist
+
+    total = compiled_loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = 0.0
+    for p, r in zip(model.parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads = max(grads, ((g - r.grad).abs().max() / r.grad.abs().max()).item())
+    return (abs(total - reference_loss) / abs(reference_loss)).item(), grads
+
+
+def parity(group, backend: str, seq_len: int) -> dict:
+    """Per model: (loss, gradient) differences from one device, relative, and the region names its graph planned."""
+    found = {}
+    batch = _toy_batch(seq_len)
+    for name, build in (("toy", lambda: (torch.manual_seed(0), ToyLlama(MIXED))[1]), ("llama", _llama)):
+        torch._dynamo.reset()
+        model, reference = build(), build()
+        inputs = batch if name == "toy" else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+        out = reference(**inputs)
+        reference_loss = out[0] if name == "toy" else out.loss
+        reference_loss.backward()
+        compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False, regions=True)
+        local, _ = cp_passes.shard_batch(inputs, group)
+        out = compiled(**local)
+        loss = out[0] if name == "toy" else out.loss
+        loss.backward()
+        regions = sorted({label.split(":")[0] for label, _ in compiled.compile_records[-1].history
+                          if label.startswith("repeated_subgraph")})
+        found[name] = _relative(group, loss, model, reference_loss.detach(), reference) + (regions,)
+    return found
+
+
+@pytest.mark.parametrize("P,backend", [
+    pytest.param(2, "aot_eager", id="P2-aot_eager"),
+    pytest.param(2, "inductor", marks=pytest.mark.full, id="P2-inductor"),
+    pytest.param(4, "aot_eager", marks=pytest.mark.full, id="P4-aot_eager"),
+    pytest.param(4, "inductor", marks=pytest.mark.full, id="P4-inductor"),
+])
+def test_regions_match_one_device(pool, P, backend):
+    """ToyLlama with two kinds of block (window 5 over packed documents, a convolution in every other block; at P = 4
+    a document spans three ranks and the window is longer than a rank's chunk) and transformers' Llama (3 layers,
+    one kind): each kind planned once, loss and gradients as on one device."""
+    for rank, found in enumerate(pool.run("test_regions:parity", P, backend=backend, seq_len=4 * P)):
+        for name, (loss, grads, regions) in found.items():
+            assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
+            assert len(regions) == (2 if name == "toy" else 1), (rank, name, regions)
