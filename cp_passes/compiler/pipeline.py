@@ -84,14 +84,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     rewritten once, as a graph of its own, for all its calls."""
     sym = find_symbol(aten_gm, record.local_len)
     record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
-    for name, calls in calls_by_subgraph(aten_gm).items():
-        flatten_nested(getattr(aten_gm, name))
-        if not constants_as_factories(getattr(aten_gm, name)):
-            count = inline(aten_gm, name)
-            record.history.append((f"{name} inlined at its {count} calls: it creates a tensor from data",
-                                   format_graph(aten_gm)))
-    for label, gm in [("", aten_gm)] + [(f"{name}: ", getattr(aten_gm, name)) for name in calls_by_subgraph(aten_gm)]:
-        _prepare(gm, sym, spec, record.history, label)
+    prepare_graph(aten_gm, sym, spec, record.history)
     before = _output_values(aten_gm)
     plan = plan_with_regions(aten_gm, sym, spec, cp, record.history)
     plan.interleave_readers = record.interleave_readers = [
@@ -116,8 +109,20 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     return plan
 
 
+def prepare_graph(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]]) -> None:
+    """Put the graph and each region's subgraph in the form the rules read (idempotent)."""
+    for name in calls_by_subgraph(gm):
+        flatten_nested(getattr(gm, name))
+        if not constants_as_factories(getattr(gm, name)):
+            count = inline(gm, name)
+            history.append((f"{name} inlined at its {count} calls: it creates a tensor from data", format_graph(gm)))
+    for label, graph in [("", gm)] + [(f"{name}: ", getattr(gm, name)) for name in calls_by_subgraph(gm)]:
+        _prepare(graph, sym, spec, history, label)
+
+
 def plan_records(gm: torch.fx.GraphModule, sym, spec, cp) -> list[RewriteRecord]:
     """The rewrite table for ``cp``'s rank, without rewriting."""
+    prepare_graph(gm, sym, spec, [])
     plan = plan_with_regions(gm, sym, spec, cp, [])
     return table(plan, {node.name: i for i, node in enumerate(gm.graph.nodes)})
 

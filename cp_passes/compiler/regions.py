@@ -85,6 +85,15 @@ def inline(gm: torch.fx.GraphModule, name: str) -> int:
     calls = calls_by_subgraph(gm).get(name, [])
     sub = getattr(gm, name)
     traced = _block_path(calls[0]) if calls else None  # the subgraph's modules are the first call's
+    attributes = {}  # what the subgraph's get_attr and call_module nodes read, under a name free in gm
+    for node in [n for n in sub.graph.nodes if n.op in ("get_attr", "call_module")]:
+        free, i = node.target.replace(".", "_"), 0
+        while hasattr(gm, free):
+            i += 1
+            free = f"{node.target.replace('.', '_')}_{name}_{i}"
+        value = sub.get_submodule(node.target) if node.op == "call_module" else getattr(sub, node.target)
+        gm.add_submodule(free, value) if isinstance(value, torch.nn.Module) else setattr(gm, free, value)
+        attributes[node.target] = free
     for call in calls:
         env = dict(zip(sub.graph.find_nodes(op="placeholder"), operands(call)))
         (output,) = sub.graph.find_nodes(op="output")
@@ -94,6 +103,8 @@ def inline(gm: torch.fx.GraphModule, name: str) -> int:
                 if node.op in ("placeholder", "output"):
                     continue
                 env[node] = copy = gm.graph.node_copy(node, lambda n: env[n])
+                if node.target in attributes and node.op in ("get_attr", "call_module"):
+                    copy.target = attributes[node.target]
                 if traced and here and "nn_module_stack" in copy.meta:
                     copy.meta["nn_module_stack"] = {
                         key: ((here + path[len(traced):], cls) if path.startswith(traced) else (path, cls))

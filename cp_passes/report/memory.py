@@ -12,6 +12,7 @@ by module, the largest collective buffer, and the largest tensor that grows with
 from __future__ import annotations
 
 import collections
+import operator
 import re
 from dataclasses import dataclass, field
 
@@ -48,15 +49,31 @@ def _views_of_inputs(forward: torch.fx.GraphModule | None) -> set[str]:
     return found
 
 
+def _path(node: torch.fx.Node) -> str | None:
+    """The module that made ``node`` (for a piece of a tuple without its own, the tuple's)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
+        return _path(node.args[0])
+    return re.sub(r"^L\['self'\]\.?", "", str(list(stack.values())[-1][0])) if stack else None
+
+
 def _module_paths(forward: torch.fx.GraphModule | None) -> dict[str, str]:
+    """Each forward node's module path; a result of a region's call (``invoke_subgraph``) takes the path of the
+    module inside the block that made it, under the call's block (``layers.5.attn``)."""
     if forward is None:
         return {}
     paths = {}
     for node in forward.graph.nodes:
-        stack = node.meta.get("nn_module_stack") or {}
-        if stack:
-            path = list(stack.values())[-1][0]
-            paths[node.name] = re.sub(r"^L\['self'\]\.?", "", str(path))
+        path = _path(node)
+        if path is not None:
+            paths[node.name] = path
+        call = node.args[0] if node.target is operator.getitem and node.args else None
+        if isinstance(call, torch.fx.Node) and call.target is torch.ops.higher_order.invoke_subgraph:
+            (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
+            made = output.args[0][node.args[1]]
+            inner, block = _path(made) if isinstance(made, torch.fx.Node) else None, _path(call)
+            if inner and block:  # the subgraph's paths are the first call's block's: keep what is below it
+                paths[node.name] = ".".join(block.split(".") + inner.split(".")[len(block.split(".")):])
     return paths
 
 
@@ -112,8 +129,8 @@ class Largest:
 def largest(graphs: list[torch.fx.GraphModule], keep, length=None) -> Largest:
     """The largest tensor value of a node ``keep(node, val)`` accepts, in any of ``graphs``."""
     best = Largest()
-    for graph in graphs:
-        paths = _module_paths(graph)
+    for graph in [g for top in graphs for g in top.modules() if isinstance(g, torch.fx.GraphModule)]:
+        paths = _module_paths(graph)  # a region's subgraph is a submodule of the graph that calls it
         for node in graph.graph.nodes:
             val = meta_val(node)
             if isinstance(val, torch.Tensor) and node.op == "call_function" and keep(node, val):

@@ -17,6 +17,8 @@ def _demo(args) -> int:
 
 
 def _explain(args) -> int:
+    import inspect
+
     import torch
     from tabulate import tabulate
 
@@ -24,8 +26,9 @@ def _explain(args) -> int:
     from ..report.dump import write_dump
     from ..report.explain import format_bytes, format_record
     from ..report.memory import format_memory
-    from .models import EXAMPLES, built_in
-    from ..spec import CPSpec, load_spec
+    from ..report.overlap import format_overlap
+    from .models import EXAMPLES, built_in, factory_model, hf_model
+    from ..spec import CPSpec, load_spec, resolve_spec
 
     world, seq_len = args.world_size, args.seq_len
     if seq_len % world or seq_len // world < 2:
@@ -33,24 +36,43 @@ def _explain(args) -> int:
     rank = world - 1 if args.rank is None else args.rank
     if not 0 <= rank < world:
         raise SystemExit(f"--rank {rank} is outside 0..{world - 1}")
-    description, config = EXAMPLES[args.model]
-    spec = load_spec(args.spec) if args.spec else CPSpec()
+    dtype = getattr(torch, args.dtype)
+    if (args.model is None) == (args.hf_config is None):
+        raise SystemExit("give a MODEL (a built-in example or module:factory) or --hf-config, not both")
+    config, hf = None, args.hf_config is not None
+    if hf:
+        build, config, name = hf_model(args.hf_config, dtype)
+        description = f"transformers' {name}, {getattr(config, 'num_hidden_layers', '?')} layers, its config's defaults"
+    elif args.model in EXAMPLES:
+        name, (description, example) = args.model, EXAMPLES[args.model]
+        build = lambda: built_in(example, dtype)  # noqa: E731
+    elif ":" in args.model:
+        name, description, build = args.model, "built by the factory", factory_model(args.model, dtype)
+    else:
+        raise SystemExit(f"MODEL {args.model!r} is neither a built-in example ({', '.join(sorted(EXAMPLES))}) nor "
+                         f"module:factory; for a transformers model use --hf-config")
+    spec = load_spec(args.spec, config) if args.spec else resolve_spec(None, config) if hf else CPSpec()
     local = seq_len // world
     columns = sorted({0, 1, world // 4, world // 2, (3 * world) // 4, world - 1} if args.ranks is None
                      else set(args.ranks)) if world > 1 else [0]
-    dtype = getattr(torch, args.dtype)
-    inputs = {"input_ids": ((args.batch, local), torch.long), "labels": ((args.batch, local), torch.long)}
-    if args.packed:  # what shard_batch's packing passes: the doc-id map and per-document positions
-        inputs["doc_ids"] = inputs["position_ids"] = ((args.batch, local), torch.long)
-    print(f"cp_passes: planning {args.model} and partitioning its backward on fake tensors (about a minute for "
-          f"llama-8b)...", file=sys.stderr, flush=True)
+
+    def inputs(model):
+        """What a training step passes: tokens and labels, and with --packed what shard_batch's packing passes
+        (the doc-id map, where the model reads it, and per-document positions)."""
+        takes = inspect.signature(model.forward).parameters
+        kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+        wanted = ["input_ids", "labels"] + (["doc_ids", "position_ids"] if args.packed else [])
+        return {key: ((args.batch, local), torch.long) for key in wanted if key in takes or (kwargs and key != "doc_ids")}
+
+    print(f"cp_passes: planning {name} {'with each repeated block once ' if args.regions else ''}and partitioning "
+          f"its backward on fake tensors...", file=sys.stderr, flush=True)
     with fake_group(world, rank) as group:
-        run = dry_run(lambda: built_in(config, dtype), inputs, spec, mesh=group,
-                      plan_ranks=[r for r in columns if r != rank], memory=True)
+        run = dry_run(build, inputs, spec, mesh=group, plan_ranks=[r for r in columns if r != rank], memory=True,
+                      regions=args.regions or None)
     run.per_rank[rank] = run.record.records
-    print(f"cp_passes plan: {args.model} ({description}), spec {spec.name}")
+    print(f"cp_passes plan: {name} ({description}), spec {spec.name}")
     print(f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, {args.dtype}"
-          f"{', packed documents (doc_ids, position_ids)' if args.packed else ''}, with labels (a training step); a dry run with "
+          f"{', packed documents' if args.packed else ''}, with labels (a training step); a dry run with "
           f"fake tensors and a fake process group (nothing allocated, no processes)\n")
     print(format_record(run.record))
     moved = [r for r in run.record.records if r.collective]
@@ -67,6 +89,7 @@ def _explain(args) -> int:
         print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in columns]))
     print()
     print("\n".join(format_memory(run.memory, rank, local, format_bytes)))
+    print(format_overlap(run.overlap, format_bytes))
     if args.dump:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
@@ -112,15 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain = sub.add_parser(
         "explain",
-        help="plan a built-in example for any world size and sequence length, without processes or memory",
-        description="Trace a built-in example with fake tensors on a fake process group of --world-size ranks, run "
-                    "cp_passes' analysis, planning and transport passes as cp_compile would, and print the rewrite "
-                    "table for --rank, the bytes each of several ranks receives per layer, and --rank's memory: "
-                    "what its training step saves for the backward (AOTAutograd's partition, by module) against "
-                    "one device's divided by P, its largest collective buffer and [sequence x sequence] tensor, "
-                    "and the parameters. Examples: " + "; ".join(f"{k}: {v[0]}" for k, v in EXAMPLES.items()) + ".",
+        help="plan any model for any world size and sequence length, without processes or memory",
+        description="Build a model with fake tensors (nothing allocated) on a fake process group of --world-size "
+                    "ranks, capture it as cp_compile does, run cp_passes' analysis, planning and transport passes, "
+                    "and print the rewrite table for --rank, the bytes each of several ranks receives per layer, "
+                    "and --rank's memory: what its training step saves for the backward (AOTAutograd's partition, "
+                    "by module) against one device's divided by P, its largest collective buffer and [sequence x "
+                    "sequence] tensor, and the parameters. The model is a built-in example (" +
+                    "; ".join(f"{k}: {v[0]}" for k, v in EXAMPLES.items()) + "), a module:factory that returns "
+                    "your model, or a transformers model (--hf-config). Each repeated block is planned once "
+                    "(--no-regions plans every layer): seconds for 60 layers.",
     )
-    explain.add_argument("model", choices=sorted(EXAMPLES), help="built-in example to plan")
+    explain.add_argument("model", nargs="?", default=None, metavar="MODEL",
+                         help="a built-in example, or module:factory (a function, importable from the current "
+                              "directory, that returns the model; its forward takes input_ids and labels)")
+    explain.add_argument("--hf-config", metavar="NAME", default=None,
+                         help="a transformers model with its config's defaults: a model class "
+                              "(DeepseekV4ForCausalLM), a model type (llama: its causal LM) or a config.json path; "
+                              "the shipped spec for its model type unless --spec")
+    explain.add_argument("--no-regions", dest="regions", action="store_false",
+                         help="trace and plan every layer, not each repeated block once")
     explain.add_argument("--world-size", type=int, default=8, help="CP ranks (default: 8)")
     explain.add_argument("--seq-len", type=int, default=131072,
                          help="global sequence length, a multiple of --world-size (default: 131072)")
@@ -136,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--ranks", type=int, nargs="+", default=None, metavar="R",
                          help="ranks compared in the bytes-per-layer table (default: 0, 1, P/4, P/2, 3P/4, P-1)")
     explain.add_argument("--spec", default=None,
-                         help="a spec name from model_specs/ or a .py file defining SPEC (default: CPSpec())")
+                         help="a spec name from model_specs/ or a .py file defining SPEC (default: the shipped spec "
+                              "for a transformers model's type, else CPSpec())")
     explain.add_argument("--dump", metavar="DIR", default=None,
                          help="write --rank's graphs (exported, ATen, after each pass) and the table under "
                               "DIR/rank<r>/graph0/")

@@ -22,22 +22,28 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..graph.analysis import INPUT_NAME
 from ..compiler.backend import prepare_model
 from ..compiler.capture import capture
-from ..compiler.pipeline import CompileRecord, plan_records, rewrite_graph
+from ..compiler.pipeline import CompileRecord, plan_records, prepare_graph, rewrite_graph
 from ..compiler.regions import mark_gradients, mark_regions, repeated_blocks, schema_once
 from ..graph.analysis import meta_val, sequence_symbol
 from ..graph.provenance import format_graph
 from ..group import resolve_group
 from ..kernels import install
+from ..report.overlap import Overlap, overlap
 from ..report.memory import MemoryEstimate, collective_output, largest, quadratic, saved_for_backward
 from ..transports import collective_ops
 from ..spec import CPSpec
+
+
+def _inputs(inputs, model: torch.nn.Module) -> dict:
+    """``inputs``, or what ``inputs(model)`` says the built model takes."""
+    return inputs(model) if callable(inputs) else inputs
 
 
 def _export(build_model, inputs, spec: CPSpec):
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     with fake_mode:
         model = build_model()
-        kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
+        kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in _inputs(inputs, model).items()}
     found = spec.length_input(list(kwargs.items()))
     if found is None:
         raise ValueError(f"no input has a sequence dim that spec {spec.name!r} may shard: {list(kwargs)}")
@@ -47,20 +53,40 @@ def _export(build_model, inputs, spec: CPSpec):
                for name, t in kwargs.items()}
     exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return exported.graph_module, seq_len, parameter_bytes
+    return exported.graph_module, seq_len, parameter_bytes, list(kwargs)
 
 
 class _Captured(Exception):
     """Raised by the dry run's dynamo backend once it holds the graph: nothing is compiled or run."""
 
 
+def _fake_model(build_model, fake_mode: FakeTensorMode) -> torch.nn.Module:
+    """``build_model()`` with fake CPU parameters and buffers: built on the meta device (no memory, no
+    initialisation; a model that casts its own submodules, ``norm.to(torch.float32)``, cannot be built under a
+    FakeTensorMode), then each tensor made a fake one of its shape and dtype."""
+    with torch.device("meta"):
+        model = build_model()
+    made: dict[int, torch.Tensor] = {}  # a tied weight stays one tensor
+    with fake_mode:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    if value is not None and id(value) not in made:
+                        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+                        made[id(value)] = torch.nn.Parameter(fake, value.requires_grad) \
+                            if isinstance(value, torch.nn.Parameter) else fake
+                    if value is not None:
+                        table[name] = made[id(value)]
+    return model
+
+
 def _capture(build_model, inputs, spec: CPSpec, regions):
     """The model as ``cp_compile`` captures it (dynamo, then the pre-dispatch ATen re-trace), on fake parameters and
     inputs; with ``regions`` (True, or classes) its repeated blocks are nested compile regions."""
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    model = _fake_model(build_model, fake_mode)
     with fake_mode:
-        model = build_model()
-        kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in inputs.items()}
+        kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in _inputs(inputs, model).items()}
     prepare_model(model, spec)
     if regions:
         mark_regions(model, repeated_blocks(model) if regions is True else regions)
@@ -88,7 +114,7 @@ def _capture(build_model, inputs, spec: CPSpec, regions):
         if not isinstance(failed.inner_exception, _Captured):
             raise failed.inner_exception from None
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return held["graph"], seq_len, parameter_bytes
+    return held["graph"], seq_len, parameter_bytes, list(kwargs)
 
 
 def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[tuple[int, ...], torch.dtype]],
@@ -96,7 +122,8 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
             regions=None) -> DryRun:
     """Rewrite ``build_model()`` for the CP group ``mesh`` as ``cp_compile`` would, with fake tensors only.
 
-    ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)``. The rewrite (every graph,
+    ``inputs`` maps forward-argument names to this rank's local ``(shape, dtype)`` (or is a function of the built
+    model that returns them). The rewrite (every graph,
     the table) is for ``mesh``'s rank; ``plan_ranks`` are only planned, for their
     byte counts. ``memory`` adds the estimate from AOTAutograd's partitions (tens of seconds for a large
     model). ``regions`` (True, or block classes) captures the model as ``cp_compile(regions=...)`` does, through
@@ -106,23 +133,25 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     cp = resolve_group(mesh, spec)
     install(spec.recurrences)
     if regions:
-        gm, seq_len, parameter_bytes = _capture(build_model, inputs, spec, regions)
+        gm, seq_len, parameter_bytes, names = _capture(build_model, inputs, spec, regions)
     else:
-        gm, seq_len, parameter_bytes = _export(build_model, inputs, spec)
+        gm, seq_len, parameter_bytes, names = _export(build_model, inputs, spec)
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     (sym,) = sequence_symbol(placeholders) or (None,)
     for node in placeholders:
-        if node.name in inputs:  # export names a forward argument's placeholder after it
+        if not regions and node.name in names:  # export names a forward argument's placeholder after it
             node.meta[INPUT_NAME] = node.name
+    record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
+    record.history.append((f"{'captured (dynamo)' if regions else 'exported (torch.export)'}, fake tensors",
+                           gm.print_readable(print_output=False)))
     per_rank = {}
     if sym is not None:
+        prepare_graph(gm, sym, spec, record.history)
         for rank in plan_ranks:
             per_rank[rank] = plan_records(gm, sym, spec, dataclasses.replace(cp, rank=rank))
-    record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
-    record.history.append(("exported (torch.export, fake tensors)", gm.print_readable(print_output=False)))
     fakes = [meta_val(n) for n in placeholders]
     rewrite_graph(gm, fakes, spec, cp, record)
-    estimate = None
+    estimate = overlapped = None
     if memory and sym is not None:
         mark_gradients(gm, fakes)
         with schema_once():
@@ -142,12 +171,13 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
             largest([single_forward], quadratic(single_sym), whole),
             parameter_bytes)
         record.saved = estimate.saved
-    return DryRun(record, per_rank, parameter_bytes, estimate, gm, fakes)
+        overlapped = overlap([forward, backward], collective_ops())
+    return DryRun(record, per_rank, parameter_bytes, estimate, gm, fakes, overlapped)
 
 
 def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
     """AOTAutograd's forward and backward graphs of ``gm`` on its fake inputs, partitioned by min-cut as
-    ``cp_compile`` lowers: the backward runs on fake tensors from the sum of the floating-point outputs."""
+    ``cp_compile`` lowers (every floating-point output that needs a gradient gets one)."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -159,11 +189,13 @@ def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModu
             return make_boxed_func(graph.forward)
         return compiler
 
-    with torch._guards.detect_fake_mode(fakes):
-        compiled = aot_module_simplified(gm, fakes, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
-                                         partition_fn=min_cut_rematerialization_partition)
-        outputs = [o for o in compiled(*fakes) if isinstance(o, torch.Tensor) and o.requires_grad]
-        sum(o.float().sum() for o in outputs).backward()
+    fake_mode = torch._guards.detect_fake_mode(fakes)
+    # A tracing context, as under dynamo: it caches each region's traced graphs for all its calls. The backward
+    # is partitioned with the forward, not at a first backward run (which would run both graphs on fakes).
+    with fake_mode, torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        aot_module_simplified(gm, fakes, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                              partition_fn=min_cut_rematerialization_partition)
     return graphs["forward"], graphs["backward"]
 
 
@@ -183,6 +215,8 @@ class DryRun:
     graph: torch.fx.GraphModule | None = None
     """The rewritten graph (pre-dispatch ATen), which runs on ``fakes``."""
     fakes: list | None = None
+    overlap: Overlap | None = None
+    """How much of the collectives' traffic the AOT graphs can hide behind compute (with ``memory``)."""
 
 
 @contextlib.contextmanager

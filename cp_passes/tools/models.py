@@ -189,3 +189,58 @@ EXAMPLES = {
                  ToyLlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336)),
 }
 """Built-in examples for ``python -m cp_passes explain``: name -> (description, config)."""
+
+
+def hf_model(name: str, dtype: torch.dtype = torch.float32):
+    """``(build, config)`` for a transformers model: ``name`` is a model class (``DeepseekV4ForCausalLM``), a model
+    type (``llama``: its causal LM), or a path to a ``config.json`` or a folder holding one; the model is built
+    from the config's defaults (or the file's values) with parameters in ``dtype``, for training (no KV cache)."""
+    import os
+
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and hasattr(cls, "config_class"):
+        config = cls.config_class()
+    else:
+        if os.path.exists(name):
+            config = transformers.AutoConfig.from_pretrained(name)
+        else:
+            try:
+                config = transformers.AutoConfig.for_model(name)
+            except ValueError:
+                raise SystemExit(f"--hf-config {name!r} is neither a transformers model class, a model type nor a "
+                                 f"config path") from None
+        cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
+    config.use_cache = False  # a training step
+
+    def build():
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return cls(config)
+        finally:
+            torch.set_default_dtype(default)
+
+    return build, config, cls.__name__
+
+
+def factory_model(path: str, dtype: torch.dtype = torch.float32):
+    """``build`` for ``module:factory``, a function that returns the model (parameters created in ``dtype``)."""
+    import importlib
+
+    module_name, _, attribute = path.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(f"cannot load the model factory {path!r}: {error}") from None
+
+    def build():
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return factory()
+        finally:
+            torch.set_default_dtype(default)
+
+    return build

@@ -1,0 +1,104 @@
+"""Real sizes: planning and compiling time, and how much of the collectives' traffic can hide behind compute.
+Three ratios, measured in one run:
+
+- plan 32/4 layers: CPU seconds of ``python -m cp_passes explain``'s dry run (fake tensors, a fake process group of
+  --world-size ranks, S = --seq-len, bf16: capture, planning for six ranks, the rewrite, and the memory estimate's
+  two AOTAutograd partitions) of the Llama-3-8B-shaped ToyLlama with 32 layers, against the same model with 4
+  layers. Each repeated block is planned once (``regions``); ``--no-regions`` measures every layer traced.
+- compile cp/plain: wall seconds of the first training step (forward and backward, Inductor) of the demo's ToyLlama
+  with 4 layers: ``cp_compile`` on a gloo group of one process against ``torch.compile`` of the same model, each
+  in a fresh process with an empty Inductor cache.
+- overlapped: of the bytes llama-8b's collectives receive (32 layers, the same dry run), the fraction waited for
+  only after compute that does not need them (:mod:`cp_passes.report.overlap`).
+
+    python benchmarks/compile_time.py                  # P = 8, S = 131072; about 5 minutes on 2 cores
+"""
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from cp_passes.report.explain import format_bytes
+from cp_passes.report.overlap import format_overlap
+from cp_passes.tools.dryrun import dry_run, fake_group
+from cp_passes.tools.models import EXAMPLES, built_in
+
+COLUMNS = [0, 1, 2, 4, 6, 7]
+"""Ranks explain plans by default at P = 8."""
+
+
+def plan_seconds(layers: int, world: int, seq_len: int, regions: bool):
+    """CPU seconds of explain's dry run of llama-8b with ``layers`` layers, and the run."""
+    config = dataclasses.replace(EXAMPLES["llama-8b"][1], n_layers=layers)
+    local = seq_len // world
+    inputs = {"input_ids": ((1, local), torch.long), "labels": ((1, local), torch.long)}
+    start = time.process_time()
+    with fake_group(world, world - 1) as group:
+        run = dry_run(lambda: built_in(config, torch.bfloat16), inputs, mesh=group, memory=True,
+                      plan_ranks=[r for r in COLUMNS if r < world - 1], regions=regions or None)
+    return time.process_time() - start, run
+
+
+def first_step(kind: str) -> float:
+    """Wall seconds of the first forward and backward of the 4-layer ToyLlama (run in a fresh process)."""
+    import torch.distributed as dist
+
+    import cp_passes
+    from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+
+    torch.manual_seed(0)
+    model = ToyLlama(ToyLlamaConfig(n_layers=4))
+    ids = torch.randint(0, 256, (2, 256))
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)
+    if kind == "cp":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29571")
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        compiled = cp_passes.cp_compile(model, mesh=dist.group.WORLD, verbose=False)
+    else:
+        compiled = torch.compile(model)
+    start = time.perf_counter()
+    loss, _ = compiled(ids, labels=labels)
+    loss.backward()
+    return time.perf_counter() - start
+
+
+def compile_seconds(kind: str) -> float:
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        out = subprocess.run([sys.executable, __file__, "--first-step", kind], env=env, check=True,
+                             capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=131072)
+    parser.add_argument("--no-regions", dest="regions", action="store_false",
+                        help="trace and plan every layer (the dry run before regions)")
+    parser.add_argument("--first-step", choices=("cp", "plain"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.first_step:
+        print(first_step(args.first_step))
+        return 0
+    few, _ = plan_seconds(4, args.world_size, args.seq_len, args.regions)
+    many, run = plan_seconds(32, args.world_size, args.seq_len, args.regions)
+    print(f"plan llama-8b, P = {args.world_size}, S = {args.seq_len}: 4 layers {few:.1f} CPU-s, 32 layers "
+          f"{many:.1f} CPU-s")
+    cp, plain = compile_seconds("cp"), compile_seconds("plain")
+    print(f"first training step of the 4-layer ToyLlama, Inductor: cp_compile {cp:.1f} s, torch.compile {plain:.1f} s")
+    print(f"llama-8b (32 layers): {format_overlap(run.overlap, format_bytes)}")
+    print(f"plan 32/4 layers: {many / few:.2f}; compile cp/plain: {cp / plain:.2f}; "
+          f"overlapped: {run.overlap.fraction:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
