@@ -135,6 +135,28 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[3]).read_text()
 
 
+def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_path):
+    """A module:factory and a transformers config.json, each repeated block planned once; one table row per layer."""
+    out = run("-m", "cp_passes", "explain", "tests.test_regions:mixed_toy", "--world-size", "4", "--seq-len", "64",
+              "--packed", "--ranks", "0", "3")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cp_passes plan: tests.test_regions:mixed_toy (built by the factory)" in out.stdout
+    for layer in range(4):
+        assert re.search(rf"layers\.{layer}\.attn +sdpa_data_mask +halo", out.stdout), out.stdout
+    assert "the model's mask from doc_ids" in out.stdout
+    assert "collectives overlapped with compute: 0 B of" in out.stdout
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}')
+    out = run("-m", "cp_passes", "explain", "--hf-config", str(tmp_path / "config.json"), "--world-size", "4",
+              "--seq-len", "64")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cp_passes plan: LlamaForCausalLM (transformers' LlamaForCausalLM, 3 layers" in out.stdout
+    assert out.stdout.count("sdpa_causal") >= 3
+    out = run("-m", "cp_passes", "explain", "no_such_module:build")
+    assert out.returncode != 0 and "cannot load the model factory 'no_such_module:build'" in out.stderr
+
+
 def test_explain_plans_halos_for_a_sliding_window_model():
     out = run("-m", "cp_passes", "explain", "toy-llama-swa", "--world-size", "64", "--seq-len", "1048576")
     assert out.returncode == 0, out.stderr[-3000:]

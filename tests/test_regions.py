@@ -155,3 +155,8 @@ def test_regions_match_one_device(pool, P, backend):
         for name, (loss, grads, regions) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
             assert len(regions) == (2 if name == "toy" else 1), (rank, name, regions)
+
+
+def mixed_toy():
+    """The factory ``python -m cp_passes explain tests.test_regions:mixed_toy`` plans (tests/test_cli.py)."""
+    return ToyLlama(MIXED)

@@ -234,7 +234,7 @@ def sdpa_rule(ctx: RuleContext):
     if reach.banded and plan.move != HALO:
         notes.append("the spec asks for a gather")
     if metadata is not None:
-        names = ", ".join(leaf.name for leaf in metadata.tensor_leaves) or "positions"
+        names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in metadata.tensor_leaves) or "positions"
         envelope = (f"window {reach.window} (spec)" if declared and declared.window else
                     f"{reach.describe()} read from the model's mask for one document" if reach.banded else
                     "causal envelope" if reach.causal else "bidirectional: every key")

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val
+from ..graph.analysis import INPUT_NAME, meta_val
 from ..key_plan import KeyPlan, outside
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .attention import global_mask, mask_leaves, mask_module, mask_terms, sized_by_data
@@ -111,7 +111,7 @@ class KeyMask:
             _last_two(found, dims) and not sized_by_data(found) for found, dims in masks)
 
     def describe(self) -> str:
-        names = ", ".join(leaf.name for leaf in self.mask.tensor_leaves) or "positions"
+        names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in self.mask.tensor_leaves) or "positions"
         where = "at this rank's rows and the keys brought" if self.at_rows else "over the whole sequence"
         cut = (f", cut to {self.keys.describe()}" + (" and checked to hide every other key" if self.checks else "")
                if self.keys else "")
