@@ -170,15 +170,20 @@ class ToyLlama(nn.Module):
         return loss, logits
 
 
-def built_in(config: ToyLlamaConfig, dtype: torch.dtype = torch.float32) -> ToyLlama:
-    """``ToyLlama(config)`` with its parameters created in ``dtype`` (under a FakeTensorMode ``.to()`` cannot
-    swap parameters)."""
+def in_dtype(dtype: torch.dtype, make):
+    """``make()`` with floating-point tensors created in ``dtype`` (the dry run builds models without
+    ``.to()``, which cannot swap fake parameters)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return ToyLlama(config)
+        return make()
     finally:
         torch.set_default_dtype(default)
+
+
+def built_in(config: ToyLlamaConfig, dtype: torch.dtype = torch.float32) -> ToyLlama:
+    """``ToyLlama(config)`` with its parameters created in ``dtype``."""
+    return in_dtype(dtype, lambda: ToyLlama(config))
 
 
 EXAMPLES = {
@@ -213,16 +218,7 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32):
                                  f"config path") from None
         cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
     config.use_cache = False  # a training step
-
-    def build():
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return cls(config)
-        finally:
-            torch.set_default_dtype(default)
-
-    return build, config, cls.__name__
+    return (lambda: in_dtype(dtype, lambda: cls(config))), config, cls.__name__
 
 
 def factory_model(path: str, dtype: torch.dtype = torch.float32):
@@ -234,13 +230,4 @@ def factory_model(path: str, dtype: torch.dtype = torch.float32):
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise SystemExit(f"cannot load the model factory {path!r}: {error}") from None
-
-    def build():
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            return factory()
-        finally:
-            torch.set_default_dtype(default)
-
-    return build
+    return lambda: in_dtype(dtype, factory)
