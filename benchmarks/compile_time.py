@@ -4,7 +4,8 @@ Three ratios, measured in one run:
 - plan 32/4 layers: CPU seconds of ``python -m cp_passes explain``'s dry run (fake tensors, a fake process group of
   --world-size ranks, S = --seq-len, bf16: capture, planning for six ranks, the rewrite, and the memory estimate's
   two AOTAutograd partitions) of the Llama-3-8B-shaped ToyLlama with 32 layers, against the same model with 4
-  layers. Each repeated block is planned once (``regions``); ``--no-regions`` measures every layer traced.
+  layers, after an untimed dry run of one layer (imports and first-use caches). Each repeated block is planned
+  once (``regions``); ``--no-regions`` measures every layer traced.
 - compile cp/plain: wall seconds of the first training step (forward and backward, Inductor) of the demo's ToyLlama
   with 4 layers: ``cp_compile`` on a gloo group of one process against ``torch.compile`` of the same model, each
   in a fresh process with an empty Inductor cache. ``cp_compile`` keeps the sequence length symbolic (one graph
@@ -90,6 +91,7 @@ def main() -> int:
     if args.first_step:
         print(first_step(args.first_step))
         return 0
+    plan_seconds(1, args.world_size, 64 * args.world_size, args.regions)  # imports and first-use caches, not timed
     few, _ = plan_seconds(4, args.world_size, args.seq_len, args.regions)
     many, run = plan_seconds(32, args.world_size, args.seq_len, args.regions)
     print(f"plan llama-8b, P = {args.world_size}, S = {args.seq_len}: 4 layers {few:.1f} CPU-s, 32 layers "
