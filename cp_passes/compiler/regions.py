@@ -222,8 +222,10 @@ def schema_once():
     seen: dict = {}
 
     def once(subgraph, identifier, *operands):
-        key = (id(subgraph), identifier, tuple((str(o.shape), o.dtype, o.requires_grad) if isinstance(o, torch.Tensor)
-                                               else type(o) for o in operands))
+        # By name where the call has one: AOTAutograd wraps the same subgraph anew at every call.
+        key = (identifier if identifier is not None else id(subgraph),
+               tuple((str(o.shape), o.dtype, o.requires_grad) if isinstance(o, torch.Tensor) else type(o)
+                     for o in operands))
         if key not in seen:
             seen[key] = original(subgraph, identifier, *operands)
         return seen[key]

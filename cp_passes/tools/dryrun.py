@@ -10,6 +10,7 @@ exported ATen graph. The record holds the rewrite table and every graph, as a co
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Iterable
@@ -136,6 +137,9 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         gm, seq_len, parameter_bytes, names = _capture(build_model, inputs, spec, regions)
     else:
         gm, seq_len, parameter_bytes, names = _export(build_model, inputs, spec)
+    # The single-device graph for the memory estimate: a copy of the capture, not a second one (dynamo traces
+    # every layer's call again: half of a 45-layer model's dry run).
+    single_gm = copy.deepcopy(gm) if memory and regions else None
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     (sym,) = sequence_symbol(placeholders) or (None,)
     for node in placeholders:
@@ -157,7 +161,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         with schema_once():
             forward, backward = partition(gm, fakes)
         record.aot_graphs.update(forward=format_graph(forward), backward=format_graph(backward))
-        single_gm = (_capture(build_model, inputs, spec, regions) if regions else _export(build_model, inputs, spec))[0]
+        single_gm = single_gm if single_gm is not None else _export(build_model, inputs, spec)[0]
         single_fakes = [meta_val(n) for n in single_gm.graph.find_nodes(op="placeholder")]
         mark_gradients(single_gm, single_fakes)
         with schema_once():
