@@ -143,7 +143,7 @@ def stamp_regions(gm: torch.fx.GraphModule) -> int:
     return len(names)
 
 
-def call_module(call: torch.fx.Node, first: torch.fx.Node, path: str) -> str:
+def module_at_call(call: torch.fx.Node, first: torch.fx.Node, path: str) -> str:
     """``path``, a module inside the first call's block, as the same module inside ``call``'s block."""
     base, here = module_path(first), module_path(call)
     if base and path.startswith(base):
@@ -202,7 +202,7 @@ class Region:
 
     def rows(self) -> list:
         """The plan's rows of the rewrite table once per call, each under its call's module (``layers.5.attn``)."""
-        return [dataclasses.replace(row, node=f"{call.name}.{row.node}", module=call_module(call, self.calls[0], row.module))
+        return [dataclasses.replace(row, node=f"{call.name}.{row.node}", module=module_at_call(call, self.calls[0], row.module))
                 for call in self.calls for row in self.plan.records]
 
 
