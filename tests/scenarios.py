@@ -1063,20 +1063,23 @@ def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 1
     return {"input_ids": ids, "position_ids": torch.arange(length).expand(rows, length), "shift_labels": shifted}
 
 
-def deepseek_v4_loss(model, batch: dict):
-    """The summed cross entropy of the model's logits against labels shifted inside each document."""
-    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])
+def deepseek_v4_loss(model, batch: dict, positions: bool = True):
+    """The summed cross entropy of the model's logits against labels shifted inside each document; without
+    ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
+    out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
     return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
 
 
-def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
+                       positions: bool = True) -> dict:
     """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
-    doc-id map, per-document positions and labels): this rank's results."""
+    doc-id map, per-document positions and labels), called with or without ``position_ids``: this rank's
+    results."""
     model = hf_deepseek_v4()
     compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
     assert compiled.spec.pad_multiple == 4  # read from the config's rates
     local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
-    loss, logits = deepseek_v4_loss(compiled, local)
+    loss, logits = deepseek_v4_loss(compiled, local, positions)
     loss.backward()
     return _step(model, compiled, loss, logits, layout)
 

@@ -62,21 +62,25 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
     return split_floor(model, losses, grads)
 
 
-CASES = [(2, PACKED), pytest.param(1, None, marks=pytest.mark.full), pytest.param(2, None, marks=pytest.mark.full),
-         pytest.param(4, None, marks=pytest.mark.full), pytest.param(4, PACKED, marks=pytest.mark.full)]
+CASES = [(2, PACKED, True), (2, None, False), pytest.param(1, None, True, marks=pytest.mark.full),
+         pytest.param(2, None, True, marks=pytest.mark.full), pytest.param(4, None, True, marks=pytest.mark.full),
+         pytest.param(4, None, False, marks=pytest.mark.full), pytest.param(4, PACKED, True, marks=pytest.mark.full)]
 
 
-@pytest.mark.parametrize("P,documents", CASES)
-def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents):
+@pytest.mark.parametrize("P,documents,positions", CASES)
+def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, positions):
     """A sliding-window layer, a CSA layer (windows of 2, each paired with the previous one by a halo of one
     window, a top-2 indexer over the compressed entries) and an HCA layer (windows of 4), two windows a rank
     at least. Each compressed layer's keys are the raw positions and the compressed entries, brought part by
     part; its masks (sliding window, causal block rule, the indexer's top-k) are evaluated at each rank's query
-    rows and cut to the keys brought. Packed rows: documents aligned to the spec's groups, one across three ranks."""
+    rows and cut to the keys brought. Packed rows: documents aligned to the spec's groups, one across three ranks.
+    Without ``position_ids`` the model's own ``arange`` feeds both the rotary (made this rank's positions) and
+    the masks (copied whole, over the global length)."""
     seq_len = 8 * P
-    per_rank = pool.run("deepseek_v4_parity", P, documents=documents, seq_len=seq_len)
+    per_rank = pool.run("deepseek_v4_parity", P, documents=documents, seq_len=seq_len, positions=positions)
     batch, loss, logits, grads = _reference(P, documents)
-    name = f"hf-DeepseekV4ForCausalLM-{'packed' if documents else 'unpacked'}-aot_eager"
+    name = (f"hf-DeepseekV4ForCausalLM-{'packed' if documents else 'unpacked'}"
+            f"{'' if positions else '-no-position_ids'}-aot_eager")
     if documents:
         assert batch["doc_ids"][0].tolist()[:25] == [0] * 3 + [-1] + [1] * 17 + [-1] * 3 + [2], batch["doc_ids"]
         for r in per_rank:  # every position is compared, the padding between documents too

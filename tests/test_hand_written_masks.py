@@ -76,9 +76,37 @@ def document_seven_seen(x, doc):  # window 3 inside documents, document 7's keys
     return (x @ x.transpose(1, 2)).masked_fill(hide, float("-inf")).softmax(-1) @ x
 
 
+def _rotate(x, pos):  # a rotary-like use of the positions outside the mask
+    return x * torch.cos(pos[:, None].to(x.dtype) * 0.3) + x.roll(1, -1) * torch.sin(pos[:, None].to(x.dtype) * 0.3)
+
+
+def rotary_and_window(x, doc):  # one arange (+ 0, as transformers' position ids) for the rotary and a window of 3
+    pos = torch.arange(x.shape[1]) + 0
+    x = _rotate(x, pos)
+    d = pos[:, None] - pos[None, :]
+    return (x @ x.transpose(1, 2)).masked_fill((d < 0) | (d >= 3), float("-inf")).softmax(-1) @ x
+
+
+def rotary_and_packed_positions(x, doc):  # documents found from the positions (transformers' packed detection)
+    pos = (torch.arange(x.shape[1]) + 0)[None].expand(x.shape[0], -1)
+    first = pos[:, :1] - 1
+    documents = (torch.diff(pos, dim=-1, prepend=first) != 1).cumsum(-1)
+    x = _rotate(x, pos[0])
+    hide = (pos[:, :, None] < pos[:, None, :]) | (documents[:, :, None] != documents[:, None, :])
+    return (x @ x.transpose(1, 2)).masked_fill(hide, float("-inf")).softmax(-1) @ x
+
+
+def table_positions_and_band(x, doc):  # positions sliced from a longer table, for the rotary and a two-sided band
+    pos = torch.arange(64)[: x.shape[1]]
+    x = _rotate(x, pos)
+    band = (pos[:, None] - pos[None, :]).abs() <= 2
+    return torch.where(band, x @ x.transpose(1, 2), NEG).softmax(-1) @ x
+
+
 ATTENTIONS = {f.__name__: f for f in (causal_from_zeros, causal_documents_fill, window_heads_4d, two_sided_band,
                                       window_documents, alibi_slopes, window_with_bias, later_across_documents, document_five_hidden,
-                                      document_seven_seen)}
+                                      document_seven_seen, rotary_and_window, rotary_and_packed_positions,
+                                      table_positions_and_band)}
 
 
 class Attend(nn.Module):
@@ -98,7 +126,7 @@ def batch(seq_len: int, documents: list[tuple[int, int]]) -> dict:
     return {"input_ids": ids.expand(2, -1).clone(), "doc_ids": doc.expand(2, -1).clone()}
 
 
-@pytest.mark.parametrize("name", list(ATTENTIONS))
+@pytest.mark.parametrize("name", [n for n in ATTENTIONS if n != "table_positions_and_band"])  # export bounds S
 def test_masks_are_evaluated_at_the_rank_rows_only(fake_group, name):
     """No value of the rewritten forward (AOTAutograd's partition) has two whole-sequence dims: the masks are
     evaluated at the rank's queries and the keys brought, the check a tile at a time inside its op."""
@@ -140,7 +168,8 @@ def parity(group, names: list[str], seq_len: int, documents: list) -> dict:
 
 
 PARITY = ["causal_from_zeros", "causal_documents_fill", "window_heads_4d", "two_sided_band", "window_documents",
-          "alibi_slopes", "window_with_bias"]
+          "alibi_slopes", "window_with_bias", "rotary_and_window", "rotary_and_packed_positions",
+          "table_positions_and_band"]
 
 
 @pytest.mark.parametrize("P,seq_len,documents", [

@@ -22,7 +22,7 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import shifted_writes_as_shifts
-from ..graph.provenance import Edit, eliminate_dead_code, format_graph
+from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
@@ -218,7 +218,8 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
     """Apply each transport's rewrites in the transports' order, recording the graph after each. Returns each
     applied edit with its row of the table."""
     edits, records = [], []
-    for transport in in_order():
+    transports = in_order()
+    for i, transport in enumerate(transports):
         todo = [(n, r, rec) for n, r, rec in plan.rewrites if r.transport == transport.name]
         if label and not todo:
             continue
@@ -228,7 +229,10 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
             transport.apply(edit, rewrite.request)
             edits.append(edit)
             records.append(record)
-        eliminate_dead_code(gm)
+        later = {t.name for t in transports[i + 1:]}
+        # A later transport may copy nodes an earlier one left unread (a mask's arange, now this rank's
+        # positions for the rotary): they stay until it has run.
+        eliminate_dead_code(gm, request_nodes(r.request for _, r, _ in plan.rewrites if r.transport in later))
         gm.graph.lint()
         gm.recompile()
         history.append((f"{label}after {transport.name} ({len(todo)} rewrites)", format_graph(gm)))

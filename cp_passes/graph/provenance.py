@@ -7,6 +7,7 @@ forward/backward graphs say which pass made each collective. :func:`format_graph
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -67,6 +68,15 @@ class Edit:
             node = replaced[node]
         return node
 
+    def planned(self, node: torch.fx.Node) -> torch.fx.Node:
+        """The node of the graph as it was planned that ``node`` stands for now (the inverse of :meth:`current`):
+        a pattern's nodes copied whole (a model-built mask) read their inputs as planned, not as an earlier
+        transport rewired them (an ``arange`` the mask shares with the rotary, now this rank's positions)."""
+        replaced_by = {new: old for old, new in self.gm.meta.get(_REPLACED, {}).items()}
+        while node in replaced_by:
+            node = replaced_by[node]
+        return node
+
     def insert(self, target, args, kwargs=None, *, name: str, before: torch.fx.Node | None = None) -> torch.fx.Node:
         """Create a node before ``before`` (default: the origin) with the origin's source information."""
         with self.graph.inserting_before(before if before is not None else self.origin):
@@ -78,8 +88,8 @@ class Edit:
         return self.changed(node)
 
     def copy(self, node: torch.fx.Node, replace: dict, *, name: str) -> torch.fx.Node:
-        """A copy of ``node`` before the origin, reading ``replace[a]`` where it read ``a``."""
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: replace.get(a, a))
+        """A copy of ``node`` before the origin, reading ``replace[a]`` where it read ``a`` as planned."""
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: replace.get(self.planned(a), a))
         return self.insert(node.target, args, kwargs, name=name)
 
     def call_module(self, name: str, module: torch.nn.Module, args) -> torch.fx.Node:
@@ -116,10 +126,35 @@ def format_graph(gm: torch.fx.GraphModule) -> str:
     return "\n".join(lines) + "\n"
 
 
-def eliminate_dead_code(gm: torch.fx.GraphModule) -> None:
-    """Remove the nodes nothing reads, counting a node a transport replaced (:meth:`Edit.replace_uses`) as
-    pure: FX keeps an unread ``scaled_dot_product_attention`` for the random numbers its dropout could draw,
-    so a replaced attention (and the mask only it read) would otherwise stay in the rewritten graph: in the dry
-    run's graphs and its memory report, at least."""
+def eliminate_dead_code(gm: torch.fx.GraphModule, pinned: frozenset = frozenset()) -> None:
+    """Remove the nodes nothing reads, except ``pinned`` ones (a later transport copies them), counting a node
+    a transport replaced (:meth:`Edit.replace_uses`) as pure: FX keeps an unread
+    ``scaled_dot_product_attention`` for the random numbers its dropout could draw, so a replaced attention (and
+    the mask only it read) would otherwise stay in the rewritten graph: in the dry run's graphs and its memory
+    report, at least."""
     replaced = gm.meta.get(_REPLACED, {})
-    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n not in replaced and n.is_impure())
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda n: n in pinned or (n not in replaced and n.is_impure()))
+
+
+def request_nodes(requests) -> frozenset:
+    """Every graph node the planned requests name, through their dataclass fields and containers (a mask's
+    nodes, which the key transports copy whole)."""
+    found, todo, seen = set(), list(requests), set()
+    while todo:
+        item = todo.pop()
+        if isinstance(item, torch.fx.Node):
+            found.add(item)
+        elif id(item) in seen:
+            continue
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            seen.add(id(item))
+            todo.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            seen.add(id(item))
+            todo.extend(item)
+        elif isinstance(item, dict):
+            seen.add(id(item))
+            todo.extend(item.keys())
+            todo.extend(item.values())
+    return frozenset(found)
