@@ -252,3 +252,29 @@ def attention_pieces(layout, rank: int, causal: bool, masked: bool) -> tuple[lis
                 m.append(c)
         k_bounds, kinds = merged_bounds, [c for m in merged for c in m]
     return q_bounds, k_bounds, kinds
+
+
+def own_keys_first(layout, rank: int) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Causal attention without a mask in two calls, so that the first runs while the other ranks' keys travel:
+    ``(q_units, own_kinds, k_units, rest_kinds, all_kinds)``. The first call's keys are the rank's own ranges
+    (in local order, as its queries: ``q_units`` bound both), each pair's kind ``own_kinds``; the second's are the
+    visible prefix (``k_units``, one piece a chunk, global order), computing ``rest_kinds`` (every pair but
+    those of the own chunks) and differentiating ``all_kinds``."""
+    units = layout.chunks
+    q_ranges = list(layout.ranges(rank, units))
+    q_units = [0]
+    for start, stop in q_ranges:
+        q_units.append(q_units[-1] + stop - start)
+    k_units = list(range(layout.prefix_chunks(rank) + 1))
+
+    def kind(q_range, chunk):
+        if chunk >= q_range[1]:
+            return SKIP
+        return CAUSAL if chunk == q_range[0] else FULL
+
+    all_kinds = [kind(q, c) for q in q_ranges for c in range(len(k_units) - 1)]
+    own = {start for start, _ in q_ranges}
+    rest_kinds = [SKIP if c in own else all_kinds[i * (len(k_units) - 1) + c]
+                  for i in range(len(q_ranges)) for c in range(len(k_units) - 1)]
+    own_kinds = [kind(q, start) for q in q_ranges for start, _ in q_ranges]
+    return q_units, own_kinds, k_units, rest_kinds, all_kinds

@@ -110,7 +110,8 @@ def collective_fingerprint(gm: torch.fx.GraphModule, collectives: set) -> list[s
                 parts.append(f"{name}={[hint(s) for s in val.shape]} {val.dtype}")
             elif not isinstance(value, torch.fx.Node):
                 parts.append(f"{name}={value!r}")
-        out.append(f"{node.target.name()}({', '.join(parts)}) at {source_line(node, code=False)}")
+        op = node.target.name() if hasattr(node.target, "_schema") else node.target.__name__
+        out.append(f"{op}({', '.join(parts)}) at {source_line(node, code=False)}")
     return out
 
 

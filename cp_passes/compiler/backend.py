@@ -31,6 +31,7 @@ from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
 from ..report.memory import saved_for_backward
 from ..transports import collective_ops
+from .schedule import schedule_for_overlap
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
 from ..experts import install as install_experts
@@ -148,6 +149,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         def inner_compile(graph, inputs, **kwargs):
+            schedule_for_overlap(graph, collective_ops())
             keep("backward" if kwargs.get("is_backward") else "forward")(graph)
             compiled = compile_fx_inner(graph, inputs, **kwargs)
             code = getattr(compiled, "source_code", None)
@@ -162,6 +164,7 @@ def _lower(gm: torch.fx.GraphModule, example_inputs, backend: str, record: Compi
 
     def compiler(kind):
         def fn(graph, inputs):
+            schedule_for_overlap(graph, collective_ops())
             keep(kind)(graph)
             return make_boxed_func(graph.forward)
 

@@ -11,6 +11,8 @@ positions are created.
 
 from __future__ import annotations
 
+import inspect
+
 from fractions import Fraction
 
 import sympy
@@ -135,7 +137,12 @@ def numel_hint(value) -> int:
 
 
 def bind_args(node: torch.fx.Node) -> dict:
-    """Arguments of an ATen call by schema name, defaults filled in."""
+    """Arguments of an ATen call by schema name (of a Python function's call, by parameter name), defaults
+    filled in."""
+    if not hasattr(node.target, "_schema"):
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
     schema = node.target._schema
     bound = {}
     positional = list(node.args)

@@ -2,8 +2,9 @@
 the bytes of each collective whose result is waited for only after some independent compute (a functional
 collective and its ``wait_tensor`` with work between them), against all the collectives' bytes.
 
-A collective that is one blocking op (cp_passes' transports today: ``cp_passes::prefix_gather`` issues its
-``all_to_all`` and waits inside the op) has nothing between its start and its wait: none of its bytes overlap.
+A collective that is one blocking op (``cp_passes::prefix_gather`` with packed documents' first keys, the halo,
+a key gather's parts: they issue their ``all_to_all`` and wait inside the op) has nothing between its start and
+its wait: none of its bytes overlap. :mod:`cp_passes.compiler.schedule` orders the graphs this counts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
 from ..rules import LAYOUT_OPS
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_FUNCTIONAL = "_c10d_functional"
 _NOT_COMPUTE = {*(op.default for op in LAYOUT_OPS if hasattr(op, "default")), _WAIT}
 
 
@@ -67,7 +68,7 @@ def overlap(graphs: list[torch.fx.GraphModule], collectives: set) -> Overlap:
         for node in graph.nodes:
             if node.op != "call_function":
                 continue
-            functional = getattr(node.target, "namespace", None) == _FUNCTIONAL and node.target is not _WAIT
+            functional = is_start(node)
             if not functional and node.target not in collectives:
                 continue
             size = _bytes(meta_val(node)) * times

@@ -31,6 +31,7 @@ from ..group import resolve_group
 from ..kernels import install
 from ..report.overlap import Overlap, overlap
 from ..report.memory import MemoryEstimate, collective_output, largest, quadratic, saved_for_backward
+from ..compiler.schedule import schedule_for_overlap
 from ..transports import collective_ops
 from ..spec import CPSpec
 
@@ -200,6 +201,8 @@ def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModu
             torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         aot_module_simplified(gm, fakes, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                               partition_fn=min_cut_rematerialization_partition)
+    for graph in graphs.values():  # as cp_compile orders them before lowering
+        schedule_for_overlap(graph, collective_ops())
     return graphs["forward"], graphs["backward"]
 
 

@@ -23,12 +23,13 @@ from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
 from .base import Cost
 from ..graph.selection import Selector, compare_without_differences
-from .block_attention import block_attention_op
-from ..key_plan import HALO, KeyPlan, attention_pieces, outside
+from .block_attention import block_attention_op, block_attention_rest_op
+from ..key_plan import HALO, KeyPlan, attention_pieces, outside, own_keys_first
 from ..layout import CONTIGUOUS
 from .mask_program import MaskProgram, split_mask
 from .masks import (MetadataMask, brought_positions, causal_mask, first_keys, global_shaped, in_global_order,
                     kept_keys, mask_block, query_positions, sequence_positions, visible_key_positions)
+from .prefix_exchange import prefix_finish
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
 
@@ -108,7 +109,8 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     else:
         keys, values = move(k, "cp_k"), move(v, "cp_v")
     if blocks:
-        _attend_blocks(edit, request, q, keys, values, mask)
+        own = (k, v) if mask is None and request.keys.reach.causal and _exchanged(keys) else None
+        _attend_blocks(edit, request, q, keys, values, mask, own)
         return
     if halo and request.mask is None and _no_dropout(request.dropout_p):
         _attend_window(edit, request, q, keys, values)
@@ -152,20 +154,38 @@ def sized_by_data(found: MetadataMask) -> bool:
     return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
 
-def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask) -> None:
+def _exchanged(keys: torch.fx.Node) -> bool:
+    """Whether ``keys`` came by the causal gather started and waited for apart (:mod:`.prefix_exchange`)."""
+    while keys.target is operator.getitem or keys.target is aten.split_with_sizes.default:
+        keys = keys.args[0]
+    return keys.target is prefix_finish
+
+
+def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask, own=None) -> None:
     """Causal (or full) attention over gathered keys as :func:`block_attention_op`: the SDPA call's uses read
     its output. Causal, the keys are those a causal query can see (the transport brought only them); a
-    model-built mask (:func:`local_mask`) is cut to them too."""
+    model-built mask (:func:`local_mask`) is cut to them too. With ``own`` (this rank's keys and values, which
+    the gather started to send) the rank's queries attend to them first, in a call that does not wait for the
+    gather, and the other ranks' keys are merged in after (:func:`~cp_passes.key_plan.own_keys_first`)."""
     node, rank = request.node, edit.rank
     q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.keys.reach.causal, mask is not None)
     # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
-    q, keys, values = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
-                       for x, name in ((q, "q"), (keys, "k"), (values, "v")))
-    program = (mask.program, list(mask.leaves)) if isinstance(mask, MaskProgram) else ("", None)
-    both = edit.insert(gathered_attention, (q, keys, values, None if program[0] else mask, q_units, k_units, kinds,
-                                            request.scale, edit.layout.chunks, *program),
-                       name="cp_block_attention")
+    cast = [(q, "q"), (keys, "k"), (values, "v")] + ([(own[0], "own_k"), (own[1], "own_v")] if own else [])
+    q, keys, values, *own = (edit.insert(autocast_like_sdpa, (x,), name=f"cp_{name}_attention_dtype")
+                             for x, name in cast)
+    if own:
+        q_units, own_kinds, k_units, rest_kinds, all_kinds = own_keys_first(edit.layout, rank)
+        first = edit.insert(gathered_attention, (q, *own, None, q_units, q_units, own_kinds, request.scale,
+                                                 edit.layout.chunks), name="cp_own_keys_attention")
+        both = edit.insert(rest_attention, (q, keys, values, first, q_units, k_units, rest_kinds, all_kinds,
+                                            request.scale, edit.layout.chunks), name="cp_block_attention")
+        first.meta[NOT_RECOMPUTED] = True
+    else:
+        program = (mask.program, list(mask.leaves)) if isinstance(mask, MaskProgram) else ("", None)
+        both = edit.insert(gathered_attention, (q, keys, values, None if program[0] else mask, q_units, k_units,
+                                                kinds, request.scale, edit.layout.chunks, *program),
+                           name="cp_block_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
         made.meta[NOT_RECOMPUTED] = True
@@ -207,6 +227,14 @@ def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, ch
     scale = sdpa_scale(q, scale)
     return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
                               kinds, scale, False, program, leaves)
+
+
+def rest_attention(q, keys, values, first, q_units, k_units, kinds, all_kinds, scale, chunks: int):
+    """:func:`block_attention_rest_op` at this call's local length, merging into ``first`` (the output and
+    logsumexp over the rank's own keys)."""
+    length = q.shape[-2] // chunks
+    return block_attention_rest_op(q, keys, values, first[0], first[1], [u * length for u in q_units],
+                                   [u * length for u in k_units], kinds, all_kinds, sdpa_scale(q, scale))
 
 
 def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True) -> torch.fx.Node | MaskProgram:

@@ -296,6 +296,43 @@ def _backward(ctx, grad, _grad_lse):
 block_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+@torch.library.custom_op("cp_passes::block_attention_rest", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, SymInt[] q_bounds, SymInt[] k_bounds, SymInt[] kinds, "
+    "SymInt[] all_kinds, float scale, bool math=False) -> (Tensor, Tensor)"))
+def block_attention_rest_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                            q_bounds: list[int], k_bounds: list[int], kinds: list[int], all_kinds: list[int],
+                            scale: float, math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs ``kinds`` merged into ``(out, lse)``, which another call computed for the other pairs of
+    ``all_kinds`` (a rank's own keys, while the rest travelled): attention over every pair of ``all_kinds``.
+    Its gradient is every pair's of ``all_kinds``, each with the merged output (as :func:`block_attention_op`'s);
+    ``out`` and ``lse`` get none, since the pairs that made them are differentiated here."""
+    acc_out, acc_lse = out.to(lse_dtype(q), copy=True), lse.clone()
+    for rows, keys, block, causal in _pairs(q, None, q_bounds, k_bounds, kinds):
+        part, part_lse = attend(q[..., rows, :], k[..., keys, :], v[..., keys, :], block, causal, scale, math)
+        _merge(acc_out, acc_lse, part, part_lse, rows)
+    return acc_out.to(q.dtype), acc_lse
+
+
+@block_attention_rest_op.register_fake
+def _(q, k, v, out, lse, q_bounds, k_bounds, kinds, all_kinds, scale, math=False):
+    return q.new_empty(*q.shape[:-1], v.shape[-1]), q.new_empty(q.shape[:-1], dtype=lse_dtype(q))
+
+
+def _setup_rest(ctx, inputs, output):
+    q, k, v, _, _, q_bounds, k_bounds, _, all_kinds, scale, *math = inputs
+    ctx.options = (q_bounds, k_bounds, all_kinds, scale, *math)
+    ctx.save_for_backward(q, k, v, *output)
+
+
+def _backward_rest(ctx, grad, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = block_attention_backward_op(grad.contiguous(), q, k, v, None, out, lse, *ctx.options)
+    return (dq, dk, dv) + (None,) * (len(ctx.needs_input_grad) - 3)
+
+
+block_attention_rest_op.register_autograd(_backward_rest, setup_context=_setup_rest)
+
+
 def pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds, program: str = "",
                 leaves=None) -> list[tuple[tuple, tuple, tuple]]:
     """The ``(query, key, value)`` shapes (4-D) of every attention call the op makes: a mask's rectangles where
@@ -329,6 +366,11 @@ def _block_attention_flop(q, k, v, mask, q_bounds, k_bounds, kinds, *args, **kwa
     counts SDPA), so a piece the layout skips costs nothing."""
     return sum(sdpa_flop_count(*shapes)
                for shapes in pair_shapes(q, k, v, mask, q_bounds, k_bounds, kinds, *_mask_args(args, kwargs)))
+
+
+@register_flop_formula(torch.ops.cp_passes.block_attention_rest, get_raw=True)
+def _block_attention_rest_flop(q, k, v, out, lse, q_bounds, k_bounds, kinds, *args, **kwargs) -> int:
+    return sum(sdpa_flop_count(*shapes) for shapes in call_shapes(q, k, v, _pairs(q, None, q_bounds, k_bounds, kinds)))
 
 
 @register_flop_formula(torch.ops.cp_passes.block_attention_backward, get_raw=True)

@@ -20,6 +20,7 @@ from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, assemble, exchange, piece_counts, reduce_scatter, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .prefix_exchange import WAIT, prefix_finish, prefix_start
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum: a mask's causal check)
 
 
@@ -141,13 +142,20 @@ class SequenceGather(Transport):
     order = 30
     layouts = KINDS
     runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.prefix_gather.default,
-               torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.global_sum.default)
+               torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.global_sum.default, prefix_start)
     gathers_keys = True
 
     def insert(self, edit, x: torch.fx.Node, dim: int, name: str, causal: bool = False,
                firsts: torch.fx.Node | None = None) -> torch.fx.Node:
         """Every rank's ``x`` (an all-gather), or with ``causal`` the positions a causal query on this rank can
-        see (:func:`prefix_gather_op`; with ``firsts``, from each range's first key a mask shows)."""
+        see: started, waited for and put in order as three nodes (:mod:`.prefix_exchange`), so that compute can
+        run in between; with ``firsts`` (from each range's first key a mask shows: the rows that move depend on
+        the data) in one blocking op, :func:`prefix_gather_op`."""
+        if causal and firsts is None:
+            args = (edit.rank, edit.world, edit.layout.kind)
+            started = edit.insert(prefix_start, (x, dim, *args, edit.group_name), name=f"{name}_start")
+            waited = edit.insert(WAIT, (started,), name=f"{name}_wait")
+            return edit.insert(prefix_finish, (x, waited, dim, *args), name=name)
         if causal:
             return edit.insert(torch.ops.cp_passes.prefix_gather.default,
                                (x, dim, edit.rank, edit.world, edit.group_name, edit.layout.kind, firsts), name=name)

@@ -1,0 +1,109 @@
+"""Order AOTAutograd's forward and backward graphs so that collectives overlap compute.
+
+A functional collective (``_c10d_functional*``: a transport's start, such as the causal key gather's
+``all_to_all``, or the one AOTAutograd differentiates it into) is issued as soon as its inputs exist, and its
+``wait_tensor`` runs only when no other node is ready: every node that does not need the collective's result
+runs between the start and the wait. Kahn's algorithm, ready nodes taken starts first, then compute, then
+waits, each by its original position. The collectives keep their order (every rank issues them in the same
+order: the graphs of different ranks may differ in their compute) with one in flight at a time (the next starts
+after the last one's wait: a collective's buffer is not allocated long before its use), and a node that mutates
+or has other side effects is a barrier nothing crosses.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import torch
+import torch.fx
+
+WAIT = torch.ops._c10d_functional.wait_tensor.default
+_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd")
+INPUT, START, COMPUTE, WAITS = -1, 0, 1, 2
+
+
+def is_start(node: torch.fx.Node) -> bool:
+    """A functional collective that returns before its data arrived (its ``wait_tensor`` waits)."""
+    return (node.op == "call_function" and getattr(node.target, "namespace", None) in _FUNCTIONAL
+            and node.target is not WAIT)
+
+
+def _barrier(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or is_start(node) or node.target is WAIT:
+        return False
+    schema = getattr(node.target, "_schema", None)
+    return (schema is not None and schema.is_mutable) or node.is_impure()
+
+
+def schedule_for_overlap(gm: torch.fx.GraphModule, collectives: set = frozenset()) -> bool:
+    """Reorder ``gm``'s nodes (see the module); ``collectives`` are the blocking ops that issue one (kept in
+    order with the starts). Returns whether anything moved."""
+    moved = False
+    for child in gm.children():  # a nested compile region's graphs
+        if isinstance(child, torch.fx.GraphModule):
+            moved |= schedule_for_overlap(child, collectives)
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    for n in nodes:
+        # After AOTAutograd nothing differentiates: the plain op, whose in-flight input Inductor keeps alive
+        # until the wait (it runs the autograd one as an opaque kernel and may reuse its input's buffer).
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional_autograd":
+            n.target = getattr(torch.ops._c10d_functional, n.target._schema.name.split("::")[1]).default
+            moved = True
+    if not any(is_start(n) for n in nodes):
+        if moved:
+            gm.recompile()
+        return moved
+    index = {n: i for i, n in enumerate(nodes)}
+    after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}
+    waiting = {n: 0 for n in nodes}
+
+    def edge(a, b):
+        after[a].append(b)
+        waiting[b] += 1
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            edge(a, n)
+    chained = [n for n in nodes if is_start(n) or (n.op == "call_function" and n.target in collectives)]
+    for a, b in zip(chained, chained[1:]):
+        # One collective in flight: the next starts after this one's wait (a backward's recomputed key
+        # gathers, whose inputs exist from its first node, would otherwise all be in memory at once).
+        for w in [u for u in a.users if u.target is WAIT] or [a]:
+            edge(w, b)
+    barrier = None
+    for n in nodes:  # a barrier comes after every node before it and before every node after it
+        if barrier is not None:
+            edge(barrier, n)
+        if _barrier(n) or n.op == "output":
+            for m in nodes[index[barrier] + 1 if barrier is not None else 0:index[n]]:
+                if m not in n.all_input_nodes:
+                    edge(m, n)
+            barrier = n
+
+    def kind(n):
+        if n.op == "placeholder":
+            return INPUT
+        return START if is_start(n) else WAITS if n.target is WAIT else COMPUTE
+
+    ready = [(kind(n), index[n], n) for n in nodes if not waiting[n]]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, _, n = heapq.heappop(ready)
+        order.append(n)
+        for m in after[n]:
+            waiting[m] -= 1
+            if not waiting[m]:
+                heapq.heappush(ready, (kind(m), index[m], m))
+    assert len(order) == len(nodes), "cp_passes internal error: the overlap schedule left nodes out"
+    if order == nodes:
+        return moved
+    previous = None
+    for n in order:
+        if previous is not None:
+            previous.append(n)
+        previous = n
+    graph.lint()
+    gm.recompile()
+    return True
