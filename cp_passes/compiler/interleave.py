@@ -149,7 +149,7 @@ class _Terms:
 
 def _mask_cannot_tell(found, spec: CPSpec) -> str | None:
     """Why the mask ``found`` could differ between the two rows (see the module's docstring), or None."""
-    module = mask_module(types.SimpleNamespace(gm=torch.nn.Module()), found, picked=True)
+    module = mask_module(types.SimpleNamespace(gm=torch.nn.Module(), planned=lambda n: n), found, picked=True)
     split = split_mask(module)
     if split is None:
         return "its mask is not an elementwise combination of per-position terms"

@@ -3,8 +3,8 @@
 A functional collective (``_c10d_functional*``: a transport's start, such as the causal key gather's
 ``all_to_all``, or the one AOTAutograd differentiates it into) is issued as soon as its inputs exist, and its
 ``wait_tensor`` runs only when no other node is ready: every node that does not need the collective's result
-runs between the start and the wait. Kahn's algorithm, ready nodes taken starts first, then compute, then
-waits, each by its original position. The collectives keep their order (every rank issues them in the same
+runs between the start and the wait. Kahn's algorithm, ready nodes taken starts and the nodes the next start
+needs first, then compute, then waits, each by its original position. The collectives keep their order (every rank issues them in the same
 order: the graphs of different ranks may differ in their compute) with one in flight at a time (the next starts
 after the last one's wait: a collective's buffer is not allocated long before its use), and a node that mutates
 or has other side effects is a barrier nothing crosses.
@@ -81,17 +81,39 @@ def schedule_for_overlap(gm: torch.fx.GraphModule, collectives: set = frozenset(
                     edge(m, n)
             barrier = n
 
+    starts = [n for n in chained if is_start(n)]
+    done: set = set()
+
+    def feeding(start) -> set:
+        """The nodes not yet scheduled that ``start`` needs: they run first, so that it starts early."""
+        found, todo = set(), [start] if start is not None else []
+        while todo:
+            for a in todo.pop().all_input_nodes:
+                if a not in done and a not in found:
+                    found.add(a)
+                    todo.append(a)
+        return found
+
     def kind(n):
         if n.op == "placeholder":
             return INPUT
-        return START if is_start(n) else WAITS if n.target is WAIT else COMPUTE
+        if n.target is WAIT:  # even one the next start needs: whatever else is ready runs first
+            return WAITS
+        return START if is_start(n) or n in feeds else COMPUTE
 
+    feeds = feeding(starts[0])
     ready = [(kind(n), index[n], n) for n in nodes if not waiting[n]]
     heapq.heapify(ready)
-    order = []
+    order, next_start = [], 0
     while ready:
         _, _, n = heapq.heappop(ready)
         order.append(n)
+        done.add(n)
+        if next_start < len(starts) and n is starts[next_start]:
+            next_start += 1
+            feeds = feeding(starts[next_start] if next_start < len(starts) else None)
+            ready = [(kind(m), index[m], m) for _, _, m in ready]
+            heapq.heapify(ready)
         for m in after[n]:
             waiting[m] -= 1
             if not waiting[m]:

@@ -176,8 +176,8 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask, own=None) 
                              for x, name in cast)
     if own:
         q_units, own_kinds, k_units, rest_kinds, all_kinds = own_keys_first(edit.layout, rank)
-        first = edit.insert(gathered_attention, (q, *own, None, q_units, q_units, own_kinds, request.scale,
-                                                 edit.layout.chunks), name="cp_own_keys_attention")
+        first = edit.insert(own_keys_attention, (q, *own, q_units, own_kinds, request.scale, edit.layout.chunks),
+                            name="cp_own_keys_attention")
         both = edit.insert(rest_attention, (q, keys, values, first, q_units, k_units, rest_kinds, all_kinds,
                                             request.scale, edit.layout.chunks), name="cp_block_attention")
         first.meta[NOT_RECOMPUTED] = True
@@ -227,6 +227,13 @@ def gathered_attention(q, keys, values, mask, q_units, k_units, kinds, scale, ch
     scale = sdpa_scale(q, scale)
     return block_attention_op(q, keys, values, mask, [u * length for u in q_units], [u * length for u in k_units],
                               kinds, scale, False, program, leaves)
+
+
+def own_keys_attention(q, keys, values, q_units, kinds, scale, chunks: int):
+    """:func:`gathered_attention` of this rank's queries and its own keys, without autograd: the call that merges
+    the other ranks' keys in (:func:`rest_attention`) differentiates every pair, these included. (Differentiated
+    here too, the backward would run this call's attention backward on zero gradients and save its output.)"""
+    return gathered_attention(q.detach(), keys.detach(), values.detach(), None, q_units, q_units, kinds, scale, chunks)
 
 
 def rest_attention(q, keys, values, first, q_units, k_units, kinds, all_kinds, scale, chunks: int):
