@@ -272,9 +272,17 @@ def own_keys_first(layout, rank: int) -> tuple[list[int], list[int], list[int], 
             return SKIP
         return CAUSAL if chunk == q_range[0] else FULL
 
-    all_kinds = [kind(q, c) for q in q_ranges for c in range(len(k_units) - 1)]
     own = {start for start, _ in q_ranges}
-    rest_kinds = [SKIP if c in own else all_kinds[i * (len(k_units) - 1) + c]
-                  for i in range(len(q_ranges)) for c in range(len(k_units) - 1)]
+    columns = [([kind(q, c) for q in q_ranges], [SKIP if c in own else kind(q, c) for q in q_ranges])
+               for c in range(len(k_units) - 1)]
+    bounds, merged = [0, 1], [columns[0]] if columns else []
+    for c in range(1, len(columns)):  # adjacent pieces each query sees whole or not at all alike: one piece
+        if columns[c] == merged[-1] and all(k != CAUSAL for part in columns[c] for k in part):
+            bounds[-1] = c + 1
+        else:
+            bounds.append(c + 1)
+            merged.append(columns[c])
+    all_kinds = [column[0][i] for i in range(len(q_ranges)) for column in merged]
+    rest_kinds = [column[1][i] for i in range(len(q_ranges)) for column in merged]
     own_kinds = [kind(q, start) for q in q_ranges for start, _ in q_ranges]
-    return q_units, own_kinds, k_units, rest_kinds, all_kinds
+    return q_units, own_kinds, bounds if columns else [0], rest_kinds, all_kinds

@@ -52,7 +52,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     index = (tmp_path / "rank1" / "graph0" / "index.txt").read_text().split()
     assert "explain.txt" in index and "aot_forward.py" in index and "aot_backward.py" in index
     after = next(name for name in index if "after_sequence_gather" in name)
-    assert "cp_passes.prefix_gather" in (tmp_path / "rank1" / "graph0" / after).read_text()
+    assert "prefix_finish" in (tmp_path / "rank1" / "graph0" / after).read_text()
     logs = "".join(p.read_text() for p in trace.iterdir())  # tlparse input: our artifacts are in it
     assert '"name": "cp_passes_explain"' in logs and "cp_passes_08_after_sequence_gather" in logs
 
@@ -121,8 +121,9 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
                       r"([\d.]+) MiB \(ratio ([\d.]+)\)", text)
     assert saved and float(saved[3]) <= 1.0, text
     assert re.search(r"\n    layers\.\*\.attn\.wo +[\d.]+ KiB in \d+ tensors", text)  # inside the repeated block
-    # K+V of chunks 0..12 of 16: rank 3's causal prefix
-    assert "largest collective buffer  832.0 KiB (cp_passes.prefix_gather.default" in text, text
+    # K+V of the 11 chunks of 0..12 of 16 (rank 3's causal prefix) that other ranks hold
+    assert "largest collective buffer  704.0 KiB (_c10d_functional.all_to_all_single.default" in text, text
+    assert "collectives overlapped with compute: 4.0 MiB of 4.0 MiB (100%)" in text, text
     assert "largest [sequence x sequence] tensor  0 B (none)" in text
     folder = tmp_path / "rank3" / "graph0"
     index = (folder / "index.txt").read_text().split()

@@ -13,8 +13,8 @@ from cp_passes.report.explain import format_record
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 WORLD, RANK = 8, 3
-GATHER = "cp_passes.prefix_gather.default"
-GATHER_BACKWARD = "cp_passes.prefix_gather_backward.default"
+GATHER = "cp_passes.prefix_pack.default"  # the rows a causal key gather sends (its all_to_all follows)
+GATHER_BACKWARD = "cp_passes.prefix_finish_backward.default"  # the received rows' gradients, going back
 
 
 @pytest.fixture(scope="module")
@@ -63,10 +63,10 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
         assert r.bytes == r.lower_bound_bytes == RANK * local_kv * 4
         assert r.sent_bytes == (WORLD - 1 - RANK) * local_kv * 4  # to every later rank
     after = record.history[-1][1]
-    assert "torch.ops.cp_passes.prefix_gather.default(cp_kv" in after
+    assert "prefix_start(cp_kv" in after and "prefix_finish(cp_kv" in after
     assert "autocast_like_sdpa(cp_k)" in after and "autocast_like_sdpa(cp_v)" in after  # no cut: all visible
     assert "cp_k_visible" not in after
-    assert "gathered_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, None" in after
+    assert "rest_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, cp_own_keys" in after
 
 
 def test_k_and_v_gathered_separately_when_asked(fake_world):
@@ -76,12 +76,15 @@ def test_k_and_v_gathered_separately_when_asked(fake_world):
 
 
 def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
-    """Rank 3's queries see ranks 0..2's keys whole and its own causally: two attention calls, no mask."""
+    """Rank 3's queries see ranks 0..2's keys whole and its own causally: two attention calls, no mask, the
+    own keys' first (while the others travel), the earlier ranks' merged in after."""
     record = compile_toy(fake_world)
     after, forward = record.history[-1][1], record.aot_graphs["forward"]
     assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
     assert "cp_causal_mask" not in after and "aten.scaled_dot_product_attention" not in after
-    assert after.count(f"None, [0, 1], [0, {RANK}, {RANK + 1}], [1, 2], None, 1, '', None)") == 2  # FULL, CAUSAL
+    assert after.count("[0, 1], [2], None, 1)") == 2  # the own keys: CAUSAL
+    # the others merged in (FULL, the own piece SKIP), and both pieces differentiated (FULL, CAUSAL)
+    assert after.count(f"[0, 1], [0, {RANK}, {RANK + 1}], [1, 0], [1, 2], None, 1)") == 2
     rules = [r.rule for r in record.records]
     assert rules.count("arange_positions") == 1 and rules.count("sdpa_causal") == 2
     assert rules[-1] == "partial_sum"
@@ -103,12 +106,15 @@ def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(f
         assert r.bytes == r.lower_bound_bytes == 11 * 8 * local_kv // 16 * 4
     after = record.history[-1][1]
     lists = r"(\[[^]]*\]), (\[[^]]*\]), (\[[^]]*\])"
-    (pieces,) = set(re.findall(r"gathered_attention\(\S+, \S+, \S+, None, " + lists + r", None, 2, '', None\)",
+    (pieces,) = set(re.findall(r"rest_attention\(\S+, \S+, \S+, \S+, " + lists + r", (\[[^]]*\]), None, 2\)",
                                after))
-    q_units, k_units, kinds = (eval(p) for p in pieces)
+    q_units, k_units, rest, kinds = (eval(p) for p in pieces)
     assert q_units == [0, 1, 2]
     widths = [b - a for a, b in zip(k_units, k_units[1:])]
     assert sum(w for i in range(2) for j, w in enumerate(widths) if kinds[i * len(widths) + j] != SKIP) == 17
+    # of them the own chunks' three (3 by 3, 12 by 3 and by 12) first, the other 14 merged in after
+    assert sum(w for i in range(2) for j, w in enumerate(widths) if rest[i * len(widths) + j] != SKIP) == 14
+    assert after.count("[0, 1, 2], [2, 0, 1, 2], None, 2)") == 2
     assert re.search(r"global_positions\(s\d+, 3, 8, 'balanced', torch.int64", after)
 
 

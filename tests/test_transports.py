@@ -182,8 +182,10 @@ def test_tags_of_gather_and_count_in_the_aot_graphs(group):
     loss, _ = compiled(ids, labels=ids)
     loss.backward()
     record = compiled.compile_records[0]
-    for code, op in ((record.aot_graphs["forward"], "cp_passes.prefix_gather.default"),
-                     (record.aot_graphs["backward"], "cp_passes.prefix_gather_backward.default")):
+    for code, op in ((record.aot_graphs["forward"], "cp_passes.prefix_pack.default"),
+                     (record.aot_graphs["forward"], "_c10d_functional.all_to_all_single.default"),
+                     (record.aot_graphs["backward"], "cp_passes.prefix_unpack.default"),
+                     (record.aot_graphs["backward"], "cp_passes.prefix_finish_backward.default")):
         lines = tagged_lines(code, op)
         assert len(lines) == 2 and all("# cp_passes: pass=sequence_gather rule=sdpa_causal" in x for x in lines), lines
 

@@ -88,8 +88,10 @@ class Edit:
         return self.changed(node)
 
     def copy(self, node: torch.fx.Node, replace: dict, *, name: str) -> torch.fx.Node:
-        """A copy of ``node`` before the origin, reading ``replace[a]`` where it read ``a`` as planned."""
-        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda a: replace.get(self.planned(a), a))
+        """A copy of ``node`` before the origin, reading ``replace[a]`` where it reads ``a`` now or read it as
+        planned."""
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs),
+                                        lambda a: replace[a] if a in replace else replace.get(self.planned(a), a))
         return self.insert(node.target, args, kwargs, name=name)
 
     def call_module(self, name: str, module: torch.nn.Module, args) -> torch.fx.Node:

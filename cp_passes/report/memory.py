@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
 
 
@@ -152,10 +153,11 @@ def quadratic(sym):
 
 
 def collective_output(ops):
-    """``keep`` for :func:`largest`: the result of a collective (``ops``), forward or backward."""
+    """``keep`` for :func:`largest`: the result of a collective (``ops``, or a functional collective the graph
+    waits for), forward or backward."""
 
     def keep(node, val):
-        return node.target in ops
+        return node.target in ops or is_start(node)
 
     return keep
 

@@ -388,7 +388,7 @@ def mask_module(edit, found: MetadataMask, picked: bool, keys: bool = True) -> t
         env[leaf].meta["val"] = meta_val(leaf)  # the Selector reads ranks and size-1 dims (the same globally)
     picks = (graph.placeholder("query_positions"), graph.placeholder("key_positions")) if picked else ()
     for n in found.nodes:
-        env[n] = graph.node_copy(n, lambda a: env[edit.planned(a)])
+        env[n] = graph.node_copy(n, lambda a: env[a] if a in env else env[edit.planned(a)])
     replaced = compare_without_differences(graph)
     out = replaced.get(env[found.mask], env[found.mask])
     if picked:

@@ -20,7 +20,7 @@ from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, gradient_by, register_transport
 from .collectives import all_gather, assemble, exchange, piece_counts, reduce_scatter, return_rows
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
-from .prefix_exchange import WAIT, prefix_finish, prefix_start
+from .prefix_exchange import insert_exchange, prefix_start
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum: a mask's causal check)
 
 
@@ -152,10 +152,7 @@ class SequenceGather(Transport):
         run in between; with ``firsts`` (from each range's first key a mask shows: the rows that move depend on
         the data) in one blocking op, :func:`prefix_gather_op`."""
         if causal and firsts is None:
-            args = (edit.rank, edit.world, edit.layout.kind)
-            started = edit.insert(prefix_start, (x, dim, *args, edit.group_name), name=f"{name}_start")
-            waited = edit.insert(WAIT, (started,), name=f"{name}_wait")
-            return edit.insert(prefix_finish, (x, waited, dim, *args), name=name)
+            return insert_exchange(edit, x, dim, name)
         if causal:
             return edit.insert(torch.ops.cp_passes.prefix_gather.default,
                                (x, dim, edit.rank, edit.world, edit.group_name, edit.layout.kind, firsts), name=name)

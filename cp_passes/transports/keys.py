@@ -38,6 +38,7 @@ from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes
 from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 from .mask_program import evaluate, split_mask, tiles
 from .masks import MetadataMask, in_global_order, key_positions, own_segment
+from .prefix_exchange import insert_exchange, prefix_start
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
 aten = torch.ops.aten
@@ -345,7 +346,7 @@ class KeyGather(Transport):
     name = "key_gather"
     order = 35
     layouts = KINDS
-    runtime = (torch.ops.cp_passes.sequence_gather.default, torch.ops.cp_passes.prefix_gather.default,
+    runtime = (torch.ops.cp_passes.sequence_gather.default, prefix_start,
                torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.halo.default)
     gathers_keys = True
 
@@ -385,9 +386,7 @@ class KeyGather(Transport):
                                (source, request.dim, keys.plan.halo, 0, edit.rank, edit.world, edit.group_name,
                                 edit.layout.kind) + ((keys.plan.after,) if keys.plan.after else ()), name=name)
         if keys is not None:  # the causal prefix, in global order, as cut_mask picks the mask's keys
-            return edit.insert(torch.ops.cp_passes.prefix_gather.default,
-                               (source, request.dim, edit.rank, edit.world, edit.group_name, edit.layout.kind),
-                               name=name)
+            return insert_exchange(edit, source, request.dim, name)
         brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
         if edit.layout.kind != CONTIGUOUS:  # every key, in the mask's (global) order
             brought = edit.insert(in_global_order, (brought, request.dim, edit.world, edit.layout.kind),

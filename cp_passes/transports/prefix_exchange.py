@@ -194,3 +194,12 @@ def prefix_finish(x: torch.Tensor, received: torch.Tensor, dim: int, rank: int, 
     queries see only its own keys): a rank whose graph dropped the exchange, or recomputed it in the backward
     while others saved it, would leave the other ranks waiting in their all_to_all."""
     return prefix_finish_op(x, received, dim % x.dim(), rank, world, kind)
+
+
+def insert_exchange(edit, x, dim: int, name: str):
+    """Nodes (before ``edit``'s origin) that bring the causal prefix of ``x`` along ``dim``: the start, its wait
+    and the rows in global order, the last returned."""
+    args = (edit.rank, edit.world, edit.layout.kind)
+    started = edit.insert(prefix_start, (x, dim, *args, edit.group_name), name=f"{name}_start")
+    waited = edit.insert(WAIT, (started,), name=f"{name}_wait")
+    return edit.insert(prefix_finish, (x, waited, dim, *args), name=name)
