@@ -43,13 +43,15 @@ def _unit(local_len, world: int, kind: str):
     return chunk_len(local_len, Layout(world, kind).chunks)
 
 
-def _sent(rank: int, world: int, kind: str) -> list[tuple[int, int]]:
+@functools.lru_cache(maxsize=1024)
+def _sent(rank: int, world: int, kind: str) -> tuple[tuple[int, int], ...]:
     """``(row, rows)`` in chunk units of every piece this rank sends, in the all_to_all's order."""
     plans = unit_plans(world, kind)
-    return [run for d in range(world) if d != rank for run in _wanted(plans, d, rank)]
+    return tuple(run for d in range(world) if d != rank for run in _wanted(plans, d, rank))
 
 
-def _received(rank: int, world: int, kind: str) -> list[tuple[int | None, int, int]]:
+@functools.lru_cache(maxsize=1024)
+def _received(rank: int, world: int, kind: str) -> tuple[tuple[int | None, int, int], ...]:
     """``(where, rows)`` in chunk units of every piece of the visible prefix in global order: ``where`` the row
     in the received buffer, None for this rank's own (then the row in ``x``)."""
     plans = unit_plans(world, kind)
@@ -66,7 +68,7 @@ def _received(rank: int, world: int, kind: str) -> list[tuple[int | None, int, i
                 out.append((at + row - start, 0, n))
                 break
             at += count
-    return out
+    return tuple(out)
 
 
 def _shape(x: torch.Tensor, dim: int, rows) -> list:
