@@ -4,10 +4,10 @@ A functional collective (``_c10d_functional*``: a transport's start, such as the
 ``all_to_all``, or the one AOTAutograd differentiates it into) is issued as soon as its inputs exist, and its
 ``wait_tensor`` runs only when no other node is ready: every node that does not need the collective's result
 runs between the start and the wait. Kahn's algorithm, ready nodes taken starts and the nodes the next start
-needs first, then compute, then waits, each by its original position. The collectives keep their order (every rank issues them in the same
-order: the graphs of different ranks may differ in their compute) with one in flight at a time (the next starts
-after the last one's wait: a collective's buffer is not allocated long before its use), and a node that mutates
-or has other side effects is a barrier nothing crosses.
+needs first, then compute, then waits, each by its original position. The collectives keep their order (every
+rank issues them in the same order: the graphs of different ranks may differ in their compute) with one in
+flight at a time (the next starts after the last one's wait: a collective's buffer is not allocated long before
+its use), and a node that mutates or has other side effects is a barrier nothing crosses.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ import torch.fx
 PASS, RULE = "cp_pass", "cp_rule"
 _REPLACED = "cp_passes_replaced"
 """``gm.meta`` key: node -> the node a transport replaced its uses with."""
+_PLANNED = "cp_passes_planned"
+"""``gm.meta`` key: the inverse of ``_REPLACED`` (a replacement -> the node it replaced)."""
 _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
@@ -59,6 +61,7 @@ class Edit:
         created, keep = set(self.created), self.keep if keep_claimed else frozenset()
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in created and user not in keep)
         self.gm.meta.setdefault(_REPLACED, {})[old] = new
+        self.gm.meta.setdefault(_PLANNED, {})[new] = old
 
     def current(self, node: torch.fx.Node) -> torch.fx.Node:
         """What stands for ``node`` now: the value an earlier transport replaced it with, if any. A planned
@@ -72,7 +75,7 @@ class Edit:
         """The node of the graph as it was planned that ``node`` stands for now (the inverse of :meth:`current`):
         a pattern's nodes copied whole (a model-built mask) read their inputs as planned, not as an earlier
         transport rewired them (an ``arange`` the mask shares with the rotary, now this rank's positions)."""
-        replaced_by = {new: old for old, new in self.gm.meta.get(_REPLACED, {}).items()}
+        replaced_by = self.gm.meta.get(_PLANNED, {})
         while node in replaced_by:
             node = replaced_by[node]
         return node

@@ -5,6 +5,9 @@ reduce-scatter (each rank gets the sum of every use of its shard). Causal attent
 can see (:func:`prefix_gather_op`: every position before the end of the rank's last range, in global order),
 in one ``all_to_all`` of exactly the rows other ranks hold, whose backward returns each row's gradient to its
 owner: the causal lower bound on every layout (a balanced rank's tail range sees all but the chunks after it).
+Without packed documents' first keys that exchange is started, waited for and finished as separate nodes
+(:mod:`.prefix_exchange`), so that compute runs while it travels; with them, :func:`prefix_gather_op` does all
+three in one op (what moves depends on the first keys).
 """
 
 from __future__ import annotations
