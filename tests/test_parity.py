@@ -136,8 +136,9 @@ def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, 
     for i, seq_len in enumerate(seq_lens):
         ref = _toy_reference(config, seq_len, pass_positions)
         _compare(f"toy-{kv_repeat}-{backend}", [r[i] for r in per_rank], *ref, seq_len, parity_report)
-    # New local lengths reuse the one compiled graph: the sequence dim is symbolic.
-    assert per_rank[0][-1]["compiles"] == 1
+    # aot_eager: one graph for every length (the sequence dim is symbolic). Inductor lowers the first graph for
+    # its length alone, as torch.compile does, and the next length compiles once more, for every length.
+    assert per_rank[0][-1]["compiles"] == ([True, False] if backend == "inductor" else [False])
     rules = {rec[0] for rec in per_rank[-1][0]["records"]}
     assert "sdpa_causal" in rules and "partial_sum" in rules
     assert ("arange_positions" in rules) == (not pass_positions)

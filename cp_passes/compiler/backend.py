@@ -81,6 +81,8 @@ class CPBackend:
             if owner.backend == "inductor" and stamp_regions(aten_gm):
                 record.history.append(("regions stamped out at their calls (for Inductor)", format_graph(aten_gm)))
             mark_gradients(aten_gm, example_inputs)
+            if owner.backend == "inductor" and owner.dynamic is None and not owner.compile_records:
+                record.static = specialize_length(example_inputs)
             with schema_once():
                 compiled = _lower(aten_gm, example_inputs, owner.backend, record)
             stage = "record"
@@ -122,6 +124,23 @@ class CPBackend:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def specialize_length(example_inputs) -> bool:
+    """Make the sequence length a constant for lowering: the graph was planned and checked with it symbolic,
+    and Inductor now generates kernels for this call's length alone (as ``torch.compile`` does on its first
+    call; dynamo guards the length, so another length compiles once more, then symbolically for every length).
+    Returns whether there was a symbol to fix."""
+    from torch.fx.experimental.symbolic_shapes import guard_int
+
+    fixed = False
+    for value in example_inputs:
+        sizes = (value,) if isinstance(value, torch.SymInt) else value.shape if isinstance(value, torch.Tensor) else ()
+        for size in sizes:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
+                guard_int(size)
+                fixed = True
+    return fixed
 
 
 def _first_rank() -> bool:
@@ -183,8 +202,9 @@ class CPModule(torch.nn.Module):
     total."""
 
     def __init__(self, model: torch.nn.Module, spec: CPSpec, cp: CPGroup, backend: str, dump_dir, verbose: bool,
-                 explain_ranks=None):
+                 explain_ranks=None, dynamic: bool | None = None):
         super().__init__()
+        self.dynamic = dynamic
         self.explain_ranks = explain_ranks
         self.module = model
         self.spec = spec
@@ -366,7 +386,7 @@ def _explain_ranks(explain):
 
 def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh, backend: str = "inductor",
                dump_dir: str | os.PathLike | None = None, verbose: bool = True, explain=None,
-               regions=False) -> CPModule:
+               regions=False, dynamic: bool | None = None) -> CPModule:
     """Compile ``model`` for context parallelism over ``mesh`` (a 1-D DeviceMesh or a ProcessGroup).
 
     ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None``: the shipped spec for the
@@ -378,9 +398,16 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     repeated block (a class a ``ModuleList`` holds twice or more: transformer layers) once, as a nested compile
     region planned once for all its layers; a list of classes or class names marks those. Compilation happens on
     the first call.
+
+    Planning always keeps the sequence length symbolic. ``dynamic`` says how Inductor lowers, as in
+    ``torch.compile``: ``None`` lowers the first graph for its call's length (faster to compile and to run) and a
+    call at another length compiles once more, for every length; ``True`` lowers for every length from the first
+    call (one compile when lengths vary).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if dynamic not in (None, True):
+        raise ValueError(f"dynamic must be None (the first length static, then symbolic) or True, got {dynamic!r}")
     config = getattr(model, "config", None)
     picked = shipped_spec_for(config) if spec is None else None
     origin = ("given" if spec is not None else "the default: no shipped spec serves this model" if picked is None
@@ -389,6 +416,7 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
     spec.check_module_globs([name for name, _ in model.named_modules(remove_duplicate=False)])
     if regions:
         mark_regions(model, repeated_blocks(model) if regions is True else regions)
-    compiled = CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain))
+    compiled = CPModule(model, spec, resolve_group(mesh, spec), backend, dump_dir, verbose, _explain_ranks(explain),
+                        dynamic)
     compiled.spec_origin = origin
     return compiled

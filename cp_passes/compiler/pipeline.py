@@ -54,6 +54,8 @@ class CompileRecord:
     interleave_readers: list[str] | None = None
     """What in the graph would tell interleaved documents (``shard_batch(..., balance="documents")``) from their
     packed row, one line each (:mod:`.interleave`); empty: such batches are accepted. None: not analysed."""
+    static: bool = False
+    """Whether Inductor lowered it for ``local_len`` alone (``cp_compile(dynamic=None)``'s first graph)."""
     recompile_reasons: list[str] = field(default_factory=list)
     """Why this graph was compiled although the module had graphs: the guard each of them failed (dynamo's
     recompile reasons, with the source line that added the guard)."""

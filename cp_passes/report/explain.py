@@ -75,7 +75,7 @@ def format_graphs(records) -> str:
     guard that the graph compiled just before it failed (``record.recompile_reasons`` has every graph's)."""
     lines = [f"cp_passes: {len(records)} graph{'s' if len(records) != 1 else ''} compiled"]
     for i, r in enumerate(records):
-        line = f"  graph {i}: local length {r.local_len}"
+        line = f"  graph {i}: local length {r.local_len}" + (" (lowered for that length alone)" if r.static else "")
         if i and r.recompile_reasons:
             line += "; recompiled because " + re.sub(r"^\S+/\S+: ", "", r.recompile_reasons[0].splitlines()[0])
         lines.append(line)
