@@ -8,9 +8,9 @@ Three ratios, measured in one run:
   once (``regions``); ``--no-regions`` measures every layer traced.
 - compile cp/plain: wall seconds of the first training step (forward and backward, Inductor) of the demo's ToyLlama
   with 4 layers: ``cp_compile`` on a gloo group of one process against ``torch.compile`` of the same model, each
-  in a fresh process with an empty Inductor cache. ``cp_compile`` keeps the sequence length symbolic (one graph
-  for every length), so ``torch.compile(dynamic=True)`` is timed too: the part of the gap that is Inductor's
-  compiling for any length rather than cp_passes' own work.
+  in a fresh process with an empty Inductor cache. Both lower the first graph for its call's length (cp_passes
+  plans with the length symbolic, then fixes it for Inductor), so the gap is cp_passes' own work: capture,
+  planning, the rewrite and the ranks' agreement.
 - overlapped: of the bytes llama-8b's collectives receive (32 layers, the same dry run), the fraction waited for
   only after compute that does not need them (:mod:`cp_passes.report.overlap`).
 
@@ -65,7 +65,7 @@ def first_step(kind: str) -> float:
         dist.init_process_group("gloo", rank=0, world_size=1)
         compiled = cp_passes.cp_compile(model, mesh=dist.group.WORLD, verbose=False)
     else:
-        compiled = torch.compile(model, dynamic=True if kind == "dynamic" else None)
+        compiled = torch.compile(model)
     start = time.perf_counter()
     loss, _ = compiled(ids, labels=labels)
     loss.backward()
@@ -86,7 +86,7 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=131072)
     parser.add_argument("--no-regions", dest="regions", action="store_false",
                         help="trace and plan every layer (the dry run before regions)")
-    parser.add_argument("--first-step", choices=("cp", "plain", "dynamic"), help=argparse.SUPPRESS)
+    parser.add_argument("--first-step", choices=("cp", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_step:
         print(first_step(args.first_step))
@@ -96,9 +96,8 @@ def main() -> int:
     many, run = plan_seconds(32, args.world_size, args.seq_len, args.regions)
     print(f"plan llama-8b, P = {args.world_size}, S = {args.seq_len}: 4 layers {few:.1f} CPU-s, 32 layers "
           f"{many:.1f} CPU-s")
-    cp, plain, dynamic = compile_seconds("cp"), compile_seconds("plain"), compile_seconds("dynamic")
-    print(f"first training step of the 4-layer ToyLlama, Inductor: cp_compile {cp:.1f} s, torch.compile {plain:.1f} s, "
-          f"torch.compile(dynamic=True) {dynamic:.1f} s (cp/dynamic {cp / dynamic:.2f})")
+    cp, plain = compile_seconds("cp"), compile_seconds("plain")
+    print(f"first training step of the 4-layer ToyLlama, Inductor: cp_compile {cp:.1f} s, torch.compile {plain:.1f} s")
     print(f"llama-8b (32 layers): {format_overlap(run.overlap, format_bytes)}")
     print(f"plan 32/4 layers: {many / few:.2f}; compile cp/plain: {cp / plain:.2f}; "
           f"overlapped: {run.overlap.fraction:.2f}")
