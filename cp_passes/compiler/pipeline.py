@@ -80,12 +80,15 @@ def find_symbol(gm: torch.fx.GraphModule, local_len: int):
     return sym
 
 
-def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord) -> Plan:
+def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: CompileRecord,
+                  record_input: bool = True) -> Plan:
     """analyse -> match -> plan -> guards on the length -> transports -> verify. Records every stage in
-    ``record``; raises CPCompileError on refusal. Each nested compile region (:mod:`.regions`) is planned and
-    rewritten once, as a graph of its own, for all its calls."""
+    ``record`` (the graph as given too, unless ``record_input`` is False: the caller recorded it); raises
+    CPCompileError on refusal. Each nested compile region (:mod:`.regions`) is planned and rewritten once, as a
+    graph of its own, for all its calls."""
     sym = find_symbol(aten_gm, record.local_len)
-    record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
+    if record_input:
+        record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     prepare_graph(aten_gm, sym, spec, record.history)
     before = _output_values(aten_gm)
     plan = plan_with_regions(aten_gm, sym, spec, cp, record.history)

@@ -147,7 +147,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         if not regions and node.name in names:  # export names a forward argument's placeholder after it
             node.meta[INPUT_NAME] = node.name
     record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
-    record.history.append((f"{'captured (dynamo)' if regions else 'exported (torch.export)'}, fake tensors",
+    record.history.append((f"aten (pre-dispatch), {'captured by dynamo' if regions else 'exported'} on fake tensors",
                            gm.print_readable(print_output=False)))
     per_rank = {}
     if sym is not None:
@@ -155,7 +155,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         for rank in plan_ranks:
             per_rank[rank] = plan_records(gm, sym, spec, dataclasses.replace(cp, rank=rank))
     fakes = [meta_val(n) for n in placeholders]
-    rewrite_graph(gm, fakes, spec, cp, record)
+    rewrite_graph(gm, fakes, spec, cp, record, record_input=False)
     estimate = overlapped = None
     if memory and sym is not None:
         mark_gradients(gm, fakes)
