@@ -65,10 +65,11 @@ CASES = [("toy", 2, "aot_eager", None), ("hf", 2, "aot_eager", None), ("toy", 2,
 @pytest.mark.parametrize("model,P,backend,config", CASES,
                          ids=[f"{c[0]}-P{c[1]}-{c[2]}" + "".join(f"-{k}{v}" for k, v in (c[3] or {}).items())
                               for c in (getattr(case, "values", case) for case in CASES)])
-@settings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_packed_documents_match_one_device(pool, parity_report, model, P, backend, config, data):
-    # Each example compiles once and runs the edge cases plus three drawn packings on that graph.
+    # One example a run (each draws new packings): it compiles once and runs the edge cases plus three drawn
+    # packings on that graph.
     cases = edge_cases(P) + data.draw(st.lists(packing(P), min_size=3, max_size=3), label="packings")
     per_rank = pool.run("packed_parity", P, model=model, backend=backend, cases=cases, config=config)
     for i, (seq_len, layout) in enumerate(cases):

@@ -314,7 +314,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
     def cp_rank(checkpoint):
         def at(blocks):
             torch.manual_seed(0)
-            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=4))
+            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=3))
             compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
             ids = torch.randint(0, 256, (2, 16 * blocks))
             compiled(ids, labels=ids)[0].backward()
@@ -330,7 +330,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
                 return make_boxed_func(graph.forward)
 
             torch.manual_seed(0)
-            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=4))
+            model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=3))
             ids = torch.randint(0, 256, (2, 16 * blocks * WORLD))
             compiler = aot_autograd(fw_compiler=lambda graph, _: make_boxed_func(graph.forward),
                                     bw_compiler=backward, partition_fn=min_cut_rematerialization_partition)
