@@ -128,12 +128,12 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     folder = tmp_path / "rank3" / "graph0"
     index = (folder / "index.txt").read_text().split()
     # the block is planned once, as a region, then the graph that calls it
-    assert index[:5] == ["00_captured_dynamo_fake_tensors.py", "01_aten_pre_dispatch.py",
-                         "02_repeated_subgraph0_after_sequence_gather_1_rewrites.py", "03_after_positions_1_rewrites.py",
-                         "04_after_shift_0_rewrites.py"]
-    after = (folder / index[2]).read_text()
+    assert index[:4] == ["00_aten_pre_dispatch_captured_by_dynamo_on_fake_tensors.py",
+                         "01_repeated_subgraph0_after_sequence_gather_1_rewrites.py", "02_after_positions_1_rewrites.py",
+                         "03_after_shift_0_rewrites.py"]
+    after = (folder / index[1]).read_text()
     assert after.count("# cp_passes: pass=sequence_gather rule=sdpa_causal") >= 5  # 5 nodes per attention
-    assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[3]).read_text()
+    assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[2]).read_text()
 
 
 def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_path):
