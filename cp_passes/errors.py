@@ -111,10 +111,29 @@ class Problem:
             fix = _CACHE_FIX
         return cls(op_name(node), source, module_path(node), reason, fix)
 
-    def format(self, index: int | None = None) -> str:
+    def format(self, index: int | None = None, modules: list[str] | None = None) -> str:
+        """The problem as printed; ``modules``: every module it occurs in (the same op, line, reason and fix)."""
         head = f"[{index}] " if index is not None else ""
-        where = self.source + (f"  (module {self.module})" if self.module else "")
+        modules = modules if modules is not None else [self.module] if self.module else []
+        names = ", ".join(modules if len(modules) <= 4 else modules[:3] + [f"... {modules[-1]}"])
+        where = (self.source + (f"  (module {names})" if len(modules) == 1 else
+                                f"  (in {len(modules)} modules: {names})" if modules else ""))
         return f"{head}{self.op} at {where}\n    why: {self.reason}\n    fix: {self.fix}"
+
+    def key(self) -> tuple[str, str, str, str]:
+        """What makes two problems one: the op at the same source line, for the same reason and fix (each layer
+        of a model repeats its block's)."""
+        return self.op, self.source, self.reason, self.fix
+
+
+def grouped(problems: list[Problem]) -> list[tuple[Problem, list[str]]]:
+    """Each distinct problem once, in order of first occurrence, with the modules it occurs in."""
+    groups: dict[tuple, tuple[Problem, list[str]]] = {}
+    for problem in problems:
+        first, modules = groups.setdefault(problem.key(), (problem, []))
+        if problem.module and problem.module not in modules:
+            modules.append(problem.module)
+    return list(groups.values())
 
 
 class CPCompileError(RuntimeError):
@@ -130,11 +149,12 @@ class CPCompileError(RuntimeError):
             super().__init__(problems)
             return
         self.problems = list(problems)
-        count = len(self.problems)
-        body = "\n".join(p.format(i + 1) for i, p in enumerate(self.problems))
-        super().__init__(
-            f"cp_passes cannot shard this model along the sequence ({count} problem{'s' if count > 1 else ''}):\n{body}"
-        )
+        distinct = grouped(self.problems)
+        count = len(distinct)
+        body = "\n".join(p.format(i + 1, modules) for i, (p, modules) in enumerate(distinct))
+        sites = f", at {len(self.problems)} places" if len(self.problems) > count else ""
+        super().__init__(f"cp_passes cannot shard this model along the sequence ({count} "
+                         f"problem{'s' if count > 1 else ''}{sites}):\n{body}")
 
 
 def _chain(error: BaseException):

@@ -96,3 +96,48 @@ def test_a_mask_that_shows_later_keys_for_some_data_fails_on_every_rank(pool):
     for result in pool.run("prefix_lm", 2, timeout=HANG_S, prompt=6, attention_keys="all"):
         assert result["error"] == "no error", result["error"]
         torch.testing.assert_close(result["out"], result["want"][:, result["positions"]])
+
+
+class _Flips(torch.nn.Module):
+    """Blocks that reverse and roll the sequence: two problems, each in every block."""
+
+    def __init__(self, blocks: int = 3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.layers = torch.nn.ModuleList(_Flip() for _ in range(blocks))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class _Flip(torch.nn.Module):
+    def forward(self, x):
+        return torch.roll(x.flip(1), 1, dims=1)
+
+
+def refused_everywhere(group) -> tuple[str, int]:
+    """Every rank refuses the same model: its message and how many problems it carries."""
+    import cp_passes
+
+    compiled = cp_passes.cp_compile(_Flips(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 16))}, group)
+    try:
+        compiled(**local)
+    except cp_passes.CPCompileError as error:
+        return f"{type(error).__name__}: {error}", len(error.problems)
+    return "no error", 0
+
+
+def test_a_refusal_every_rank_finds_prints_once_each_problem_once(pool):
+    """The list is printed by rank 0 alone, each distinct problem once with the blocks it occurs in; the other
+    rank points there and keeps the problems for code that reads them."""
+    (first, count), (second, also) = pool.run("test_agreement:refused_everywhere", 2, timeout=HANG_S)
+    assert count == also == 6
+    assert first.startswith("CPCompileError: cp_passes cannot shard this model along the sequence (2 problems, at "
+                            "6 places):"), first
+    assert first.count("aten.flip.default at ") == 1 and first.count("aten.roll.default at ") == 1, first
+    assert first.count("(in 3 modules: layers.0, layers.1, layers.2)") == 2, first
+    assert second == "CPCompileError: rank 0 prints why this model cannot be sharded (6 problems; ranks [0, 1] found the same)", second

@@ -125,7 +125,8 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
     at the end of a compile (``compiled``, with its error if it failed), before a cached graph runs, or where
     the capture failed before reaching the backend. One all-reduce says whether the ranks differ (a failure,
     a rank that compiled a new graph while another reuses its own, different collectives); only then are the
-    reports gathered, and every rank raises the same verdict (a failed rank raises its own error)."""
+    reports gathered, and every rank raises the same verdict (a failed rank its own error, except that a list of
+    problems the lowest failed rank found too is printed there only: the others raise a line that points to it)."""
     if alone(cp):
         return
     fp = _digest("\n".join(fingerprint)) if compiled else 0
@@ -141,9 +142,15 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
     everyone = _gather(cp, report)
     failures = [(rank, err) for rank, (err, *_) in enumerate(everyone) if err is not None]
     if failures:
-        if error is not None:
-            return  # this rank raises its own error
         rank, err = failures[0]
+        if error is not None and (rank == cp.rank or err != report[0] or not getattr(error, "problems", None)):
+            return  # this rank raises its own error: the first to fail, a short one, or one that failed otherwise
+        if error is not None:  # the same list of problems as a lower rank's, which prints it
+            same = [r for r, e in failures if e == err]
+            agreed = CPCompileError(f"rank {rank} prints why this model cannot be sharded ({len(error.problems)} "
+                                    f"problems; ranks {same} found the same)")
+            agreed.problems = list(error.problems)
+            raise agreed
         others = f" (and ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""
         raise CPCompileError(f"rank {rank}{others} failed to compile, so no rank runs this graph. Rank {rank}'s "
                              f"error:\n{err}")
