@@ -15,6 +15,13 @@ Three ratios, measured in one run:
   only after compute that does not need them (:mod:`cp_passes.report.overlap`).
 
     python benchmarks/compile_time.py                  # P = 8, S = 131072; about 5 minutes on 2 cores
+
+With ``--hf-config NAME`` (a transformers model class or type, as ``explain --hf-config`` takes) it times the
+dry run of that model's default config (P = --world-size, S = --seq-len) against the same config cut to one
+layer of each kind (the distinct tuples of its per-layer lists: ``layer_types``, ``mlp_layer_types``...):
+planning time should follow the kinds, not the depth.
+
+    python benchmarks/compile_time.py --hf-config Glm5NextTextModel --world-size 16 --seq-len 1048576
 """
 
 import argparse
@@ -46,6 +53,29 @@ def plan_seconds(layers: int, world: int, seq_len: int, regions: bool):
         run = dry_run(lambda: built_in(config, torch.bfloat16), inputs, mesh=group, memory=True,
                       plan_ranks=[r for r in COLUMNS if r < world - 1], regions=regions or None)
     return time.process_time() - start, run
+
+
+def hf_plan_seconds(name: str, world: int, seq_len: int, kinds_only: bool):
+    """CPU seconds of explain's dry run of a transformers config (regions on), and how many layers it has."""
+    from cp_passes.spec import resolve_spec
+    from cp_passes.tools.models import hf_model
+
+    build, config, _ = hf_model(name, torch.bfloat16)
+    layers = config.num_hidden_layers
+    per_layer = [key for key, value in config.to_dict().items() if isinstance(value, list) and len(value) == layers]
+    if kinds_only:
+        kinds = list(zip(*(getattr(config, key) for key in per_layer))) if per_layer else [()] * layers
+        keep = [kinds.index(kind) for kind in dict.fromkeys(kinds)]
+        for key in per_layer:
+            setattr(config, key, [getattr(config, key)[i] for i in keep])
+        config.num_hidden_layers = len(keep)
+    local = seq_len // world
+    inputs = {"input_ids": ((1, local), torch.long), "labels": ((1, local), torch.long)}
+    start = time.process_time()
+    with fake_group(world, world - 1) as group:
+        dry_run(build, inputs, resolve_spec(None, config), mesh=group, memory=True,
+                plan_ranks=[r for r in COLUMNS if r < world - 1], regions=True)
+    return time.process_time() - start, config.num_hidden_layers
 
 
 def first_step(kind: str) -> float:
@@ -86,10 +116,21 @@ def main() -> int:
     parser.add_argument("--seq-len", type=int, default=131072)
     parser.add_argument("--no-regions", dest="regions", action="store_false",
                         help="trace and plan every layer (the dry run before regions)")
+    parser.add_argument("--hf-config", metavar="NAME",
+                        help="time the dry run of this transformers model's default config against one layer of each "
+                             "of its layer kinds, instead")
     parser.add_argument("--first-step", choices=("cp", "plain"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.first_step:
         print(first_step(args.first_step))
+        return 0
+    if args.hf_config:
+        plan_seconds(1, args.world_size, 64 * args.world_size, True)  # imports and first-use caches, not timed
+        few, kinds = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, kinds_only=True)
+        many, layers = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, kinds_only=False)
+        print(f"plan {args.hf_config}, P = {args.world_size}, S = {args.seq_len}: one layer of each of its {kinds} "
+              f"kinds {few:.1f} CPU-s, all {layers} layers {many:.1f} CPU-s")
+        print(f"plan {layers}/{kinds} layers: {many / few:.2f}")
         return 0
     plan_seconds(1, args.world_size, 64 * args.world_size, args.regions)  # imports and first-use caches, not timed
     few, _ = plan_seconds(4, args.world_size, args.seq_len, args.regions)
