@@ -7,7 +7,7 @@ slice of the sequence and gets the single-device result, or refuses at compile t
 from .compiler.backend import CPModule, cp_compile
 from .compiler.pipeline import CompileRecord
 from .data.batch import ShardLayout, shard_batch
-from .data_parallel import global_token_count, sum_gradients
+from .data_parallel import global_loss, global_token_count, sum_gradients
 from .eager import all_reduce_gradients, gather_halo, gather_sequence
 from .errors import CPCompileError
 from .layout import Layout
@@ -19,6 +19,6 @@ from .transports import Cost, Transport, register_transport
 __all__ = [
     "AttentionRule", "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Cost", "Layout", "Recurrence", "Rewrite",
     "RuleContext", "ShardLayout", "Transport", "Value", "all_reduce_gradients", "available_specs", "cp_compile",
-    "explain", "gather_halo", "gather_sequence", "global_token_count", "load_spec", "positionwise", "register_rule",
+    "explain", "gather_halo", "gather_sequence", "global_loss", "global_token_count", "load_spec", "positionwise", "register_rule",
     "register_transport", "shard_batch", "sum_gradients",
 ]

@@ -45,6 +45,20 @@ def global_token_count(labels: torch.Tensor | Iterable[torch.Tensor], mesh, igno
     return count
 
 
+def global_loss(loss: torch.Tensor, mesh) -> torch.Tensor:
+    """The value to log for a loss each CP rank holds its share of (a summed loss, or ``out.loss`` of a
+    transformers model called with ``labels=``): the ranks' shares added up over ``mesh`` (a DeviceMesh or a
+    ProcessGroup), detached. It is the single-device value, on every rank; ``loss.item()`` alone shows about 1/P
+    of it."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    total = loss.detach().clone()
+    groups = ([mesh.get_group(d) for d in range(mesh.ndim)] if isinstance(mesh, DeviceMesh) else [mesh])
+    for group in groups:
+        dist.all_reduce(total, group=group)
+    return total
+
+
 def _sum_hook(group, bucket):
     return dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future().then(lambda f: f.value()[0])
 

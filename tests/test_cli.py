@@ -61,6 +61,9 @@ def test_example_script_trains():
     out = run("examples/train_toy_llama.py", "--backend", "aot_eager", "--steps", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr[-3000:]
     assert [line.split(":")[0] for line in out.stdout.splitlines() if line.startswith("step")] == ["step 0", "step 1"]
+    # the logged loss is one device's (the ranks' shares added): about ln(256) = 5.55 at the start, not half of it
+    first = float(next(line for line in out.stdout.splitlines() if line.startswith("step 0")).rsplit(" ", 1)[1])
+    assert 5.0 < first < 6.5, out.stdout
 
 
 @pytest.mark.full

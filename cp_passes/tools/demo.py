@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from ..compiler.backend import cp_compile
 from ..data.batch import shard_batch
+from ..data_parallel import global_loss
 from ..eager import all_reduce_gradients
 from ..report.explain import explain
 from ..layout import resolve_layout
@@ -53,9 +54,7 @@ def demo_rank(steps: int, seq_len: int, backend: str, dump_dir) -> None:
         all_reduce_gradients(model, mesh)
         opt.step()
         opt.zero_grad()
-        cp_loss = loss_sum.detach().clone()
-        dist.all_reduce(cp_loss)
-        cp_loss = (cp_loss / n_tokens).item()
+        cp_loss = (global_loss(loss_sum, mesh) / n_tokens).item()  # the ranks' shares added
 
         ref_loss = reference(**batch)[0] / n_tokens
         ref_loss.backward()
