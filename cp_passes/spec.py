@@ -386,6 +386,75 @@ SEQUENCE_INPUTS = ("inputs_embeds", "attention_mask", "token_type_ids", "loss_ma
 """Inputs that carry the sequence by name (besides a spec's token, label, position and doc-id keys)."""
 
 
+def _field_docs(cls) -> dict[str, str]:
+    """Each field's docstring (the string after its annotation in the class body), read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _document_fields(cls) -> None:
+    """Append every field, its default and its docstring to ``cls.__doc__``, so that ``help(cls)`` lists them."""
+    import textwrap
+
+    lines = ["", "Fields:", ""]
+    for field in dataclasses.fields(cls):
+        default = (repr(field.default) if field.default is not dataclasses.MISSING else
+                   "required" if field.default_factory is dataclasses.MISSING else "(computed)")
+        lines.append(f"{field.name} = {default}")
+        doc = _field_docs(cls).get(field.name, "")
+        lines.extend(textwrap.indent(textwrap.fill(paragraph, 100), "    ")
+                     for paragraph in doc.split("\n\n") if paragraph)
+    cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
+
+
+for _cls in (AttentionRule, Recurrence, CPSpec):
+    _document_fields(_cls)
+
+
+def _set_fields(obj, like=None) -> list[tuple[str, object]]:
+    """The fields of dataclass ``obj`` that differ from ``like``'s (or from their defaults), in order."""
+    pairs = []
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        default = (getattr(like, field.name) if like is not None else field.default
+                   if field.default is not dataclasses.MISSING else dataclasses.MISSING)
+        if value != default:
+            pairs.append((field.name, value))
+    return pairs
+
+
+def describe_spec(spec: CPSpec, width: int = 100) -> str:
+    """``spec`` as its fields that differ from ``CPSpec()``'s, one per line; a rule or recurrence as its own
+    fields that differ from their defaults."""
+    import textwrap
+
+    def line(text: str, indent: str) -> str:
+        return textwrap.fill(text, width, initial_indent=indent, subsequent_indent=indent + "    ",
+                             break_long_words=False, break_on_hyphens=False)
+
+    lines = []
+    for name, value in _set_fields(spec, CPSpec()):
+        if name == "name":
+            continue
+        if isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):
+            lines.append(f"  {name}:")
+            for item in value:
+                lines.append(f"    - {type(item).__name__}")
+                lines.extend(line(f"{field} = {v!r}", "        ") for field, v in _set_fields(item))
+        else:
+            lines.append(line(f"{name} = {value!r}", "  "))
+    return "\n".join(lines) if lines else "  (the defaults)"
+
+
 def available_specs() -> list[str]:
     """Names of the specs shipped in ``model_specs/``."""
     import model_specs

@@ -97,12 +97,13 @@ def _explain(args) -> int:
 
 
 def _specs(args) -> int:
-    from ..spec import available_specs, load_spec, model_types
+    from ..spec import available_specs, describe_spec, load_spec, model_types
 
+    print("Each shipped spec's fields that differ from CPSpec()'s; help(cp_passes.CPSpec) documents them all.")
     for name in available_specs():
         types = model_types(name)
         picked = f" (picked for model_type {', '.join(types)})" if types else ""
-        print(f"{name}{picked}: {load_spec(name)}")
+        print(f"\n{name}{picked}:\n{describe_spec(load_spec(name))}")
     return 0
 
 
