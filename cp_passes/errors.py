@@ -35,6 +35,17 @@ def source_line(node: torch.fx.Node, code: bool = True) -> str:
     return f"{short}:{m.group(2)} in {m.group(3)}" + (f": {text}" if text else "")
 
 
+def node_ref(node: torch.fx.Node, code: bool = True) -> str:
+    """``node`` as the model's code names it: the source text that made it and its line (``'k.transpose(1, 2)'
+    at modeling_x.py:120``; the line alone without ``code``), else the graph's name for it."""
+    where = source_line(node)
+    if where == "<no source line>":
+        return f"'{node.name}'"
+    place, _, text = where.partition(": ")
+    place = place.split(" in ")[0]
+    return f"'{text}' at {place}" if code and text else place if not code else f"'{node.name}' at {place}"
+
+
 def _frames(node: torch.fx.Node) -> list[tuple[str, int, str]]:
     """``(file, line, function)`` of every frame of the stack trace that produced ``node``, outermost first."""
     trace = node.meta.get("stack_trace") or ""

@@ -180,3 +180,36 @@ def test_explain_plans_halos_for_a_sliding_window_model():
     assert "window 4096 read from the model's mask" in out.stdout
     # the window is attended tile by tile and the model's own band mask (and its SDPA) is gone from the graph
     assert "largest [sequence x sequence] tensor  0 B (none)" in out.stdout, out.stdout
+
+
+def test_the_table_fits_a_terminal_and_names_the_model_s_code(fake_group):
+    """explain in a terminal fits its width (format_record(record, width)); --wide, and output to a pipe, keep
+    every column. A hand-written attention's notes name the model's source lines, not graph nodes."""
+    import torch
+
+    from cp_passes.report.explain import format_record
+    from cp_passes.tools.dryrun import dry_run
+    from cp_passes.tools.models import EXAMPLES, built_in
+
+    inputs = {"input_ids": ((1, 64), torch.long), "labels": ((1, 64), torch.long)}
+    record = dry_run(lambda: built_in(EXAMPLES["toy-llama-swa"][1]), inputs, mesh=fake_group).record
+    for width in (80, 100, 120):
+        lines = format_record(record, width).splitlines()
+        assert max(len(line) for line in lines) <= width, "\n".join(lines)
+    wide = format_record(record)
+    assert "elements recv" in wide.splitlines()[2] and max(len(line) for line in wide.splitlines()) > 120
+    out = run("-m", "cp_passes", "explain", "--help")
+    assert "--wide" in out.stdout
+
+    def eager_llama():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=128, use_cache=False)
+        config._attn_implementation = "eager"
+        return LlamaForCausalLM(config)
+
+    notes = [r.note for r in dry_run(eager_llama, inputs, mesh=fake_group).record.records if r.rule == "key_operand"]
+    assert len(notes) == 2 and all("at llama/modeling_llama.py:" in note for note in notes), notes
+    assert notes[0].startswith("'") and "key_states" in notes[0].split("' at ")[0], notes
+    assert not any(re.search(r"'[a-z_]+_\d+'", note) for note in notes), notes  # no graph node names ('add_3')

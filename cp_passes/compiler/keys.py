@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..errors import node_ref
 from ..graph.analysis import has_symbol, meta_val, seq_dims
 from ..graph.analysis import window as positions_per_row
 from ..match.blocks import RESHAPES, SCORES, TO_SOURCE, key_concat
@@ -276,7 +277,7 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
                        "size attention scores from the query and key tensors' own shapes (expand_as, or no size)")
         if reshape is not None and reshape[1]:
             rewrites.append((node, Rewrite("key_size", "key_gather", KeySize(node, blocks.keys[node]),
-                                           note=f"'{node.name}' sized -1 on its key axis, which cp_passes makes whole")))
+                                           note=f"{node_ref(node)} sized -1 on its key axis, which cp_passes makes whole")))
     landings = _landings(ctx)
     masks = [x for x in ctx.tensor_inputs() if x in blocks.masks]
     if not landings and not masks:
@@ -305,7 +306,7 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
             request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
                                                                         reads_later=later, concat=concat)
             brings = keys.describe() if keys is not None else "every key"
-            note = f"{request.describe()} brought to the key axis of '{node.name}': {brings} ({why})"
+            note = f"{request.describe()}, brought to the key axis at {node_ref(node, code=False)}: {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))
         request.consumers.append(node)
     for x in masks:

@@ -31,16 +31,44 @@ def table_rows(records) -> list[tuple]:
     ]
 
 
-def format_record(record) -> str:
-    head = (f"cp_passes rewrites: rank {record.rank} of {record.world_size}, local length {record.local_len}, "
-            f"backend {record.backend}" + (f"\nlayout: {record.layout}" if record.layout else ""))
+NARROW_HEADERS = ("module", "rule", "recv / bound", "note")
+
+
+def narrow_table(records, width: int) -> str:
+    """The table in about ``width`` columns: the module and rule, the bytes received against the lower bound,
+    and the note wrapped into what is left (every column: ``format_record(record)``)."""
+    rows = [(r.module or r.node, r.rule,
+             f"{format_bytes(r.bytes)} / {format_bytes(r.lower_bound_bytes)}" if r.collective else "",
+             "; ".join(n for n in (r.note, r.backward) if n)) for r in records]
+    used = len(tabulate([row[:3] for row in rows], headers=NARROW_HEADERS[:3]).splitlines()[1])  # the rule: full widths
+    return tabulate(rows, headers=NARROW_HEADERS, maxcolwidths=[None] * 3 + [max(16, width - used - 2)])
+
+
+def wrap(lines: list[str], width: int | None) -> list[str]:
+    """Each line wrapped at ``width`` (continuations indented), or as it is for None."""
+    import textwrap
+
+    if width is None:
+        return lines
+    return [textwrap.fill(line, width, subsequent_indent="    ", break_long_words=False) if "\n" not in line
+            and len(line) > width else line for line in lines]
+
+
+def format_record(record, width: int | None = None) -> str:
+    """The rewrite table of one compiled graph with its totals; every column and whole lines without
+    ``width``, else what fits ``width`` columns (:func:`narrow_table`)."""
+    head = [f"cp_passes rewrites: rank {record.rank} of {record.world_size}, local length {record.local_len}, "
+            f"backend {record.backend}"] + ([f"layout: {record.layout}"] if record.layout else [])
     if not record.records:
-        return "\n".join([head, "(no node touches the sequence in a way that needs a transport)"] + _memory(record))
+        return "\n".join(wrap(head + ["(no node touches the sequence in a way that needs a transport)"]
+                              + _memory(record), width))
     total = sum(r.bytes for r in record.records)
     bound = sum(r.lower_bound_bytes for r in record.records)
     sent = sum(r.sent_bytes for r in record.records)
     metadata = sum(r.metadata_bytes for r in record.records)
-    lines = [head, tabulate(table_rows(record.records), headers=HEADERS),
+    table = (tabulate(table_rows(record.records), headers=HEADERS) if width is None
+             else narrow_table(record.records, width))
+    lines = head + [table,
              f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "
              f"metadata without autograd {format_bytes(metadata)}), sent {format_bytes(sent)}; the backward moves "
              f"the same bytes the other way, except the metadata"]
@@ -49,7 +77,7 @@ def format_record(record) -> str:
         lines.append(f"recomputed in the backward instead of saved (checkpointed regions; gathered keys with "
                      f"gathered_keys=\"regather\"): {len(repeated)} rewrites' collectives, receiving "
                      f"{format_bytes(sum(r.bytes for r in repeated))} again")
-    return "\n".join(lines + _interleaved(record) + _memory(record))
+    return "\n".join(wrap(lines + _interleaved(record) + _memory(record), width))
 
 
 def _interleaved(record) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 
 
@@ -24,7 +25,7 @@ def _explain(args) -> int:
 
     from .dryrun import dry_run, fake_group
     from ..report.dump import write_dump
-    from ..report.explain import format_bytes, format_record
+    from ..report.explain import format_bytes, format_record, wrap
     from ..report.memory import format_memory
     from ..report.overlap import format_overlap
     from .models import EXAMPLES, built_in, factory_model, hf_model
@@ -70,26 +71,32 @@ def _explain(args) -> int:
         run = dry_run(build, inputs, spec, mesh=group, plan_ranks=[r for r in columns if r != rank], memory=True,
                       regions=args.regions or None)
     run.per_rank[rank] = run.record.records
-    print(f"cp_passes plan: {name} ({description}), spec {spec.name}")
-    print(f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, {args.dtype}"
-          f"{', packed documents' if args.packed else ''}, with labels (a training step); a dry run with "
-          f"fake tensors and a fake process group (nothing allocated, no processes)\n")
-    print(format_record(run.record))
+    width = None if args.wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
+    print("\n".join(wrap([
+        f"cp_passes plan: {name} ({description}), spec {spec.name}",
+        f"P = {world}, S = {seq_len} ({local} tokens per rank), batch {args.batch}, {args.dtype}"
+        f"{', packed documents' if args.packed else ''}, with labels (a training step); a dry run with "
+        f"fake tensors and a fake process group (nothing allocated, no processes)"], width)) + "\n")
+    print(format_record(run.record, width))
     moved = [r for r in run.record.records if r.collective]
     if moved and len(columns) > 1:
-        print("\nreceived / lower bound per forward, by rank (--ranks to choose; the backward moves the same bytes "
-              "back):")
+        bound = " / lower bound" if width is None else ""
+        print("\n" + "\n".join(wrap([f"received{bound} per forward, by rank (--ranks to choose; the backward moves "
+                                     f"the same bytes back{'' if bound else '; the lower bound: --wide'}):"], width)))
 
         def cell(records):
-            return f"{format_bytes(sum(r.bytes for r in records))} / {format_bytes(sum(r.lower_bound_bytes for r in records))}"
+            got = format_bytes(sum(r.bytes for r in records))
+            return got if width is not None else f"{got} / {format_bytes(sum(r.lower_bound_bytes for r in records))}"
 
-        rows = [[rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in columns]
+        fit = max(2, (width - 40) // 11) if width is not None else len(columns)
+        shown = columns if len(columns) <= fit else columns[:fit - 1] + columns[-1:]
+        rows = [[rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in shown]
                 for rec in moved]
-        rows.append(["total", ""] + [cell(run.per_rank[c]) for c in columns])
-        print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in columns]))
+        rows.append(["total", ""] + [cell(run.per_rank[c]) for c in shown])
+        print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in shown]))
     print()
-    print("\n".join(format_memory(run.memory, rank, local, format_bytes)))
-    print(format_overlap(run.overlap, format_bytes))
+    print("\n".join(wrap(format_memory(run.memory, rank, local, format_bytes), width)))
+    print("\n".join(wrap([format_overlap(run.overlap, format_bytes)], width)))
     if args.dump:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
@@ -176,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--dump", metavar="DIR", default=None,
                          help="write --rank's graphs (exported, ATen, after each pass) and the table under "
                               "DIR/rank<r>/graph0/")
+    explain.add_argument("--wide", action="store_true",
+                         help="every column of the tables and whole lines, however wide (the default when the output "
+                              "is not a terminal); in a terminal the tables fit its width")
     explain.set_defaults(run=_explain)
     specs = sub.add_parser("specs", help="list the model specs shipped in model_specs/",
                            description="Print every spec in model_specs/, the transformers model types cp_compile(model) "

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.fx
 
+from ..errors import node_ref
 from ..graph.analysis import INPUT_NAME, meta_val
 from ..key_plan import KeyPlan, outside
 from ..layout import CONTIGUOUS, KINDS, Layout
@@ -82,7 +83,8 @@ class KeyOperand:
         return not meta_val(self.source).is_floating_point()
 
     def describe(self) -> str:
-        where = f"'{self.source.name}'" + (f" (for '{self.operand.name}')" if self.source is not self.operand else "")
+        where = node_ref(self.source) + (f" (read at {node_ref(self.operand, code=False)})"
+                                         if self.source is not self.operand else "")
         repeats = [s for s in self.steps if isinstance(s, int)]
         return where + (f", before its x{repeats[0]} head repeat" if repeats else "")
 
