@@ -24,6 +24,12 @@ def fake_group():
     return dist.group.WORLD
 
 
+@pytest.fixture(scope="module")
+def group(fake_group):
+    """``fake_group`` under the short name the structure tests take."""
+    return fake_group
+
+
 _PARITY: list[tuple] = []
 
 

@@ -68,11 +68,6 @@ class Quantized(nn.Module):
         return function.apply(self.embed(input_ids)).pow(2).sum()
 
 
-@pytest.fixture(scope="module")
-def group(fake_group):
-    return fake_group
-
-
 def test_a_declared_function_runs_its_own_backward(group):
     spec = cp_passes.CPSpec(positionwise_functions=(f"{__name__}:RoundStraightThrough",))
     torch.manual_seed(0)

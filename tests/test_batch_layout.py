@@ -6,7 +6,6 @@ of 16); that every rank raises together runs on real gloo ranks."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -119,15 +118,6 @@ def test_hand_cut_batches_fail_on_every_rank(pool, world):
 
 
 # -- padding the model would read ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
-    return dist.group.WORLD
 
 
 class Attention(nn.Module):

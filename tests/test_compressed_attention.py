@@ -7,7 +7,6 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_passes
@@ -171,16 +170,12 @@ class SeparateValues(torch.nn.Module):
         return out.pow(2).sum(), out
 
 
-def test_values_concatenated_apart_from_the_keys_are_refused_saying_so():
+def test_values_concatenated_apart_from_the_keys_are_refused_saying_so(fake_group):
     """Only one concatenation per attention is brought part by part; cutting K's raw part while V came whole
     would misalign them."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
     spec = cp_passes.CPSpec(name="concat", pad_multiple=2)
-    compiled = cp_passes.cp_compile(SeparateValues(), spec, mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, dist.group.WORLD, spec)
+    compiled = cp_passes.cp_compile(SeparateValues(), spec, mesh=fake_group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, fake_group, spec)
     why = "(?s)is not that concatenation.*concatenate once and read the result as both"
     with pytest.raises(CPCompileError, match=why):
         compiled(**local)
@@ -190,16 +185,12 @@ def test_values_concatenated_apart_from_the_keys_are_refused_saying_so():
                                       ("key_bias", "aten.sum.dim_IntList reads it as it is"),
                                       ("returned", "reads it as it is"),
                                       ("transposed_head_repeat", "whose rows interleave the ranks' parts")])
-def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why):
+def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why, fake_group):
     """Each rank's concatenation holds [its positions | its windows], no shard of the one-device value:
     any read other than K and V brought part by part would be silently wrong."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
     spec = cp_passes.CPSpec(name="concat", pad_multiple=2)
-    compiled = cp_passes.cp_compile(ConcatenatedKeys(read), spec, mesh=dist.group.WORLD, backend="aot_eager",
+    compiled = cp_passes.cp_compile(ConcatenatedKeys(read), spec, mesh=fake_group, backend="aot_eager",
                                     verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, dist.group.WORLD, spec)
+    local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, fake_group, spec)
     with pytest.raises(CPCompileError, match=why):
         compiled(**local)

@@ -77,11 +77,6 @@ def test_data_that_widens_a_two_sided_band_fails_on_every_rank(pool):
         assert "outside the window of 3 keys before and 3 after" in error, error
 
 
-@pytest.fixture(scope="module")
-def group(fake_group):
-    return fake_group
-
-
 def test_a_padded_batch_without_attention_mask_is_refused(group):
     """shard_batch pads 17 positions to 24; the local layers' masks come from positions alone, so every query
     would see the padded keys: refused, naming them and the attention_mask fix."""

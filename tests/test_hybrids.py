@@ -56,11 +56,6 @@ def test_hybrid_on_packed_rows_matches_one_device(pool, parity_report, family, P
                   parity_report)
 
 
-@pytest.fixture(scope="module")
-def group(fake_group):
-    return fake_group
-
-
 def test_the_shipped_spec_is_picked_by_model_type_and_explain_names_it(group):
     model = build("mamba2")
     compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)

@@ -6,7 +6,6 @@ key's column: these cases keep every key (the planner then gathers them all), wi
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cp_passes
 from cp_passes.graph.analysis import sequence_symbol
@@ -186,15 +185,6 @@ def test_masks_hide_what_they_hide_together_in_the_order_the_model_applies_them(
     alibi = torch.tensor([0.5, 0.25])[:, None, None] * distance
     assert torch.equal(hidden_together([alibi, later], (ADDITIVE, TRUE), ((1, 2), (0, 1))), later.expand(2, 6, 6))
 
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
 
 
 def _later_and_prompt(x):

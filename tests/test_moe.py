@@ -85,16 +85,6 @@ def test_hand_written_dispatch_matches_one_device(pool):
             assert ((total - p.grad).abs().max() / p.grad.abs().max()).item() <= GRAD_RTOL, (variant, name)
 
 
-@pytest.fixture(scope="module")
-def group():
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
-    return dist.group.WORLD
-
-
 def _sorted(x, ids):
     keys, perm = ids.sort()
     return keys, perm, x.repeat_interleave(2, 0)[perm]

@@ -3,20 +3,10 @@ plain mistakes in a spec or a call are errors, not crashes or silent no-ops. Fak
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import cp_passes
 from cp_passes import CPCompileError, CPSpec
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
-    return dist.group.WORLD
 
 
 def toy():

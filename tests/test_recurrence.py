@@ -2,11 +2,9 @@
 rank to rank (the carry transport, affine or sequential). Parity on real gloo processes against one device;
 refusals on the fake process group."""
 
-import math
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import cp_passes
@@ -212,15 +210,6 @@ def test_packed_documents_restart_the_state_across_ranks(pool, parity_report, P,
         (carry,) = [rec for rec in results[0]["records"] if rec[1] == "carry"]
         moved = (P - 1) * 2 * state if form == "affine" else (P - 1) ** 2 * state
         assert carry == (f"carry_{form}", "carry", moved, state if rank else 0), carry
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
 
 
 class ReadsTheFinalState(nn.Module):

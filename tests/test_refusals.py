@@ -3,21 +3,11 @@ the source line and a fix; nothing runs on a wrong answer."""
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)
-    return dist.group.WORLD
 
 
 class Tiny(nn.Module):

@@ -4,7 +4,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import cp_passes
@@ -39,15 +38,6 @@ class UsesOp(nn.Module):
 
     def forward(self, ids):
         return self.op(self.embed(ids))
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
-    return dist.group.WORLD
 
 
 def run(group, op):

@@ -5,8 +5,6 @@ gloo processes against one device, unpacked and packed; the untraceable experts 
 from unittest import mock
 
 import pytest
-import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_passes
@@ -68,17 +66,13 @@ def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
     assert rules == [("sdpa_data_mask", "halo"), ("sdpa_data_mask", "sequence_gather")] * 2, rules
 
 
-def test_untraceable_experts_are_refused_with_the_fix():
+def test_untraceable_experts_are_refused_with_the_fix(fake_group):
     """transformers 5.24 generates Step3p7Experts without its experts-implementation switch: its forward loops
     over nonzero(), which dynamo cannot trace. Without the step5 spec (which names them in experts) the refusal
     names the module and the spec field that runs them through grouped_mm."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
     model = hf_step3p7()
     spec = cp_passes.load_spec("step5").replace(experts=())
-    compiled = cp_passes.cp_compile(model, spec, mesh=dist.group.WORLD, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), dist.group.WORLD, spec)
+    compiled = cp_passes.cp_compile(model, spec, mesh=fake_group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), fake_group, spec)
     with pytest.raises(CPCompileError, match=r"layers\.1\.mlp\.experts.*CPSpec\(experts=\('\*mlp\.experts',\)\)"):
         compiled(input_ids=local["input_ids"], position_ids=local["position_ids"])

@@ -17,15 +17,6 @@ GATHER = "cp_passes.prefix_pack.default"  # the rows a causal key gather sends (
 GATHER_BACKWARD = "cp_passes.prefix_finish_backward.default"  # the received rows' gradients, going back
 
 
-@pytest.fixture(scope="module")
-def fake_world():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
-    yield dist.group.WORLD
-
-
 def compile_toy(group, seq=16, spec=None, **config):
     """ToyLlama compiled for rank 3 of 8, one forward and backward at local length ``seq``; contiguous shards
     unless ``spec`` names a layout (the balanced layout's own tests say so)."""
@@ -41,10 +32,10 @@ def compile_toy(group, seq=16, spec=None, **config):
 
 
 @pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
-def test_one_gather_per_layer_forward_one_return_backward(fake_world, kv_repeat):
+def test_one_gather_per_layer_forward_one_return_backward(fake_group, kv_repeat):
     """Causal attention brings its causal prefix of K/V (one all_to_all a layer); the backward returns each row's
     gradient to its owner and, by default, gathers each layer's K/V again (the forward's copy is not saved)."""
-    record = compile_toy(fake_world, kv_repeat=kv_repeat, n_layers=3)
+    record = compile_toy(fake_group, kv_repeat=kv_repeat, n_layers=3)
     assert record.aot_ops["forward"][GATHER] == 3
     assert record.aot_ops["forward"][GATHER_BACKWARD] == 0
     assert record.aot_ops["backward"][GATHER_BACKWARD] == 3
@@ -54,9 +45,9 @@ def test_one_gather_per_layer_forward_one_return_backward(fake_world, kv_repeat)
 
 
 @pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
-def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
+def test_gathers_kv_before_the_head_repeat(fake_group, kv_repeat):
     batch, seq, kv_heads, head_dim = 2, 16, 2, 16
-    record = compile_toy(fake_world, kv_repeat=kv_repeat)
+    record = compile_toy(fake_group, kv_repeat=kv_repeat)
     local_kv = 2 * batch * kv_heads * seq * head_dim  # K and V at kv_heads, not at n_heads
     for r in (r for r in record.records if r.transport == "sequence_gather"):
         assert r.elements == RANK * local_kv  # causal: rank 3 needs ranks 0..2, and receives only those
@@ -69,16 +60,16 @@ def test_gathers_kv_before_the_head_repeat(fake_world, kv_repeat):
     assert "rest_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, cp_own_keys" in after
 
 
-def test_k_and_v_gathered_separately_when_asked(fake_world):
-    record = compile_toy(fake_world, spec=dict(gather_kv_together=False))
+def test_k_and_v_gathered_separately_when_asked(fake_group):
+    record = compile_toy(fake_group, spec=dict(gather_kv_together=False))
     assert record.aot_ops["forward"][GATHER] == 4
     assert record.aot_ops["backward"][GATHER_BACKWARD] == 4
 
 
-def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
+def test_positions_offset_and_causal_attention_in_key_blocks(fake_group):
     """Rank 3's queries see ranks 0..2's keys whole and its own causally: two attention calls, no mask, the
     own keys' first (while the others travel), the earlier ranks' merged in after."""
-    record = compile_toy(fake_world)
+    record = compile_toy(fake_group)
     after, forward = record.history[-1][1], record.aot_graphs["forward"]
     assert f"= {RANK} * " in forward and f"= {RANK + 1} * " in forward  # arange(rank * s, (rank + 1) * s)
     assert "cp_causal_mask" not in after and "aten.scaled_dot_product_attention" not in after
@@ -90,14 +81,14 @@ def test_positions_offset_and_causal_attention_in_key_blocks(fake_world):
     assert rules[-1] == "partial_sum"
 
 
-def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(fake_world):
+def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(fake_group):
     """Rank 3 of 8, balanced: chunks 3 and 12 of 16 (8 positions each). Causal queries here see chunks 0..12, 11
     of them other ranks' (the lower bound), and only those come: every other rank's head (7 chunks), and the tails
     of ranks 4..7 (chunks 11..8); block attention computes 2P + 1 = 17 chunk pieces and skips the rest."""
     from cp_passes.layout import Layout
     from cp_passes.key_plan import SKIP
 
-    record = compile_toy(fake_world, spec=dict(layout="balanced"), n_layers=2)
+    record = compile_toy(fake_group, spec=dict(layout="balanced"), n_layers=2)
     layout = Layout(WORLD, "balanced")
     assert layout.ranges(RANK, 16) == ((24, 32), (96, 104))
     assert record.layout.startswith("balanced (the spec asks for it")
@@ -118,13 +109,13 @@ def test_balanced_rank_holds_its_head_and_tail_and_computes_no_later_key_block(f
     assert re.search(r"global_positions\(s\d+, 3, 8, 'balanced', torch.int64", after)
 
 
-def test_balanced_halos_bring_each_range_its_own_window(fake_world):
+def test_balanced_halos_bring_each_range_its_own_window(fake_group):
     """Rank 3 of 8, balanced, 16 positions per rank (chunks 3 and 12): a window of 5 needs the 4 positions
     before each chunk, 4 rows from rank 2 (chunk 2) and 4 from rank 4 (chunk 11); a causal conv of kernel 4
     needs 3 before each. Exactly those move, in one all_to_all per layer and tensor."""
     from cp_passes.layout import Layout
 
-    record = compile_toy(fake_world, seq=16, window=5, conv_kernel=4, kv_repeat="sdpa",
+    record = compile_toy(fake_group, seq=16, window=5, conv_kernel=4, kv_repeat="sdpa",
                          spec=dict(layout="balanced"))
     send, recv, zeros = Layout(WORLD, "balanced").halo_counts(4, RANK, 16)
     assert recv == [0, 0, 4, 0, 4, 0, 0, 0] and zeros == 0
@@ -136,8 +127,8 @@ def test_balanced_halos_bring_each_range_its_own_window(fake_world):
     assert "drop_seams" in record.history[-1][1]
 
 
-def test_history_labels_every_stage(fake_world):
-    record = compile_toy(fake_world)
+def test_history_labels_every_stage(fake_group):
+    record = compile_toy(fake_group)
     labels = [label for label, _ in record.history]
     assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
     assert labels[2:] == ["after positions (1 rewrites)", "after shift (0 rewrites)", "after halo (0 rewrites)",
@@ -147,9 +138,9 @@ def test_history_labels_every_stage(fake_world):
     assert "cp_kv_gathered" not in record.history[7][1] and "cp_kv_gathered" in record.history[8][1]
 
 
-def test_explain_table_lists_rewrites(fake_world, capsys):
+def test_explain_table_lists_rewrites(fake_group, capsys):
     torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(ToyLlama(), mesh=fake_world, backend="aot_eager", verbose=False)
+    compiled = cp_passes.cp_compile(ToyLlama(), mesh=fake_group, backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 256, (2, 16)))
     text = cp_passes.explain(compiled)
     assert capsys.readouterr().out.strip() == text.strip()
@@ -161,9 +152,9 @@ def test_explain_table_lists_rewrites(fake_world, capsys):
 HALO, HALO_BACKWARD = "cp_passes.halo.default", "cp_passes.halo_backward.default"
 
 
-def test_halo_moves_exactly_the_window_across_hops(fake_world):
+def test_halo_moves_exactly_the_window_across_hops(fake_group):
     # rank 3 of 8 with 2 tokens per rank: the conv halo (4-1)*2 = 6 spans 3 ranks, the window halo 4 spans 2
-    record = compile_toy(fake_world, seq=2, window=5, conv_kernel=4, conv_dilation=2, kv_repeat="sdpa")
+    record = compile_toy(fake_group, seq=2, window=5, conv_kernel=4, conv_dilation=2, kv_repeat="sdpa")
     halos = [r for r in record.records if r.transport == "halo"]
     assert [r.rule for r in halos] == ["causal_conv_slice", "sdpa_window"] * 2
     batch, dim, kv_row = 2, 64, 2 * 2 * 2 * 16  # K+V per position: 2 tensors * batch * kv_heads * head_dim
@@ -175,9 +166,9 @@ def test_halo_moves_exactly_the_window_across_hops(fake_world):
     assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][GATHER_BACKWARD] == 0
 
 
-def test_window_by_gather_moves_more_than_the_halo(fake_world):
-    halo = compile_toy(fake_world, seq=16, window=5)
-    gather = compile_toy(fake_world, seq=16, window=5, spec=dict(window_transport="gather"))
+def test_window_by_gather_moves_more_than_the_halo(fake_group):
+    halo = compile_toy(fake_group, seq=16, window=5)
+    gather = compile_toy(fake_group, seq=16, window=5, spec=dict(window_transport="gather"))
     (h,) = {r.bytes for r in halo.records if r.rule == "sdpa_window"}
     (g,) = {r.bytes for r in gather.records if r.rule == "sdpa_window"}
     (bound,) = {r.lower_bound_bytes for r in gather.records if r.rule == "sdpa_window"}
@@ -185,12 +176,12 @@ def test_window_by_gather_moves_more_than_the_halo(fake_world):
     assert gather.aot_ops["forward"][GATHER] == 2 and gather.aot_ops["forward"][HALO] == 0
 
 
-def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_world):
+def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_group):
     """AttentionRule(left_padding=3): the halo op makes 3 zero rows before the window's 4 (K+V 2 x 16 wide);
     the bytes moved are the plain halo's, and the parity tests show the mask hides the zeros."""
     rule = cp_passes.AttentionRule("layers.*.attn", window=5, left_padding=3)
-    padded = compile_toy(fake_world, seq=16, window=5, spec=dict(attention=(rule,)))
-    plain = compile_toy(fake_world, seq=16, window=5)
+    padded = compile_toy(fake_group, seq=16, window=5, spec=dict(attention=(rule,)))
+    plain = compile_toy(fake_group, seq=16, window=5)
 
     def moved(record):
         return [(r.bytes, r.lower_bound_bytes, r.sent_bytes) for r in record.records if r.rule == "sdpa_window"]
@@ -202,29 +193,29 @@ def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_world):
     assert all("3 zero rows in front of the halo" in r.note for r in padded.records if r.rule == "sdpa_window")
 
 
-def test_explain_at_compile_time_by_environment(fake_world, capsys, monkeypatch):
+def test_explain_at_compile_time_by_environment(fake_group, capsys, monkeypatch):
     monkeypatch.setenv("CP_PASSES_EXPLAIN", str(RANK))
-    compile_toy(fake_world)
+    compile_toy(fake_group)
     err = capsys.readouterr().err
     assert f"cp_passes rewrites: rank {RANK} of {WORLD}" in err and "layers.1.attn" in err
     monkeypatch.setenv("CP_PASSES_EXPLAIN", "0,1")
-    compile_toy(fake_world)
+    compile_toy(fake_group)
     assert "cp_passes rewrites" not in capsys.readouterr().err
 
 
-def test_created_nodes_name_their_pass_and_rule(fake_world):
-    record = compile_toy(fake_world, window=5, conv_kernel=3)
+def test_created_nodes_name_their_pass_and_rule(fake_group):
+    record = compile_toy(fake_group, window=5, conv_kernel=3)
     after_halo = next(code for label, code in record.history if label.startswith("after halo"))
     assert "cp_conv_halo" in after_halo and "# cp_passes: pass=halo rule=causal_conv_slice" in after_halo
     assert "# cp_passes: pass=halo rule=sdpa_window" in after_halo
     assert "cp_passes: pass=sequence_gather" not in after_halo
 
 
-def test_a_window_is_attended_tile_by_tile_with_no_mask_in_the_graph(fake_world):
+def test_a_window_is_attended_tile_by_tile_with_no_mask_in_the_graph(fake_group):
     """A sliding window over its halo is one cp_passes::window_attention per layer (forward and backward): the
     model's band mask and its SDPA call are gone from the rewritten graphs, and no tensor as long as the sequence
     on two dims is left (the window is structure inside the op)."""
-    record = compile_toy(fake_world, window=5, conv_kernel=3, n_layers=2, seq=16)
+    record = compile_toy(fake_group, window=5, conv_kernel=3, n_layers=2, seq=16)
     forward, backward = record.aot_ops["forward"], record.aot_ops["backward"]
     assert forward["cp_passes.window_attention.default"] == 2
     assert backward["cp_passes.window_attention_backward.default"] == 2
@@ -246,12 +237,12 @@ def _packed_toy(group, **config):
     return compiled.compile_records[-1]
 
 
-def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
+def test_a_document_mask_is_per_position_terms_and_a_program(fake_group):
     """The toy's packed-document mask (``q - k >= 0`` and equal doc ids) is split where query and key terms
     meet: the terms (positions and doc ids at this rank's rows and at the keys brought) are computed in the
     graph, the rest is a program the attention, first-key and causal-check ops evaluate a tile at a time. No
     tensor as long as the sequence on two dims is left in the rewritten graphs."""
-    record = _packed_toy(fake_world)
+    record = _packed_toy(fake_group)
     assert [r.rule for r in record.records if r.module == "layers.0.attn"] == ["sdpa_data_mask"]
     forward = record.aot_ops["forward"]
     assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_outside_keys.default"] == 1
@@ -260,11 +251,11 @@ def test_a_document_mask_is_per_position_terms_and_a_program(fake_world):
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
 
 
-def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_world):
+def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_group):
     """A window of 6 over packed documents keeps its mask (the halo's keys go to SDPA with it): the mask is
     evaluated at this rank's 16 rows and its halo's keys, and the envelope is checked a tile at a time, so no
     tensor is as long as the whole sequence (8 * 16 positions) on any dim."""
-    record = _packed_toy(fake_world, window=6)
+    record = _packed_toy(fake_group, window=6)
     assert [(r.rule, r.transport) for r in record.records if r.module == "layers.0.attn"] == [("sdpa_data_mask",
                                                                                               "halo")]
     assert record.aot_ops["forward"]["cp_passes.program_outside_keys.default"] == 1
@@ -273,12 +264,12 @@ def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_world):
     assert two_dims and all(re.fullmatch(r"(2, (1, )?)?s\d+, 2\*\(\(s\d+//2\)\) \+ 10", s) for s in two_dims), two_dims
 
 
-def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_world):
+def test_checkpointed_blocks_repeat_their_transports_in_the_backward(fake_group):
     """Blocks under torch.utils.checkpoint: the rewrite happens inside the regions, and the backward's
     recomputation issues each layer's K/V gather and conv halo again (the forward ops appear in the backward
     graph), where the plain model saves what they brought (with gathered_keys="save")."""
-    checkpointed = compile_toy(fake_world, checkpoint=True, conv_kernel=(0, 4), n_layers=2)
-    plain = compile_toy(fake_world, conv_kernel=(0, 4), n_layers=2, spec=dict(gathered_keys="save"))
+    checkpointed = compile_toy(fake_group, checkpoint=True, conv_kernel=(0, 4), n_layers=2)
+    plain = compile_toy(fake_group, conv_kernel=(0, 4), n_layers=2, spec=dict(gathered_keys="save"))
     assert any(label.startswith("checkpointed regions inlined (2)") for label, _ in checkpointed.history)
     moved = [r for r in checkpointed.records if r.transport in ("sequence_gather", "halo")]
     assert [(r.rule, r.backward) for r in moved] == [("sdpa_causal", "repeated in backward"),
@@ -301,7 +292,7 @@ def _saved_slope(saved_at) -> int:
     return saved_at(2) - saved_at(1)
 
 
-def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
+def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_group):
     """The saved-for-backward estimate (AOTAutograd's partition, fake tensors): a rank keeps what one device
     keeps divided by P, with checkpointed blocks or without (measured: 1.00x and 0.94x; the local K/V are kept
     before the head repeat), and checkpointing cuts it by the factor it does on one device. No gathered K/V
@@ -315,7 +306,7 @@ def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_world):
         def at(blocks):
             torch.manual_seed(0)
             model = ToyLlama(ToyLlamaConfig(checkpoint=checkpoint, n_layers=3))
-            compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
+            compiled = cp_passes.cp_compile(model, mesh=fake_group, backend="aot_eager", verbose=False)
             ids = torch.randint(0, 256, (2, 16 * blocks))
             compiled(ids, labels=ids)[0].backward()
             return saved_activation_bytes(compiled.compile_records[-1].saved)
@@ -399,11 +390,11 @@ def _gathered_kv_saved(record) -> list[str]:
     return [s.shape for s in record.saved if re.fullmatch(r"\(2, 2, \d+\*s\d+, 16\)", s.shape)]
 
 
-def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
+def test_regathered_keys_are_not_saved_for_the_backward(fake_group):
     """CPSpec(gathered_keys="regather"): autograd keeps each layer's local K/V, and the backward gathers them
     again (the forward op appears in the backward graph); with "save" the gathered copies are saved."""
-    saved = compile_toy(fake_world, n_layers=2, spec=dict(gathered_keys="save"))
-    regathered = compile_toy(fake_world, n_layers=2, spec=dict(gathered_keys="regather"))
+    saved = compile_toy(fake_group, n_layers=2, spec=dict(gathered_keys="save"))
+    regathered = compile_toy(fake_group, n_layers=2, spec=dict(gathered_keys="regather"))
     assert len(_gathered_kv_saved(saved)) == 4  # K and V of 2 layers, the causal prefix of ranks 0..3
     assert _gathered_kv_saved(regathered) == []
     assert saved.aot_ops["backward"][GATHER] == 0 and regathered.aot_ops["backward"][GATHER] == 2
@@ -415,7 +406,7 @@ def test_regathered_keys_are_not_saved_for_the_backward(fake_world):
 
 
 @pytest.mark.parametrize("layout", [pytest.param("contiguous", marks=pytest.mark.full), "balanced"])
-def test_packed_masks_are_never_sequence_by_sequence(fake_world, layout):
+def test_packed_masks_are_never_sequence_by_sequence(fake_group, layout):
     """The dry run's memory estimate for packed ToyLlama (doc_ids), rank 3 of 8 at 64 tokens each: no
     [sequence x sequence] tensor at all (the document mask is per-position terms and a program the ops
     evaluate a tile at a time), where one device builds [512, 512]; what the rank saves for the backward is at
@@ -425,7 +416,7 @@ def test_packed_masks_are_never_sequence_by_sequence(fake_world, layout):
     local = 64
     inputs = {name: ((1, local), torch.long) for name in ("input_ids", "labels", "doc_ids")}
     memory = dry_run(lambda: ToyLlama(ToyLlamaConfig(n_layers=2)), inputs, cp_passes.CPSpec(layout=layout),
-                     mesh=fake_world, memory=True).memory
+                     mesh=fake_group, memory=True).memory
     assert memory.quadratic.elements == 0, memory.quadratic
     assert memory.single_quadratic.elements >= (WORLD * local) ** 2, memory.single_quadratic
     assert memory.ratio <= 1.0, (memory.saved_bytes, memory.single_share)
@@ -447,11 +438,11 @@ class _PaddedDocuments(torch.nn.Module):
         return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None]).square().sum()
 
 
-def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
+def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_group):
     """The mask's inputs keep their shapes in the picked subgraph, so a pointwise op on the doc ids themselves
     takes the picks too: the mask's terms are this rank's 16 rows and its 4 * 16 keys at rank 3 of contiguous
     shards, and nothing [S, S] is computed, nor [16, 4 * 16]."""
-    compiled = cp_passes.cp_compile(_PaddedDocuments(), cp_passes.CPSpec(layout="contiguous"), mesh=fake_world,
+    compiled = cp_passes.cp_compile(_PaddedDocuments(), cp_passes.CPSpec(layout="contiguous"), mesh=fake_group,
                                     backend="aot_eager", verbose=False)
     compiled(torch.randint(0, 32, (2, 16)), torch.zeros(2, 16, dtype=torch.long)).backward()
     forward = compiled.compile_records[-1].aot_graphs["forward"]
@@ -463,7 +454,7 @@ def test_a_mask_reading_doc_ids_pointwise_compiles_to_local_rows(fake_world):
 
 
 @pytest.mark.parametrize("autocast,packed", [(False, True), pytest.param(True, False, marks=pytest.mark.full)])
-def test_every_rank_s_backward_issues_the_same_collectives(fake_world, monkeypatch, autocast, packed):
+def test_every_rank_s_backward_issues_the_same_collectives(fake_group, monkeypatch, autocast, packed):
     """The ranks' graphs differ (rank 0 attends to its own keys only, the others to earlier ranks' too), so
     the partitioner must not be free to keep a gathered copy on some ranks and gather again on others: every
     node between a gather and the attention is a transport's, tagged for recomputation. The backward's
@@ -475,7 +466,7 @@ def test_every_rank_s_backward_issues_the_same_collectives(fake_world, monkeypat
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
         torch.manual_seed(0)
         model = ToyLlama(ToyLlamaConfig(n_layers=2))
-        compiled = cp_passes.cp_compile(model, mesh=fake_world, backend="aot_eager", verbose=False)
+        compiled = cp_passes.cp_compile(model, mesh=fake_group, backend="aot_eager", verbose=False)
         ids = torch.randint(0, 256, (2, 16))
         extra = {"doc_ids": torch.zeros(2, 16, dtype=torch.long)} if packed else {}
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx
 import torch.nn as nn
 from hypothesis import given
@@ -19,15 +18,6 @@ from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 from cp_passes.transports import TRANSPORTS, unregister_transport
 
 RANK, WORLD = 3, 8
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=RANK, world_size=WORLD)
-    return dist.group.WORLD
 
 
 @torch.library.custom_op("cp_passes_test::running_scale", mutates_args=())

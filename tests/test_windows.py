@@ -5,7 +5,6 @@ refusals and the batch side on the fake process group."""
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import cp_passes
 from cp_passes.layout import Layout
@@ -38,15 +37,6 @@ def test_compressed_entries_match_one_device(pool, P):
         rules = {(rule, transport, moved) for rule, transport, moved, _ in results["records"]}
         assert ("arange_positions", "positions", 0) in rules, rules
         assert all(moved == 0 for _, _, moved in rules), rules
-
-
-@pytest.fixture(scope="module")
-def group():
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # as the other fake-group tests
-    return dist.group.WORLD
 
 
 def _compile(model, spec, group, seq_len):
