@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_passes
+from cp_passes.transports import in_order
 from cp_passes.report.explain import format_record
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
@@ -131,11 +132,10 @@ def test_history_labels_every_stage(fake_group):
     record = compile_toy(fake_group)
     labels = [label for label, _ in record.history]
     assert labels[:2] == ["captured (dynamo)", "aten (pre-dispatch)"]
-    assert labels[2:] == ["after positions (1 rewrites)", "after shift (0 rewrites)", "after halo (0 rewrites)",
-                          "after scan (0 rewrites)", "after splice (0 rewrites)", "after carry (0 rewrites)",
-                          "after sequence_gather (2 rewrites)", "after key_gather (0 rewrites)",
-                          "after reductions (0 rewrites)", "after eager (0 rewrites)"]
-    assert "cp_kv_gathered" not in record.history[7][1] and "cp_kv_gathered" in record.history[8][1]
+    rewrites = {"positions": 1, "sequence_gather": 2}  # one pass per registered transport, in their order
+    assert labels[2:] == [f"after {t.name} ({rewrites.get(t.name, 0)} rewrites)" for t in in_order()]
+    gathered = labels.index("after sequence_gather (2 rewrites)")
+    assert "cp_kv_gathered" not in record.history[gathered - 1][1] and "cp_kv_gathered" in record.history[gathered][1]
 
 
 def test_explain_table_lists_rewrites(fake_group, capsys):
