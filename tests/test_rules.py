@@ -56,7 +56,7 @@ def test_unknown_op_on_the_sequence_is_refused_then_declared_positionwise(group)
 
 
 def test_a_registered_rule_can_accept_or_refuse_by_dim(group):
-    @cp_passes.register_rule(torch.ops.cp_passes_test.running_max.default)
+    @cp_passes.register_rule(torch.ops.cp_passes_test.running_max.default, replace=True)  # this test's own
     def _(ctx):
         ctx.require_not_along_sequence(ctx.arg("x"), ctx.arg("dim"), "takes a running max along")
         return None
@@ -64,6 +64,12 @@ def test_a_registered_rule_can_accept_or_refuse_by_dim(group):
     assert run(group, lambda x: running_max(x, 2)).shape == (2, 8, 8)
     with pytest.raises(CPCompileError, match="takes a running max along dim \\[1\\], the sequence axis"):
         run(group, lambda x: running_max(x, 1))
+
+    # a second rule for the op is refused unless it says it replaces the first
+    with pytest.raises(ValueError, match="already has a rule .*replace=True"):
+        cp_passes.register_rule(torch.ops.cp_passes_test.running_max.default)(lambda ctx: None)
+    cp_passes.register_rule(torch.ops.cp_passes_test.running_max.default, replace=True)(lambda ctx: None)
+    assert run(group, lambda x: running_max(x, 1)).shape == (2, 8, 8)
 
 
 def test_in_place_ops_follow_the_rule_of_their_out_of_place_op(group):

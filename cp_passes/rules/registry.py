@@ -16,13 +16,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.fx
 
 from ..errors import Problem
 from ..graph.analysis import hint, meta_val, seq_dims
+
+if TYPE_CHECKING:
+    import sympy
+
+    from ..layout import Layout
+    from ..match import Matches
+    from ..spec import CPSpec
 
 aten = torch.ops.aten
 
@@ -44,11 +51,16 @@ ALWAYS: set = set()
 """Ops whose rule is asked even when no input or output carries the sequence."""
 
 
-def register_rule(*ops, always: bool = False):
+def register_rule(*ops, always: bool = False, replace: bool = False):
     """Register ``fn`` as the rule for each op (an OpOverload, or an OpOverloadPacket for all overloads);
-    ``always``: ask it for every call, not only those that touch the sequence."""
+    ``always``: ask it for every call, not only those that touch the sequence. An op that has a rule keeps it
+    unless ``replace`` says to replace it (a second registration is more often a mistake than an override)."""
 
     def decorator(fn):
+        taken = [op for op in ops if op in _RULES and _RULES[op] is not fn]
+        if taken and not replace:
+            raise ValueError(f"{', '.join(map(str, taken))} already has a rule ({_RULES[taken[0]].__module__}."
+                             f"{_RULES[taken[0]].__qualname__}); pass register_rule(..., replace=True) to replace it")
         for op in ops:
             _RULES[op] = fn
             if always:
@@ -125,14 +137,15 @@ class Rewrite:
 @dataclass
 class RuleContext:
     node: torch.fx.Node
-    sym: object
-    spec: object
+    sym: sympy.Symbol
+    """The sequence length's symbol."""
+    spec: CPSpec
     rank: int
     world: int
-    layout: object
+    layout: Layout
     length: torch.SymInt
     """The local sequence length as the graph carries it (``sym`` is its symbol)."""
-    matches: object = None
+    matches: Matches | None = None
     """What the matchers found (:class:`cp_passes.match.Matches`)."""
     values: dict = field(default_factory=dict)
     """The planner's values so far: node -> :class:`Value` where it is not read from the shape."""
