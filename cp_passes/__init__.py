@@ -8,7 +8,7 @@ from .compiler.backend import CPModule, cp_compile
 from .compiler.pipeline import CompileRecord
 from .data.batch import ShardLayout, shard_batch
 from .data_parallel import global_loss, global_token_count, sum_gradients
-from .eager import all_reduce_gradients, gather_halo, gather_sequence
+from .helpers import all_reduce_gradients, gather_halo, gather_sequence
 from .errors import CPCompileError
 from .layout import Layout
 from .report.explain import explain

@@ -18,7 +18,7 @@ import torch.fx
 from ..errors import CPCompileError, Problem, module_path, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
-from ..rules import LAYOUT_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
+from ..rules import VIEW_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
@@ -82,7 +82,7 @@ class Plan:
         return [(None, self)] + [(region, region.plan) for region in self.regions]
 
 
-_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *LAYOUT_OPS}
+_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *VIEW_OPS}
 _CASTS = {aten._to_copy, aten.to, aten.type_as}
 _PARTIAL_METADATA = {aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride}
 """Ops that read a partial sum's shape or dtype only."""

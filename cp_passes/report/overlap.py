@@ -16,10 +16,10 @@ import torch.fx
 
 from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
-from ..rules import LAYOUT_OPS
+from ..rules import VIEW_OPS
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
-_NOT_COMPUTE = {*(op.default for op in LAYOUT_OPS if hasattr(op, "default")), _WAIT}
+_NOT_COMPUTE = {*(op.default for op in VIEW_OPS if hasattr(op, "default")), _WAIT}
 
 
 @dataclass(frozen=True)

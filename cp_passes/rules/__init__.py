@@ -13,11 +13,11 @@ find multi-node patterns first; transports (:mod:`cp_passes.transports`) edit th
 Importing this package registers the built-in rules: one module per op family.
 """
 
-from . import (attention, contractions, conv, eager, permutations, pointwise, positions, recurrence,  # noqa: F401
-               reductions, splice, views)
+from . import (attention, contractions, conv, eager_modules, permutations, pointwise, positions,  # noqa: F401
+               recurrence, reductions, splice, views)
 from .registry import (NO_RULE_FIX, Refusal, Rewrite, RuleContext, Value, lookup_rule, positionwise,
                        positionwise_rule, register_rule)
-from .views import LAYOUT_OPS
+from .views import VIEW_OPS
 
-__all__ = ["LAYOUT_OPS", "NO_RULE_FIX", "Refusal", "Rewrite", "RuleContext", "Value", "lookup_rule", "positionwise",
+__all__ = ["VIEW_OPS", "NO_RULE_FIX", "Refusal", "Rewrite", "RuleContext", "Value", "lookup_rule", "positionwise",
            "positionwise_rule", "register_rule"]

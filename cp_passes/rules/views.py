@@ -21,7 +21,7 @@ from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
 aten = torch.ops.aten
 
 
-LAYOUT_OPS = (
+VIEW_OPS = (
     aten.view,
     aten._unsafe_view,
     aten.reshape,
@@ -52,7 +52,7 @@ LAYOUT_OPS = (
 )
 
 
-@register_rule(*LAYOUT_OPS)
+@register_rule(*VIEW_OPS)
 def _layout(ctx: RuleContext):
     out = meta_val(ctx.node)
     if not isinstance(out, torch.Tensor):

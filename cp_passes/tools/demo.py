@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from ..compiler.backend import cp_compile
 from ..data.batch import shard_batch
 from ..data_parallel import global_loss
-from ..eager import all_reduce_gradients
+from ..helpers import all_reduce_gradients
 from ..report.explain import explain
 from ..layout import resolve_layout
 from ..spec import resolve_spec

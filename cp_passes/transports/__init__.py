@@ -1,12 +1,12 @@
 """Transports: how sequence data moves between ranks. One module per transport; see :mod:`.base`.
 
 Importing this package registers the built-in transports, in order: positions (no communication),
-shift, halo, scan, splice, carry, sequence_gather, key_gather, reductions, eager (moves nothing).
+shift, halo, scan, splice, carry, sequence_gather, key_gather, reductions, eager_modules (moves nothing).
 """
 
 from .base import TRANSPORTS, Cost, Transport, collective_ops, in_order, register_transport, unregister_transport
 from .carry import CARRY
-from .eager import EAGER
+from .eager_modules import EAGER
 from .gather import SEQUENCE_GATHER
 from .halo import HALO
 from .keys import KEY_GATHER

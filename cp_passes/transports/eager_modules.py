@@ -1,4 +1,4 @@
-"""Eager: a module that runs outside the analysed graph on every rank moves nothing; the rewrite table lists
+"""Eager modules: a module that runs outside the analysed graph on every rank moves nothing; the rewrite table lists
 it so that ``explain`` says what ran where. It runs last: it only tags, and the graph's dead-code elimination
 after a transport must not run before the transports whose requests name nodes still unused."""
 
@@ -18,7 +18,7 @@ class EagerCall:
 
 
 class EagerTransport(Transport):
-    name = "eager"
+    name = "eager_modules"
     order = 50
 
     def apply(self, edit, request: EagerCall) -> None:

@@ -1,4 +1,4 @@
-"""Eager helpers for code outside the compiled module: the transports' runtime ops, called directly."""
+"""Helpers for code outside the compiled module: the transports' runtime ops, called directly."""
 
 from __future__ import annotations
 

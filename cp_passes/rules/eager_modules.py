@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..eager_modules import module_path
-from ..transports.eager import EagerCall
+from ..transports.eager_modules import EagerCall
 from .registry import Rewrite, RuleContext, register_rule
 
 
@@ -18,5 +18,5 @@ def _eager_module(ctx: RuleContext):
                    f"graph, it would see this rank's slice alone",
                    f"name in eager_modules only modules whose inputs every rank passes whole (a vision tower's "
                    f"pixels and grid sizes), or remove {path!r} from it")
-    return Rewrite("eager_module", "eager", EagerCall(ctx.node, path),
+    return Rewrite("eager_module", "eager_modules", EagerCall(ctx.node, path),
                    note=f"{path}: ran eagerly on every rank with whole inputs; its backward runs it again")
