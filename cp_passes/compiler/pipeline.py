@@ -110,7 +110,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     record.layout = describe_layout(spec, cp, record.records)
     regather = spec.gathered_keys == "regather"
     for edit, rewrite in done:  # after verify: the scalar test reads the values it propagated
-        rewrite.backward = tag_transport(edit, regather and TRANSPORTS[edit.pass_name].gathers_keys)
+        rewrite.backward = tag_transport(edit, regather and TRANSPORTS[edit.transport].gathers_keys)
     return plan
 
 
@@ -257,7 +257,7 @@ def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list,
                or (e.created and e.origin in alive and not any(n in alive for n in e.created))]
     if skipped or len(edits) != len(plan.rewrites):  # planning refused unregistered transports
         what = [f"{e.rule} at {op_name(e.origin)} ({source_line(e.origin, code=False)}) by transport "
-                f"{e.pass_name!r}" for e in skipped] or ["a rewrite's transport did not run"]
+                f"{e.transport!r}" for e in skipped] or ["a rewrite's transport did not run"]
         raise CPCompileError(f"cp_passes internal error: planned rewrites were not applied: {'; '.join(what)}. "
                              f"A transport's apply() must edit the graph through its Edit")
     # Under the Python dispatcher, as dynamo traced: ops sized by data-dependent counts (F.pad by an

@@ -21,10 +21,10 @@ _PLANNED = "cp_passes_planned"
 _COPIED_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
 
 
-def tag(node: torch.fx.Node, pass_name: str, rule: str) -> None:
-    """Record that ``pass_name`` (a transport) changed ``node`` for ``rule``."""
+def tag(node: torch.fx.Node, transport: str, rule: str) -> None:
+    """Record that ``transport`` changed ``node`` for ``rule``."""
     custom = dict(node.meta.get("custom") or {})
-    custom.update({PASS: pass_name, RULE: rule})
+    custom.update({PASS: transport, RULE: rule})
     node.meta["custom"] = custom
 
 
@@ -39,10 +39,10 @@ class Edit:
     ``keep`` are nodes whose inputs no edit may rewire: the matchers claimed them for a pattern whose own
     rule evaluates them as the single device would (a model-built mask)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, origin: torch.fx.Node, pass_name: str, rule: str, *, rank: int,
+    def __init__(self, gm: torch.fx.GraphModule, origin: torch.fx.Node, transport: str, rule: str, *, rank: int,
                  world: int, group_name: str, layout, keep: frozenset = frozenset()):
         self.gm, self.graph, self.origin = gm, gm.graph, origin
-        self.pass_name, self.rule = pass_name, rule
+        self.transport, self.rule = transport, rule
         self.rank, self.world, self.group_name, self.layout = rank, world, group_name, layout
         self.keep = keep
         self.nodes: list[torch.fx.Node] = []
@@ -113,7 +113,7 @@ class Edit:
         return self.changed(node)
 
     def changed(self, node: torch.fx.Node) -> torch.fx.Node:
-        tag(node, self.pass_name, self.rule)
+        tag(node, self.transport, self.rule)
         self.nodes.append(node)
         return node
 
@@ -125,8 +125,8 @@ def format_graph(gm: torch.fx.GraphModule) -> str:
     for line in gm.print_readable(print_output=False).splitlines():
         m = re.match(r"\s+(\w+)(?::\s*\"[^\"]*\")?\s*=", line)
         if m and m.group(1) in made:
-            pass_name, rule = made[m.group(1)]
-            line = f"{line}  # cp_passes: pass={pass_name} rule={rule}"
+            transport, rule = made[m.group(1)]
+            line = f"{line}  # cp_passes: pass={transport} rule={rule}"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
