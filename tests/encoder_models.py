@@ -1,5 +1,5 @@
 """Bidirectional encoders as transformers ships them (ModernBERT: global layers over every key, local layers over
-a two-sided window), and the parity task the worker pool runs for them (``pool.run("encoder_models:parity",
+a two-sided window), and the parity task the worker pool runs for them (``pool.run(encoder_models.parity,
 ...)``)."""
 
 from __future__ import annotations

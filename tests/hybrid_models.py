@@ -1,6 +1,6 @@
 """State-space and linear-attention hybrids as transformers ships them (Mamba-2's chunked scan, the gated delta
 rule, Kimi Delta Attention), BLOOM's and MPT's ALiBi, and learned position tables sliced to the sequence length,
-compiled with spec=None: the shipped spec, if any, is picked by the config's model_type. The parity task the worker pool runs for them is ``pool.run("hybrid_models:parity", ...)``."""
+compiled with spec=None: the shipped spec, if any, is picked by the config's model_type. The parity task the worker pool runs for them is ``pool.run(hybrid_models.parity, ...)``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models as transformers ships them (the default experts implementation, grouped_mm, on
-its CPU fallback here), and the parity task the worker pool runs for them (``pool.run("moe_models:parity",
+its CPU fallback here), and the parity task the worker pool runs for them (``pool.run(moe_models.parity,
 ...)``)."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""What each rank runs in the multi-process tests (see workers.py). Each returns local tensors;
-the tests compare them with the single-device model in the main process."""
+"""Builders and worker-pool tasks that several test modules share (a task one module alone runs lives in that
+module). Tasks return local tensors; the tests compare them with the single-device model in the main
+process."""
 
 from __future__ import annotations
 
@@ -169,17 +170,6 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
                                     for r in compiled.compile_records[-1].records]})
     return results
-
-
-def gather_roundtrip(group, seq_len: int, kind: str = "auto") -> dict:
-    """shard_batch then gather_sequence gives back the global tensor; gradients reach their owners."""
-    global_batch = toy_batch(seq_len)
-    local, layout = cp_passes.shard_batch(global_batch, group, cp_passes.CPSpec(layout=kind))
-    x = local["input_ids"].float().requires_grad_()
-    full = cp_passes.gather_sequence(x, group, layout=layout)
-    (full * torch.arange(1, seq_len + 1)).sum().backward()
-    return {"full": full.detach(), "grad": x.grad, "layout": (layout.seq_len, layout.padded_len, layout.slices),
-            "local": local, "positions": layout.positions}
 
 
 class RunningScans(torch.nn.Module):
@@ -379,7 +369,7 @@ def mixer_batch(seq_len: int) -> dict:
     return {"input_ids": torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(3))}
 
 
-def _step(model, compiled, loss, out, layout) -> dict:
+def step_result(model, compiled, loss, out, layout) -> dict:
     """One step's results on this rank: loss, outputs, gradients, which rows are real, the rewrite table."""
     return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
             "positions": layout.positions,
@@ -395,13 +385,8 @@ def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
         model.zero_grad()
         loss, out = compiled(**local)
         loss.backward()
-        results.append(_step(model, compiled, loss, out, layout))
+        results.append(step_result(model, compiled, loss, out, layout))
     return results
-
-
-def mixer_parity(group, mix: str, seq_lens: list[int], layout: str | None = None) -> list[dict]:
-    torch.manual_seed(0)
-    return small_parity(group, Mixer(mix), cp_passes.CPSpec(layout=layout) if layout else None, seq_lens)
 
 
 def additive_mask_from_ids(input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -441,11 +426,6 @@ class AdditiveIdsMask(torch.nn.Module):
         return out.pow(2).sum(), out
 
 
-def ids_mask_parity(group, sdpa: bool, seq_lens: list[int]) -> list[dict]:
-    torch.manual_seed(0)
-    return small_parity(group, AdditiveIdsMask(sdpa), None, seq_lens)
-
-
 class PrefixLM(torch.nn.Module):
     """Attention written by hand with a prefix-LM mask: prompt tokens (doc id 1) see each other both ways,
     the rest causally. For one document it is causal, so cp_passes brings the causal prefix and checks the
@@ -475,7 +455,7 @@ def prefix_lm(group, prompt: int, attention_keys: str) -> dict:
     doc_ids = (torch.arange(8) < prompt).long().expand(2, 8)
     local, layout = cp_passes.shard_batch({"input_ids": ids, "doc_ids": doc_ids}, group, spec)
     outputs = []
-    error = _error(lambda: outputs.append(compiled(**local)[1].detach()))
+    error = error_text(lambda: outputs.append(compiled(**local)[1].detach()))
     return {"error": error, "out": outputs[0] if outputs else None, "want": model(ids, doc_ids)[1].detach(),
             "positions": layout.positions}
 
@@ -487,64 +467,6 @@ class RunningExtremes(torch.nn.Module):
         nan = torch.where(input_ids == 7, float("nan"), input_ids.float())
         return (input_ids.to(torch.uint8).cummin(1), (input_ids % 3 == 0).cummax(1), (input_ids % 3 == 0).cummin(1),
                 input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
-
-
-def running_extremes(group, ids: torch.Tensor, kind: str = "auto") -> dict:
-    spec = cp_passes.CPSpec(layout=kind)
-    compiled = cp_passes.cp_compile(RunningExtremes(), spec, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch({"input_ids": ids}, group, spec)
-    outputs = compiled(**local)
-    return {"positions": layout.positions,
-            **{f"{k}-{part}": getattr(r, part) for k, r in enumerate(outputs) for part in ("values", "indices")}}
-
-
-def shift_roundtrip(group, seq_len: int, offsets: list[int], kind: str = "contiguous") -> list[dict]:
-    """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
-    from cp_passes.group import resolve_group
-    from cp_passes.transports.shift import shift_op
-
-    cp = resolve_group(group)
-    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
-    results = []
-    for offset in offsets:
-        x = local["x"].clone().requires_grad_()
-        out = shift_op(x, 1, offset, -1.0, cp.rank, cp.size, cp.name, shard.layout.kind)
-        (out * torch.arange(1, out.shape[1] + 1, dtype=torch.float32)[None, :, None]).sum().backward()
-        results.append({"out": out.detach(), "grad": x.grad, "positions": shard.positions,
-                        "padded": shard.padded_len})
-    return results
-
-
-def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str = "contiguous", after: int = 0) -> dict:
-    """gather_halo against slicing the global tensor; gradients go back to the owners."""
-    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
-    x = local["x"].requires_grad_()
-    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding, layout=shard, after=after)
-    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
-    return {"out": out.detach(), "grad": x.grad, "ranges": shard.slices[shard.rank], "positions": shard.positions,
-            "padded": shard.padded_len}
-
-
-def prefix_roundtrip(group, seq_len: int, kind: str, doc_starts: list | None = None) -> dict:
-    """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners. With
-    ``doc_starts`` (each position's document start), the first keys a document mask shows are passed too."""
-    from cp_passes.transports.gather import prefix_gather_op
-    from cp_passes.transports.masks import first_keys
-
-    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
-    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
-    x = local["x"].requires_grad_()
-    firsts = None
-    if doc_starts is not None:
-        starts, queries = torch.tensor(doc_starts), shard.positions
-        keys = torch.arange(int(queries.max()) + 1)
-        firsts = first_keys((starts[queries][:, None] == starts[keys][None, :]) & (keys <= queries[:, None]),
-                            x, group.size(), kind)
-    out = prefix_gather_op(x, 1, group.rank(), group.size(), group.group_name, kind, firsts)
-    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
-    return {"out": out.detach(), "grad": x.grad, "positions": shard.positions, "padded": shard.padded_len}
 
 
 def packed_batch(seq_len: int, layout: list, vocab: int, seed: int = 3) -> dict:
@@ -610,21 +532,13 @@ def packed_parity(group, model: str, backend: str, cases: list, config: dict | N
     return results
 
 
-def _error(call) -> str:
+def error_text(call) -> str:
     """``call()``'s exception as ``Type: message``, or "no error"."""
     try:
         call()
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
-
-
-def mixer_error(group, mix: str, seq_len: int) -> str:
-    """The error of one step of Mixer(mix) under CP (or "no error")."""
-    torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(Mixer(mix), mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(mixer_batch(seq_len), group)
-    return _error(lambda: compiled(**local))
 
 
 class MarkedKeyAttention(torch.nn.Module):
@@ -642,18 +556,6 @@ class MarkedKeyAttention(torch.nn.Module):
         return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None])[:, 0].square().sum()
 
 
-def marked_key_error(group, seq_len: int, at: int | None) -> str:
-    """The error of one step of MarkedKeyAttention under CP when token 31 stands at position ``at`` only (or
-    nowhere): only the rank holding that key finds the queries before it that see it."""
-    torch.manual_seed(0)
-    compiled = cp_passes.cp_compile(MarkedKeyAttention(), mesh=group, backend="aot_eager", verbose=False)
-    ids = torch.arange(seq_len).remainder(30).expand(2, seq_len).clone()
-    if at is not None:
-        ids[:, at] = 31
-    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
-    return _error(lambda: compiled(**local).backward())
-
-
 def envelope_violation(group, layout: list | None = None) -> str:
     """A doc-id mask that reaches further back than the spec's declared window must fail the first step, on
     every rank, even when only some ranks' rows leave the window."""
@@ -661,31 +563,7 @@ def envelope_violation(group, layout: list | None = None) -> str:
     spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=2),))
     compiled = cp_passes.cp_compile(net, spec, mesh=group, backend="aot_eager", verbose=False)
     local, _ = cp_passes.shard_batch(packed_batch(8, layout or [[(8, 8)]], 256), group, spec)
-    return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
-
-
-def interleaved_refusal(group) -> str:
-    """A windowed ToyLlama (its band reads distances) on a batch whose documents shard_batch interleaved."""
-    compiled = cp_passes.cp_compile(toy_model(window=6), mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(packed_batch(16, [[(5, 5), (11, 11)]], 256), group, balance="documents")
-    return _error(lambda: compiled(**packed_model_inputs(local, hf=False)))
-
-
-def diverging_inputs(group, change: str) -> str:
-    """One call with the same inputs everywhere (it compiles), then one where the last rank's inputs differ:
-    a longer shard (``length``), another batch size (``rows``) or int32 positions (``dtype``)."""
-    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch(toy_batch(16), group)
-    inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
-    compiled(**inputs)
-    if group.rank() == group.size() - 1:
-        if change == "length":
-            inputs = {k: torch.cat([v, v], dim=1) for k, v in inputs.items()}
-        elif change == "rows":
-            inputs = {k: v[:1] for k, v in inputs.items()}
-        else:
-            inputs["position_ids"] = inputs["position_ids"].int()
-    return _error(lambda: compiled(**inputs))
+    return error_text(lambda: compiled(**packed_model_inputs(local, hf=False)))
 
 
 class BreaksOnSomeRanks(torch.nn.Module):
@@ -712,34 +590,6 @@ class Scaled(torch.nn.Module):
 
     def forward(self, input_ids):
         return self.toy(input_ids) * self.factor
-
-
-def recompile_on_one_rank(group) -> str:
-    """After a first call everywhere, only the last rank changes a guarded value: it compiles a new graph while
-    the others would reuse theirs and issue their collectives alone."""
-    model = Scaled()
-    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
-    compiled(**local)
-    if group.rank() == group.size() - 1:
-        model.factor = 2.0
-    return _error(lambda: compiled(**local))
-
-
-def compile_fails_on_one_rank(group) -> str:
-    """The last rank cannot compile; the others compile fine and must not enter the graph's collectives."""
-    model = BreaksOnSomeRanks(breaks=group.rank() == group.size() - 1)
-    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
-    return _error(lambda: compiled(**local))
-
-
-def schedules_differ(group) -> str:
-    """The last rank's model has a sliding window (a halo) where the others gather their causal prefix."""
-    window = 3 if group.rank() == group.size() - 1 else None
-    compiled = cp_passes.cp_compile(toy_model(window=window), mesh=group, backend="aot_eager", verbose=False)
-    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
-    return _error(lambda: compiled(**local))
 
 
 KDA_KERNEL = "transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention"
@@ -771,11 +621,6 @@ class DeltaRule(torch.nn.Module):
                                               use_qk_l2norm_in_kernel=True)
         out = self.out(o.flatten(-2))
         return out.pow(2).sum(), out
-
-
-def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
-    torch.manual_seed(0)
-    return small_parity(group, DeltaRule(), kda_spec(form), seq_lens)
 
 
 def gated_scan(query, key, value, g, initial_state=None, output_final_state=False, cu_seqlens=None):
@@ -831,22 +676,6 @@ def packed_scan_batch(lengths: list[int]) -> dict:
     return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
 
 
-def packed_scan_parity(group, form: str, documents: list[list[int]]) -> list[dict]:
-    """PackedScan under CP, one forward/backward per packing: this rank's results."""
-    torch.manual_seed(0)
-    model = PackedScan()
-    compiled = cp_passes.cp_compile(model, scan_spec(form), mesh=group, backend="aot_eager", verbose=False)
-    results = []
-    for lengths in documents:
-        batch = packed_scan_batch(lengths)
-        local, layout = cp_passes.shard_batch({"input_ids": batch["input_ids"]}, group, scan_spec(form))
-        model.zero_grad()
-        loss, out = compiled(**local, cu_seqlens=batch["cu_seqlens"])
-        loss.backward()
-        results.append(_step(model, compiled, loss, out, layout))
-    return results
-
-
 KDA_LAYERS = ("linear_attention",) * 3
 """Glm5Next's first three layer types: Kimi Delta Attention."""
 GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
@@ -893,7 +722,7 @@ def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = 
         out = compiled(**local).last_hidden_state
         loss = out.pow(2).sum()
         loss.backward()
-        results.append(_step(model, compiled, loss, out, layout))
+        results.append(step_result(model, compiled, loss, out, layout))
     return results
 
 
@@ -901,18 +730,6 @@ def glm5_next_packed_batch(documents: list[list[int]]) -> dict:
     """Two packed rows of Glm5Next tokens, one per list of document lengths (each row's lengths sum alike)."""
     ids = torch.randint(1, 128, (len(documents), sum(documents[0])), generator=torch.Generator().manual_seed(3))
     return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
-
-
-def glm5_next_packed_parity(group, documents: list[list[int]], layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
-    """The model with model_specs/glm5_next.py on packed rows sharded by shard_batch (doc ids and per-document
-    positions added, which the model takes and does not read); the loss as in glm5_next_parity."""
-    model = hf_glm5_next(layer_types=tuple(layer_types))
-    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(glm5_next_packed_batch(documents), group, "glm5_next")
-    out = compiled(**local).last_hidden_state
-    loss = out.pow(2).sum()
-    loss.backward()
-    return _step(model, compiled, loss, out, layout)
 
 
 class Compressor(torch.nn.Module):
@@ -944,16 +761,6 @@ def compressor_batch(seq_len: int) -> dict:
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
 
 
-def compressor_parity(group, seq_len: int) -> dict:
-    torch.manual_seed(0)
-    model = Compressor()
-    compiled = cp_passes.cp_compile(model, COMPRESSOR_SPEC, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, COMPRESSOR_SPEC)
-    loss, out = compiled(**local)
-    loss.backward()
-    return _step(model, compiled, loss, out, layout)
-
-
 class OverlappingWindows(torch.nn.Module):
     """The window pairing of DeepSeek V4's CSA compressor, as transformers writes it: each position projects
     to two halves; entry ``w`` pools window ``w``'s second halves with window ``w - 1``'s first halves (written
@@ -983,23 +790,6 @@ class OverlappingWindows(torch.nn.Module):
         return entries.pow(2).sum(), entries
 
 
-def overlapping_windows_parity(group, seq_lens: list[int]) -> list[dict]:
-    """OverlappingWindows under CP at each length in turn (one compiled model): this rank's results, each
-    with the number of graphs compiled so far."""
-    torch.manual_seed(0)
-    model = OverlappingWindows()
-    spec = cp_passes.CPSpec(name="overlap", pad_multiple=2)
-    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-    results = []
-    for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
-        model.zero_grad()
-        loss, out = compiled(**local)
-        loss.backward()
-        results.append({**_step(model, compiled, loss, out, layout), "compiles": len(compiled.compile_records)})
-    return results
-
-
 class ShiftedWrite(torch.nn.Module):
     """A token shift written into a fresh tensor: ``prev[:, 1:] = h[:, :-1]`` (zeros at the first position)."""
 
@@ -1014,12 +804,6 @@ class ShiftedWrite(torch.nn.Module):
         prev[:, 1:] = h[:, :-1]
         out = self.mix(torch.cat([h, prev], -1))
         return out.pow(2).sum(), out
-
-
-def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
-    torch.manual_seed(0)
-    return small_parity(group, ShiftedWrite(), None, seq_lens)
-
 
 
 def hf_deepseek_v4(seed: int = 0):
@@ -1069,20 +853,6 @@ def deepseek_v4_loss(model, batch: dict, positions: bool = True):
     ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
     out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
     return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
-
-
-def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
-                       positions: bool = True) -> dict:
-    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
-    doc-id map, per-document positions and labels), called with or without ``position_ids``: this rank's
-    results."""
-    model = hf_deepseek_v4()
-    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
-    assert compiled.spec.pad_multiple == 4  # read from the config's rates
-    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
-    loss, logits = deepseek_v4_loss(compiled, local, positions)
-    loss.backward()
-    return _step(model, compiled, loss, logits, layout)
 
 
 STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
@@ -1197,15 +967,6 @@ def measured_splice_batch() -> dict:
     return batch
 
 
-def measured_splice_parity(group) -> dict:
-    model = MeasuredSplice()
-    compiled = cp_passes.cp_compile(model, None, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(measured_splice_batch(), group)
-    loss, logits = compiled(**local)
-    loss.backward()
-    return _step(model, compiled, loss, logits, layout)
-
-
 def hf_glm5_next_vlm(seed: int = 0):
     """A tiny Glm5NextForConditionalGeneration: the text model of :func:`hf_glm5_next` with a one-layer vision
     tower; an image of grid (1, 4, 4) patches (flattened, 1176 values each) gives 4 tokens after the 2 x 2
@@ -1236,18 +997,6 @@ VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"),
 """Each vision-language model: builder, batch, spec."""
 
 
-def vlm_parity(group, model: str) -> dict:
-    """A vision-language model's training step on this rank's slice of ids, positions and labels and every
-    image's pixels; the loss is the model's mean over the labels."""
-    build, batch, spec = VLM_MODELS[model]
-    model = build()
-    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(batch(), group, spec)
-    out = compiled(**local)
-    out.loss.backward()
-    return _step(model, compiled, out.loss, out.logits, layout)
-
-
 def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
     """Token ids with positions, or packed rows (one list of document lengths per row)."""
     length = sum(documents[0]) if documents else seq_len
@@ -1255,18 +1004,6 @@ def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -
     if documents:
         return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
     return {"input_ids": ids, "position_ids": torch.arange(length).expand(2, length)}
-
-
-def step3p7_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
-    """Step3p7TextModel with model_specs/step5.py on a batch sharded by shard_batch; the loss is the sum of
-    squares of the last hidden states."""
-    model = hf_step3p7()
-    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(step3p7_batch(documents, seq_len), group, "step5")
-    out = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
-    loss = out.pow(2).sum()
-    loss.backward()
-    return _step(model, compiled, loss, out, layout)
 
 
 MROPE_SPEC = cp_passes.CPSpec(name="qwen2_vl_text", sequence_dims=(("position_ids", -1),))
@@ -1303,18 +1040,6 @@ def mrope_batch(seq_len: int, image: tuple[int, int, int]) -> dict:
     return {"input_ids": ids, "position_ids": torch.stack([t, h, w])[:, None].expand(3, 2, seq_len).contiguous()}
 
 
-def mrope_parity(group, seq_len: int, image: tuple[int, int, int]) -> dict:
-    """Qwen2VLTextModel on this rank's slice of ids and of the [3, batch, seq] positions (shard_batch cuts
-    their last dim); the loss is the sum of squares of the last hidden states."""
-    model = hf_qwen2_vl_text()
-    compiled = cp_passes.cp_compile(model, MROPE_SPEC, mesh=group, backend="aot_eager", verbose=False)
-    local, layout = cp_passes.shard_batch(mrope_batch(seq_len, image), group, MROPE_SPEC)
-    out = compiled(**local).last_hidden_state
-    loss = out.pow(2).sum()
-    loss.backward()
-    return _step(model, compiled, loss, out, layout)
-
-
 def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | None = None) -> list[dict]:
     """The micro-batches of one step: 2 rows per replica, one global length each (an odd one padded); a
     replica's rows, or all of them (the single-device reference's concatenated batch)."""
@@ -1323,55 +1048,6 @@ def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | 
         return batches
     rows = slice(2 * replica, 2 * replica + 2)
     return [{k: v[rows] for k, v in b.items()} for b in batches]
-
-
-def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "aot_eager") -> dict:
-    """Four ranks as dp 2 x cp 2: cp_compile over the cp dim, the data-parallel ``wrapper`` over a mesh that
-    holds the cp ranks ("fsdp": FSDP2 over the flattened mesh, torchtitan's arrangement; "hsdp": FSDP2 on the
-    2-D mesh; "ddp": DDP over the flattened group; refused: "fsdp_dp" and "ddp_dp" over dp alone, "fsdp_avg"
-    averaging, "fsdp_inner" a block sharded inside the CP model). Each
-    step accumulates micro-batches of the given global lengths, each summed loss divided by the step's global
-    token count, the wrapper summing gradients; an SGD update between steps. Returns, per step, this rank's
-    losses and every full gradient."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.nn.parallel import DistributedDataParallel
-
-    assert torch.distributed.get_world_size(group) == 4
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    model = toy_model()
-    compiled = cp_passes.cp_compile(model, mesh=mesh["cp"], backend=backend, verbose=False)
-    flat = mesh["dp", "cp"]._flatten("dp_cp")
-    if wrapper.startswith("ddp"):
-        group = mesh["dp"].get_group() if wrapper == "ddp_dp" else flat.get_group()
-        compiled = DistributedDataParallel(compiled, process_group=group)
-    else:
-        if wrapper == "fsdp_inner":
-            fully_shard(model.layers[0], mesh=flat)
-        fully_shard(compiled, mesh={"fsdp": flat, "fsdp_inner": flat, "fsdp_avg": flat, "hsdp": mesh,
-                                    "fsdp_dp": mesh["dp"]}[wrapper])
-    if wrapper != "fsdp_avg":
-        cp_passes.sum_gradients(compiled)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    replica, results = mesh["dp"].get_local_rank(), []
-    for step, seq_lens in enumerate(steps):
-        local = [cp_passes.shard_batch(b, mesh["cp"])[0] for b in dp_cp_micro_batches(step, seq_lens, 2, replica)]
-        count = cp_passes.global_token_count([b["labels"] for b in local], mesh)
-        losses = []
-        for i, batch in enumerate(local):
-            batch.pop("position_ids")
-            # DDP reduces the whole accumulated gradient at each backward: sync at the last micro-batch only
-            last = i == len(local) - 1
-            with compiled.no_sync() if wrapper == "ddp" and not last else contextlib.nullcontext():
-                loss, _ = compiled(**batch)
-                (loss / count).backward()
-            losses.append((loss / count).detach())
-        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
-                 for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad()
-        results.append({"losses": losses, "grads": grads, "count": int(count)})
-    return results
 
 
 def bf16_step(model, mode: str, batch: dict, call=None):
@@ -1386,22 +1062,3 @@ def bf16_step(model, mode: str, batch: dict, call=None):
     return loss.detach().float(), logits.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def bf16_parity(group, mode: str, seq_len: int, config: dict, backend: str = "aot_eager") -> dict:
-    model = toy_model(**config)
-    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
-    local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)
-    local.pop("position_ids")
-    loss, logits, grads = bf16_step(model, mode, local, compiled)
-    return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid, "positions": layout.positions}
-
-
-def hand_cut_batches(group) -> list[str]:
-    """Each rank passes its contiguous slice of a batch to a module on the (default) balanced layout, with
-    positions and without: only the ranks after the first can see that their positions disagree, and every
-    rank must raise, before any graph exists."""
-    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
-    batch, rank, size = toy_batch(16), group.rank(), group.size()
-    local = {k: v[:, rank * 16 // size:(rank + 1) * 16 // size] for k, v in batch.items()}
-    with_positions = _error(lambda: compiled(**local))
-    local.pop("position_ids")
-    return [with_positions, _error(lambda: compiled(**local)), str(len(compiled.compile_records))]

@@ -6,6 +6,10 @@ is then replaced). P = 4 runs with the full matrix (``-m full``)."""
 import pytest
 import torch
 
+import cp_passes
+from scenarios import (BreaksOnSomeRanks, MarkedKeyAttention, Mixer, Scaled, envelope_violation, error_text,
+                       mixer_batch, prefix_lm, toy_batch, toy_model)
+
 HANG_S = 240
 WORLDS = [2, pytest.param(4, marks=pytest.mark.full)]
 
@@ -22,7 +26,7 @@ def test_inputs_that_differ_across_ranks_fail_on_every_rank(pool, world, change)
         "dtype": f"rank {last} has position_ids: (2, {local}) torch.int32, rank 0 has position_ids: (2, {local}) "
                  f"torch.int64",
     }[change]
-    errors = pool.run("diverging_inputs", world, timeout=HANG_S, change=change)
+    errors = pool.run(diverging_inputs, world, timeout=HANG_S, change=change)
     for error in errors:
         assert error.startswith("ValueError: the CP ranks were called with different inputs"), error
         assert differs in error, error
@@ -30,7 +34,7 @@ def test_inputs_that_differ_across_ranks_fail_on_every_rank(pool, world, change)
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_rank_that_cannot_compile_stops_every_rank(pool, world):
-    errors = pool.run("compile_fails_on_one_rank", world, timeout=HANG_S)
+    errors = pool.run(compile_fails_on_one_rank, world, timeout=HANG_S)
     assert errors[-1].startswith("CPCompileError: cp_passes needs the whole forward as one graph"), errors[-1]
     for error in errors[:-1]:
         assert error.startswith(f"CPCompileError: rank {world - 1} failed to compile, so no rank runs this "
@@ -42,7 +46,7 @@ def test_a_rank_that_cannot_compile_stops_every_rank(pool, world):
 def test_a_rank_that_recompiles_alone_stops_every_rank(pool, world):
     """Guards that hold on some ranks only: before, the last rank compiled while the others ran their cached
     graph's collectives without it."""
-    errors = pool.run("recompile_on_one_rank", world, timeout=HANG_S)
+    errors = pool.run(recompile_on_one_rank, world, timeout=HANG_S)
     reused = list(range(world - 1))
     for error in errors:
         assert error.startswith(f"CPCompileError: ranks [{world - 1}] compiled a new graph for this call while "
@@ -52,7 +56,7 @@ def test_a_rank_that_recompiles_alone_stops_every_rank(pool, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_ranks_that_plan_different_collectives_stop_before_running(pool, world):
-    errors = pool.run("schedules_differ", world, timeout=HANG_S)
+    errors = pool.run(schedules_differ, world, timeout=HANG_S)
     for error in errors:
         assert "planned different collective schedules" in error, error
         assert "collective #1 is cp_passes::halo(" in error and "but prefix_start(" in error, error
@@ -62,7 +66,7 @@ def test_ranks_that_plan_different_collectives_stop_before_running(pool, world):
 def test_a_mask_leaving_the_window_in_some_ranks_rows_fails_on_every_rank(pool, world):
     """The first half of the rows are documents of two tokens (inside the declared window of 2), the second
     half one document of four. Each rank checks every row of the global mask, so all stop at the same step."""
-    errors = pool.run("envelope_violation", world, timeout=HANG_S, layout=[[(2, 2), (2, 2), (4, 4)]])
+    errors = pool.run(envelope_violation, world, timeout=HANG_S, layout=[[(2, 2), (2, 2), (4, 4)]])
     for error in errors:
         assert "lets a query see a key outside the window of 2 in this batch" in error, error
 
@@ -71,7 +75,7 @@ def test_a_mask_from_activations_that_shows_later_keys_fails_on_every_rank(pool)
     """A boolean mask computed from activations carries no gradient, so it is evaluated from the gathered
     activations at this rank's rows; SDPA then brings the causal prefix, and this mask lets queries see later
     keys. Each rank counts the later keys its transposed block allows; the all-reduced count stops every rank."""
-    for error in pool.run("mixer_error", 2, timeout=HANG_S, mix="both_ways_activation_mask", seq_len=8):
+    for error in pool.run(mixer_error, 2, timeout=HANG_S, mix="both_ways_activation_mask", seq_len=8):
         assert "the model's attention mask lets a query see a key outside the causal prefix in this batch" in error, error
 
 
@@ -81,19 +85,19 @@ def test_a_later_key_only_the_last_rank_holds_fails_on_every_rank(pool, world):
     evaluates the mask at its own rows and checks the transposed block (the keys it holds against the queries
     before them); only the last rank finds the later key, and the all-reduced count stops every rank. Without
     the token the same model runs."""
-    for error in pool.run("marked_key_error", world, timeout=HANG_S, seq_len=16, at=15):
+    for error in pool.run(marked_key_error, world, timeout=HANG_S, seq_len=16, at=15):
         assert "the model's attention mask lets a query see a key outside the causal prefix in this batch" in error, error
-    assert pool.run("marked_key_error", world, timeout=HANG_S, seq_len=16, at=None) == ["no error"] * world
+    assert pool.run(marked_key_error, world, timeout=HANG_S, seq_len=16, at=None) == ["no error"] * world
 
 
 def test_a_mask_that_shows_later_keys_for_some_data_fails_on_every_rank(pool):
     """A prefix-LM mask is causal for one document, so its hand-written attention brings the causal prefix; a
     prompt of 6 tokens (across both ranks) lets rank 0's queries see rank 1's keys. The run-time check over the
     whole mask stops every rank, and attention_keys='all' (the fix it names) gives the single-device result."""
-    for result in pool.run("prefix_lm", 2, timeout=HANG_S, prompt=6, attention_keys="visible"):
+    for result in pool.run(prefix_lm, 2, timeout=HANG_S, prompt=6, attention_keys="visible"):
         assert "outside the causal prefix in this batch" in result["error"], result["error"]
         assert "attention_keys='all'" in result["error"]
-    for result in pool.run("prefix_lm", 2, timeout=HANG_S, prompt=6, attention_keys="all"):
+    for result in pool.run(prefix_lm, 2, timeout=HANG_S, prompt=6, attention_keys="all"):
         assert result["error"] == "no error", result["error"]
         torch.testing.assert_close(result["out"], result["want"][:, result["positions"]])
 
@@ -134,10 +138,78 @@ def refused_everywhere(group) -> tuple[str, int]:
 def test_a_refusal_every_rank_finds_prints_once_each_problem_once(pool):
     """The list is printed by rank 0 alone, each distinct problem once with the blocks it occurs in; the other
     rank points there and keeps the problems for code that reads them."""
-    (first, count), (second, also) = pool.run("test_agreement:refused_everywhere", 2, timeout=HANG_S)
+    (first, count), (second, also) = pool.run(refused_everywhere, 2, timeout=HANG_S)
     assert count == also == 6
     assert first.startswith("CPCompileError: cp_passes cannot shard this model along the sequence (2 problems, at "
                             "6 places):"), first
     assert first.count("aten.flip.default at ") == 1 and first.count("aten.roll.default at ") == 1, first
     assert first.count("(in 3 modules: layers.0, layers.1, layers.2)") == 2, first
     assert second == "CPCompileError: rank 0 prints why this model cannot be sharded (6 problems; ranks [0, 1] found the same)", second
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def mixer_error(group, mix: str, seq_len: int) -> str:
+    """The error of one step of Mixer(mix) under CP (or "no error")."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(Mixer(mix), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(mixer_batch(seq_len), group)
+    return error_text(lambda: compiled(**local))
+
+
+def marked_key_error(group, seq_len: int, at: int | None) -> str:
+    """The error of one step of MarkedKeyAttention under CP when token 31 stands at position ``at`` only (or
+    nowhere): only the rank holding that key finds the queries before it that see it."""
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(MarkedKeyAttention(), mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.arange(seq_len).remainder(30).expand(2, seq_len).clone()
+    if at is not None:
+        ids[:, at] = 31
+    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
+    return error_text(lambda: compiled(**local).backward())
+
+
+def diverging_inputs(group, change: str) -> str:
+    """One call with the same inputs everywhere (it compiles), then one where the last rank's inputs differ:
+    a longer shard (``length``), another batch size (``rows``) or int32 positions (``dtype``)."""
+    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(toy_batch(16), group)
+    inputs = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
+    compiled(**inputs)
+    if group.rank() == group.size() - 1:
+        if change == "length":
+            inputs = {k: torch.cat([v, v], dim=1) for k, v in inputs.items()}
+        elif change == "rows":
+            inputs = {k: v[:1] for k, v in inputs.items()}
+        else:
+            inputs["position_ids"] = inputs["position_ids"].int()
+    return error_text(lambda: compiled(**inputs))
+
+
+def recompile_on_one_rank(group) -> str:
+    """After a first call everywhere, only the last rank changes a guarded value: it compiles a new graph while
+    the others would reuse theirs and issue their collectives alone."""
+    model = Scaled()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    compiled(**local)
+    if group.rank() == group.size() - 1:
+        model.factor = 2.0
+    return error_text(lambda: compiled(**local))
+
+
+def compile_fails_on_one_rank(group) -> str:
+    """The last rank cannot compile; the others compile fine and must not enter the graph's collectives."""
+    model = BreaksOnSomeRanks(breaks=group.rank() == group.size() - 1)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    return error_text(lambda: compiled(**local))
+
+
+def schedules_differ(group) -> str:
+    """The last rank's model has a sliding window (a halo) where the others gather their causal prefix."""
+    window = 3 if group.rank() == group.size() - 1 else None
+    compiled = cp_passes.cp_compile(toy_model(window=window), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": toy_batch(16)["input_ids"]}, group)
+    return error_text(lambda: compiled(**local))

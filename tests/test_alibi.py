@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import cp_passes
-
+import hybrid_models
 from hybrid_models import batch, build, reference
 from test_parity import compare_valid
 
@@ -19,7 +19,7 @@ from test_parity import compare_valid
 @pytest.mark.parametrize("P,seq_lens", [(2, [11]), pytest.param(2, [16], marks=pytest.mark.full),
                                         pytest.param(4, [16, 13], marks=pytest.mark.full)])
 def test_bloom_matches_one_device(pool, parity_report, P, seq_lens):
-    per_rank = pool.run("hybrid_models:parity", P, family="bloom", seq_lens=seq_lens)
+    per_rank = pool.run(hybrid_models.parity, P, family="bloom", seq_lens=seq_lens)
     assert per_rank[0][0]["origin"] == "model_specs/bloom.py, picked by model_type 'bloom'"
     for i, seq_len in enumerate(seq_lens):
         compare_valid("hf-bloom-alibi", [r[i] for r in per_rank], reference("bloom", seq_len), seq_len, parity_report)
@@ -33,7 +33,7 @@ def test_bloom_matches_one_device(pool, parity_report, P, seq_lens):
 def test_tables_sliced_to_the_sequence_length_match_one_device(pool, parity_report, family, P, seq_lens):
     """``table[:, :S]`` (a learned absolute position table; an odd length, padded), ``table[:, n - S:]`` and
     ``table[:, max(0, n - S):]`` (the same from its end), MPT's ALiBi table sliced from its end."""
-    per_rank = pool.run("hybrid_models:parity", P, family=family, seq_lens=seq_lens)
+    per_rank = pool.run(hybrid_models.parity, P, family=family, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         compare_valid(f"{family}", [r[i] for r in per_rank], reference(family, seq_len), seq_len, parity_report)
         assert any(rule == "table_positions" for rule, *_ in per_rank[0][i]["records"])

@@ -15,7 +15,7 @@ from cp_passes.compiler.batch_layout import read_batch
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.group import CPGroup
 from cp_passes.layout import BALANCED, CONTIGUOUS
-from scenarios import toy_batch
+from scenarios import error_text, toy_batch, toy_model
 
 SPEC = CPSpec()
 FIX = 'cut the batch with cp_passes.shard_batch(batch, mesh, spec)'
@@ -108,7 +108,7 @@ def test_a_batch_cut_for_another_layout_is_refused():
 @pytest.mark.parametrize("world", [2])
 def test_hand_cut_batches_fail_on_every_rank(pool, world):
     """Real gloo ranks: rank 0's positions look fine to it, rank 1's do not; both raise, before compiling."""
-    results = pool.run("hand_cut_batches", world, timeout=240)
+    results = pool.run(hand_cut_batches, world, timeout=240)
     for rank, (with_positions, without, compiles) in enumerate(results):
         head = "ValueError: " if rank == 1 else "ValueError: rank 1 refused its batch: "
         assert with_positions.startswith(head + "input 'position_ids' disagrees with the module's layout"), \
@@ -236,3 +236,18 @@ def test_a_copy_known_by_content_speaks_only_for_a_whole_batch():
     hand = {"input_ids": torch.randint(0, 100, (2, 64)), "doc_ids": zeros.clone()}
     assert verdict(hand, 1, kind=CONTIGUOUS).refusal is None
     assert verdict(hand, 1).refusal.startswith("cp_passes cannot tell which positions this batch holds")
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def hand_cut_batches(group) -> list[str]:
+    """Each rank passes its contiguous slice of a batch to a module on the (default) balanced layout, with
+    positions and without: only the ranks after the first can see that their positions disagree, and every
+    rank must raise, before any graph exists."""
+    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
+    batch, rank, size = toy_batch(16), group.rank(), group.size()
+    local = {k: v[:, rank * 16 // size:(rank + 1) * 16 // size] for k, v in batch.items()}
+    with_positions = error_text(lambda: compiled(**local))
+    local.pop("position_ids")
+    return [with_positions, error_text(lambda: compiled(**local)), str(len(compiled.compile_records))]

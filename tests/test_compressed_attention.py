@@ -14,7 +14,7 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
 from cp_passes.tools.dryrun import dry_run
-from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
+from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4, step_result
 from test_parity import GRAD_RTOL, _compare, split_floor
 
 PACKED = [[3, 17, 4], [8, 8, 8]]
@@ -78,7 +78,7 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, posit
     Without ``position_ids`` the model's own ``arange`` feeds both the rotary (made this rank's positions) and
     the masks (copied whole, over the global length)."""
     seq_len = 8 * P
-    per_rank = pool.run("deepseek_v4_parity", P, documents=documents, seq_len=seq_len, positions=positions)
+    per_rank = pool.run(deepseek_v4_parity, P, documents=documents, seq_len=seq_len, positions=positions)
     batch, loss, logits, grads = _reference(P, documents)
     name = (f"hf-DeepseekV4ForCausalLM-{'packed' if documents else 'unpacked'}"
             f"{'' if positions else '-no-position_ids'}-aot_eager")
@@ -194,3 +194,20 @@ def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why, fak
     local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, fake_group, spec)
     with pytest.raises(CPCompileError, match=why):
         compiled(**local)
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
+                       positions: bool = True) -> dict:
+    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
+    doc-id map, per-document positions and labels), called with or without ``position_ids``: this rank's
+    results."""
+    model = hf_deepseek_v4()
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
+    assert compiled.spec.pad_multiple == 4  # read from the config's rates
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
+    loss, logits = deepseek_v4_loss(compiled, local, positions)
+    loss.backward()
+    return step_result(model, compiled, loss, logits, layout)

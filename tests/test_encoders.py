@@ -7,7 +7,7 @@ device; structure on the fake process group."""
 import pytest
 
 import cp_passes
-
+import encoder_models
 from encoder_models import ToyEncoder, batch, build, reference, toy_batch, toy_reference
 from scenarios import in_global_order
 from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
@@ -24,7 +24,7 @@ CASES = [(2, "sdpa", True, "auto", [11])] + [
 def test_modernbert_matches_one_device(pool, parity_report, P, attention, padded, layout, seq_lens):
     """spec=None (no shipped spec: the defaults); labels at every third position; with ``padded`` the second row
     ends in 3 pad tokens that its attention_mask hides (shard_batch pads an odd length's mask with 0 too)."""
-    per_rank = pool.run("encoder_models:parity", P, seq_lens=seq_lens, attention=attention, padded=padded,
+    per_rank = pool.run(encoder_models.parity, P, seq_lens=seq_lens, attention=attention, padded=padded,
                         layout=layout)
     for i, seq_len in enumerate(seq_lens):
         compare_valid(f"hf-modernbert-{attention}{'-padded' if padded else ''}-{layout}", [r[i] for r in per_rank],
@@ -51,7 +51,7 @@ def test_bidirectional_masks_written_by_hand_match_one_device(pool, P, seq_len, 
     At P = 4 the band is wider than a shard (2 positions under the balanced layout at 16, 3 at 24 with a band of
     7): its halo spans several ranks."""
     for variant in ToyEncoder.VARIANTS:
-        ranks = pool.run("encoder_models:toy_parity", P, variant=variant, seq_len=seq_len, window=window)
+        ranks = pool.run(encoder_models.toy_parity, P, variant=variant, seq_len=seq_len, window=window)
         logits, loss, grads, keep = toy_reference(variant, seq_len, window)
         if variant.startswith("eager_"):  # K and V: a halo each (bytes below an all-gather's), or every key
             expected = ["key_operand", "key_mask", "key_operand"]
@@ -72,7 +72,7 @@ def test_bidirectional_masks_written_by_hand_match_one_device(pool, P, seq_len, 
 def test_data_that_widens_a_two_sided_band_fails_on_every_rank(pool):
     """The band read for one document (3 keys on either side) plans the halo; a batch that marks key 1 as seen by
     every query fails the first step on all 4 ranks (only rank 0 holds key 1; every rank checks every row)."""
-    errors = pool.run("encoder_models:toy_error", 4, variant="band_or_marked", seq_len=16)
+    errors = pool.run(encoder_models.toy_error, 4, variant="band_or_marked", seq_len=16)
     for error in errors:
         assert "outside the window of 3 keys before and 3 after" in error, error
 

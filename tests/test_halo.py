@@ -4,6 +4,7 @@ many ranks as the halo spans."""
 import pytest
 import torch
 
+import cp_passes
 from cp_passes.layout import Layout
 
 
@@ -69,7 +70,7 @@ def test_gather_halo_matches_global_slices_and_returns_gradients(pool, P, halo, 
     """Each of a rank's ranges gets its own halo (a balanced layout's two: rows from several ranks, and on the
     middle rank the tail's halo from its own head); with ``after``, the rows after each range too (a two-sided
     window), zeros past the end."""
-    per_rank = pool.run("halo_roundtrip", P, seq_len=12, halo=halo, left_padding=left_padding, kind=kind, after=after)
+    per_rank = pool.run(halo_roundtrip, P, seq_len=12, halo=halo, left_padding=left_padding, kind=kind, after=after)
     x = _padded(12, per_rank[0]["padded"])
     expected_grad = torch.zeros(x.shape[1])
     for r in per_rank:
@@ -93,7 +94,7 @@ def test_shift_reads_position_t_plus_offset_across_ranks_and_returns_gradients(p
     """cp_passes::shift at P = 4: offsets within a rank, spanning two ranks, past the end; a balanced layout's
     ranges read across its head and tail too."""
     seq_len, P, offsets = 12, 4, [1, -1, 3, 5, -7, 13, 0]
-    per_rank = pool.run("shift_roundtrip", P, seq_len=seq_len, offsets=offsets, kind=kind)
+    per_rank = pool.run(shift_roundtrip, P, seq_len=seq_len, offsets=offsets, kind=kind)
     x = _padded(seq_len, per_rank[0][0]["padded"])
     total = x.shape[1]
     for k, offset in enumerate(offsets):
@@ -115,7 +116,7 @@ def test_prefix_gather_brings_every_earlier_position_and_returns_gradients(pool,
     """Causal attention's keys at P = 4: every position before the end of the rank's last range, in global order
     (a balanced rank's tail range sees all but the chunks after it), and no other; each row's gradient returns
     to its owner, summed over the ranks that read it."""
-    per_rank = pool.run("prefix_roundtrip", 4, seq_len=16, kind=kind)
+    per_rank = pool.run(prefix_roundtrip, 4, seq_len=16, kind=kind)
     x = _padded(16, per_rank[0]["padded"])
     expected_grad = torch.zeros(x.shape[1])
     for r in per_rank:
@@ -132,7 +133,7 @@ def test_prefix_gather_from_first_keys_brings_each_ranges_documents_only(pool, k
     layout): from each range's first key its document mask shows to the range's end, the rows are the global
     tensor's and the rest zeros; gradients return only for the rows that came."""
     starts = [0] * 7 + [7] * 2 + [9] * 7
-    per_rank = pool.run("prefix_roundtrip", 4, seq_len=16, kind=kind, doc_starts=starts)
+    per_rank = pool.run(prefix_roundtrip, 4, seq_len=16, kind=kind, doc_starts=starts)
     x = _padded(16, per_rank[0]["padded"])
     expected_grad = torch.zeros(x.shape[1])
     for r in per_rank:
@@ -150,3 +151,55 @@ def _ranges(positions: torch.Tensor) -> list[tuple[int, int]]:
     """The runs of consecutive positions a rank holds, ``(start, stop)``."""
     breaks = [0] + [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1] + [len(positions)]
     return [(int(positions[a]), int(positions[b - 1]) + 1) for a, b in zip(breaks, breaks[1:])]
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def shift_roundtrip(group, seq_len: int, offsets: list[int], kind: str = "contiguous") -> list[dict]:
+    """cp_passes::shift against reading the global tensor at t + offset; gradients go back to the owners."""
+    from cp_passes.group import resolve_group
+    from cp_passes.transports.shift import shift_op
+
+    cp = resolve_group(group)
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
+    results = []
+    for offset in offsets:
+        x = local["x"].clone().requires_grad_()
+        out = shift_op(x, 1, offset, -1.0, cp.rank, cp.size, cp.name, shard.layout.kind)
+        (out * torch.arange(1, out.shape[1] + 1, dtype=torch.float32)[None, :, None]).sum().backward()
+        results.append({"out": out.detach(), "grad": x.grad, "positions": shard.positions,
+                        "padded": shard.padded_len})
+    return results
+
+
+def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str = "contiguous", after: int = 0) -> dict:
+    """gather_halo against slicing the global tensor; gradients go back to the owners."""
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
+    x = local["x"].requires_grad_()
+    out = cp_passes.gather_halo(x, group, halo, dim=1, left_padding=left_padding, layout=shard, after=after)
+    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
+    return {"out": out.detach(), "grad": x.grad, "ranges": shard.slices[shard.rank], "positions": shard.positions,
+            "padded": shard.padded_len}
+
+
+def prefix_roundtrip(group, seq_len: int, kind: str, doc_starts: list | None = None) -> dict:
+    """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners. With
+    ``doc_starts`` (each position's document start), the first keys a document mask shows are passed too."""
+    from cp_passes.transports.gather import prefix_gather_op
+    from cp_passes.transports.masks import first_keys
+
+    x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)
+    local, shard = cp_passes.shard_batch({"x": x_global}, group, cp_passes.CPSpec(seq_inputs=("x",), layout=kind))
+    x = local["x"].requires_grad_()
+    firsts = None
+    if doc_starts is not None:
+        starts, queries = torch.tensor(doc_starts), shard.positions
+        keys = torch.arange(int(queries.max()) + 1)
+        firsts = first_keys((starts[queries][:, None] == starts[keys][None, :]) & (keys <= queries[:, None]),
+                            x, group.size(), kind)
+    out = prefix_gather_op(x, 1, group.rank(), group.size(), group.group_name, kind, firsts)
+    (out * torch.arange(out.shape[1], dtype=torch.float32)[None, :, None]).sum().backward()
+    return {"out": out.detach(), "grad": x.grad, "positions": shard.positions, "padded": shard.padded_len}

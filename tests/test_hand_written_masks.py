@@ -179,7 +179,7 @@ PARITY = ["causal_from_zeros", "causal_documents_fill", "window_heads_4d", "two_
 def test_hand_written_masks_match_one_device(pool, P, seq_len, documents):
     """Causal, windowed (shorter and longer than a rank's chunk at P = 4), two-sided and per-head masks, with
     documents, on the balanced layout: loss and gradients as on one device."""
-    for rank, found in enumerate(pool.run("test_hand_written_masks:parity", P, names=PARITY, seq_len=seq_len,
+    for rank, found in enumerate(pool.run(parity, P, names=PARITY, seq_len=seq_len,
                                           documents=documents)):
         for name, (loss, grads) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
@@ -209,6 +209,6 @@ def test_the_run_time_check_fails_on_every_rank(pool):
              ("document_five_hidden", [(5, 3), (1, 13)])]
     messages = ["outside the causal prefix in this batch", "outside the window of 3 in this batch",
                 "hides every key from some query"]
-    for rank, errors in enumerate(pool.run("test_hand_written_masks:check_errors", 2, cases=cases)):
+    for rank, errors in enumerate(pool.run(check_errors, 2, cases=cases)):
         for error, message in zip(errors, messages):
             assert message in error, (rank, error)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import cp_passes
+import hybrid_models
 from cp_passes.kernels import decode_options, encode_options
-
 from hybrid_models import FAMILIES, build, reference, state_shape
 from test_parity import compare_valid
 
@@ -33,7 +33,7 @@ def test_hybrid_matches_one_device(pool, parity_report, family, P):
     shard_batch). Every
     rank after the first receives the predecessors' [h | M] per recurrent layer, whatever the length."""
     seq_lens = [16] if (family, P) in DEFAULT or P == 4 else [16, 11]
-    per_rank = pool.run("hybrid_models:parity", P, family=family, seq_lens=seq_lens)
+    per_rank = pool.run(hybrid_models.parity, P, family=family, seq_lens=seq_lens)
     assert per_rank[0][0]["origin"] == f"model_specs/{family}.py, picked by model_type {family!r}"
     for i, seq_len in enumerate(seq_lens):
         compare_valid(f"hf-{family}", [r[i] for r in per_rank], reference(family, seq_len), seq_len, parity_report)
@@ -51,7 +51,7 @@ def test_hybrid_on_packed_rows_matches_one_device(pool, parity_report, family, P
     scans, which take no boundaries, run across documents as on one device): documents of 3, 9 and 4, one
     across three ranks at P = 4."""
     documents = [[3, 9, 4], [8, 5, 3]]
-    per_rank = pool.run("hybrid_models:parity", P, family=family, seq_lens=[16], documents=documents)
+    per_rank = pool.run(hybrid_models.parity, P, family=family, seq_lens=[16], documents=documents)
     compare_valid(f"hf-{family}-packed", [r[0] for r in per_rank], reference(family, 16, documents), 16,
                   parity_report)
 

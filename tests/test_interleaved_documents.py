@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import cp_passes
 from cp_passes import CPSpec
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.data.checks import check_batch
 from cp_passes.data.packing import pack
 from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
-from scenarios import packed_batch
+from scenarios import error_text, packed_batch, packed_model_inputs, toy_model
 
 LAYOUT = [[(7, 6), (9, 9), (4, 4), (12, 12)]] * 2
 """Two packed rows of 32 positions with the same document lengths (other tokens): documents shorter than their
@@ -212,6 +213,16 @@ def test_the_compiler_proves_the_model_cannot_tell_or_says_where_it_can(fake_gro
 
 
 def test_an_interleaved_batch_the_model_could_tell_fails_on_every_rank(pool):
-    messages = pool.run("interleaved_refusal", 2)
+    messages = pool.run(interleaved_refusal, 2)
     for message in messages:
         assert "documents were interleaved" in message and "keys come by a halo" in message, message
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def interleaved_refusal(group) -> str:
+    """A windowed ToyLlama (its band reads distances) on a batch whose documents shard_batch interleaved."""
+    compiled = cp_passes.cp_compile(toy_model(window=6), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch(packed_batch(16, [[(5, 5), (11, 11)]], 256), group, balance="documents")
+    return error_text(lambda: compiled(**packed_model_inputs(local, hf=False)))

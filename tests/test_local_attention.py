@@ -11,8 +11,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from cp_passes.graph.selection import Selector
 from cp_passes.key_plan import CAUSAL, FULL, SKIP, attention_pieces
-from cp_passes.transports.block_attention import TILE_ROWS, block_attention_op, pair_shapes
 from cp_passes.layout import Layout
+from cp_passes.transports.block_attention import TILE_ROWS, block_attention_op, pair_shapes
 
 
 def _documents(positions: torch.Tensor) -> torch.Tensor:

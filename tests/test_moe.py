@@ -5,6 +5,7 @@ one device, forward and gradients."""
 import pytest
 import torch
 
+import moe_models
 from moe_models import HandMoE, reference
 from scenarios import in_global_order, toy_batch
 from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
@@ -25,7 +26,7 @@ MODELS = [("mixtral", 2, [16, 11]), pytest.param("mixtral", 4, [16, 13], marks=p
                          ids=[f"{c[0]}-P{c[1]}" for c in (getattr(m, "values", m) for m in MODELS)])
 def test_grouped_mm_moe_matches_one_device(pool, parity_report, family, P, seq_lens):
     """The experts on transformers' default path, called with labels= (the loss of the model's own shift)."""
-    per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=seq_lens)
+    per_rank = pool.run(moe_models.parity, P, family=family, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         _compare(f"hf-{family}-grouped_mm-labels=", family, [r[i] for r in per_rank], seq_len, parity_report)
     moved = [(rule, source) for rule, _, _, source in per_rank[0][0]["records"] if "integrations/moe.py" in source]
@@ -41,7 +42,7 @@ def test_grouped_mm_moe_on_packed_rows_matches_one_device(pool, parity_report, f
     """Packed rows (positions restarting at each document, from which transformers builds its masks; labels
     shifted inside each document): documents of 3, 9 and 4 positions, one across three ranks at P = 4."""
     documents = [[3, 9, 4], [8, 5, 3]]
-    per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=[16], documents=documents)
+    per_rank = pool.run(moe_models.parity, P, family=family, seq_lens=[16], documents=documents)
     _compare(f"hf-{family}-grouped_mm-packed", family, [r[0] for r in per_rank], 16, parity_report,
              documents=documents)
 
@@ -57,7 +58,7 @@ def test_router_aux_loss_is_global(pool, parity_report, family, P):
     probabilities, summed over layers, each a sum over all rows divided by the row count) is the single-device
     value on every rank, and its gradient reaches each rank's tokens: the sums and the count are all-reduced
     before the product, and the loss adds its 1 / P to each rank's share of the cross-entropy."""
-    per_rank = pool.run("moe_models:parity", P, family=family, seq_lens=[16], aux=True)
+    per_rank = pool.run(moe_models.parity, P, family=family, seq_lens=[16], aux=True)
     _compare(f"hf-{family}-grouped_mm-router-aux", family, [r[0] for r in per_rank], 16, parity_report, aux=True)
     rules = [rule for rule, _, _, source in per_rank[0][0]["records"] if "load_balancing" in source]
     assert rules.count("global_sum") >= 2, rules
@@ -70,7 +71,7 @@ def test_hand_written_dispatch_matches_one_device(pool):
     import transformers.integrations.moe  # noqa: F401
 
     seq_len = 13
-    per_rank = pool.run("moe_models:hand_moe_parity", 2, seq_len=seq_len)
+    per_rank = pool.run(moe_models.hand_moe_parity, 2, seq_len=seq_len)
     ids = toy_batch(seq_len, 2, vocab=64)["input_ids"]
     for variant in HandMoE.VARIANTS:
         torch.manual_seed(0)
@@ -172,7 +173,7 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
     from test_recurrence import _split_floor
 
     seq_len = 32 * P
-    per_rank = pool.run("moe_models:glm5_next_parity", P, kpool=kpool, seq_len=seq_len)
+    per_rank = pool.run(moe_models.glm5_next_parity, P, kpool=kpool, seq_len=seq_len)
     model = glm5_next(kpool)
     out = model(**glm5_next_batch(seq_len)).last_hidden_state
     loss = out.pow(2).sum()
@@ -194,7 +195,7 @@ def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
     from test_parity import _compare as compare
 
     seq_len = 8 * P
-    per_rank = pool.run("moe_models:deepseek_v4_aux_parity", P, seq_len=seq_len)
+    per_rank = pool.run(moe_models.deepseek_v4_aux_parity, P, seq_len=seq_len)
     model = deepseek_v4()
     batch = deepseek_v4_batch(seq_len=seq_len)
     ref = model(**batch, labels=batch["shift_labels"])

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.data.batch import shard_for_rank
-from scenarios import MROPE_SPEC, hf_qwen2_vl_text, mrope_batch
+from scenarios import MROPE_SPEC, hf_qwen2_vl_text, mrope_batch, step_result
 from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
 IMAGE = (3, 2, 4)
@@ -74,9 +74,24 @@ def _reference(P: int):
 
 @pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
 def test_qwen2_vl_text_with_mrope_positions_matches_one_device(pool, parity_report, P):
-    per_rank = pool.run("mrope_parity", P, seq_len=16, image=IMAGE)
+    per_rank = pool.run(mrope_parity, P, seq_len=16, image=IMAGE)
     loss, out, grads, tolerance = _reference(P)
     _compare(f"hf-Qwen2VLTextModel-mrope-aot_eager (grad tol {tolerance:.1e})", per_rank, loss, out, grads, 16,
              parity_report, grad_rtol=tolerance)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert rules == [("sdpa_causal", "sequence_gather")] * 2, rules
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def mrope_parity(group, seq_len: int, image: tuple[int, int, int]) -> dict:
+    """Qwen2VLTextModel on this rank's slice of ids and of the [3, batch, seq] positions (shard_batch cuts
+    their last dim); the loss is the sum of squares of the last hidden states."""
+    model = hf_qwen2_vl_text()
+    compiled = cp_passes.cp_compile(model, MROPE_SPEC, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(mrope_batch(seq_len, image), group, MROPE_SPEC)
+    out = compiled(**local).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)

@@ -4,9 +4,10 @@ from an exclusive scan of the ranks' image-token counts; the model's own count c
 import pytest
 import torch
 
+import cp_passes
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
-from scenarios import VLM_MODELS, MeasuredSplice, measured_splice_batch
+from scenarios import VLM_MODELS, MeasuredSplice, measured_splice_batch, step_result
 from test_parity import _compare
 
 
@@ -35,7 +36,7 @@ def test_vision_language_model_with_images_across_ranks_matches_one_device(pool,
     crossing position 8 (a rank boundary at P = 2 and 4), two crossing 4 and 12 (at P = 4). Every rank runs
     the vision tower on all pixels (Inkling2's and Glm5Next's eagerly: sizes from .tolist()), and the vision
     gradients, each rank's for its own tokens, add up over the ranks."""
-    per_rank = pool.run("vlm_parity", P, model=model)
+    per_rank = pool.run(vlm_parity, P, model=model)
     build, batch, _ = VLM_MODELS[model]
     reference = build()
     out = reference(**batch())
@@ -53,7 +54,7 @@ def test_a_count_check_that_measures_the_masked_embeddings_sees_the_global_count
     """Inkling2's check, ``inputs_embeds[mask].numel() == features.numel()``, measures a boolean-indexed
     sharded tensor: it is sized by the global count of the mask instead (the check would fail on every rank
     with the local count), and the splice matches one device."""
-    per_rank = pool.run("measured_splice_parity", 2)
+    per_rank = pool.run(measured_splice_parity, 2)
     model = MeasuredSplice()
     loss, logits = model(**measured_splice_batch())
     loss.backward()
@@ -128,3 +129,27 @@ def test_an_eager_module_keeps_tied_weights_and_the_forward_s_autocast(tied, aut
     assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
     for name, p in plain.named_parameters(remove_duplicate=False):
         assert torch.equal(p.grad, wrapped.get_parameter(name).grad), name
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def measured_splice_parity(group) -> dict:
+    model = MeasuredSplice()
+    compiled = cp_passes.cp_compile(model, None, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(measured_splice_batch(), group)
+    loss, logits = compiled(**local)
+    loss.backward()
+    return step_result(model, compiled, loss, logits, layout)
+
+
+def vlm_parity(group, model: str) -> dict:
+    """A vision-language model's training step on this rank's slice of ids, positions and labels and every
+    image's pixels; the loss is the model's mean over the labels."""
+    build, batch, spec = VLM_MODELS[model]
+    model = build()
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(batch(), group, spec)
+    out = compiled(**local)
+    out.loss.backward()
+    return step_result(model, compiled, out.loss, out.logits, layout)

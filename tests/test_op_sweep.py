@@ -16,7 +16,7 @@ import torch.fx
 
 from cp_passes.compiler.planner import plan_graph
 from cp_passes.errors import op_name, source_line
-from cp_passes.graph.analysis import meta_val, sequence_symbol, seq_dims, seq_multiple
+from cp_passes.graph.analysis import meta_val, seq_dims, seq_multiple, sequence_symbol
 from cp_passes.group import CPGroup
 from cp_passes.spec import CPSpec
 from scenarios import HF_MODELS, hf_batch

@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from cp_passes import CPSpec
 from cp_passes.data.checks import check_batch
 from cp_passes.data.packing import pack
-from scenarios import hf_llama, in_global_order, packed_batch, packed_model_inputs, toy_model
+from scenarios import (envelope_violation, hf_llama, in_global_order, packed_batch, packed_model_inputs, packed_parity,
+                       toy_model)
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -71,7 +71,7 @@ def test_packed_documents_match_one_device(pool, parity_report, model, P, backen
     # One example a run (each draws new packings): it compiles once and runs the edge cases plus three drawn
     # packings on that graph.
     cases = edge_cases(P) + data.draw(st.lists(packing(P), min_size=3, max_size=3), label="packings")
-    per_rank = pool.run("packed_parity", P, model=model, backend=backend, cases=cases, config=config)
+    per_rank = pool.run(packed_parity, P, model=model, backend=backend, cases=cases, config=config)
     for i, (seq_len, layout) in enumerate(cases):
         ref_loss, ref_logits, ref_grads, ref_valid = reference(model, seq_len, layout, config)
         ranks = [r[i] for r in per_rank]
@@ -98,6 +98,6 @@ def test_packed_documents_match_one_device(pool, parity_report, model, P, backen
 
 
 def test_a_mask_reaching_past_the_declared_window_fails_the_first_step(pool):
-    messages = pool.run("envelope_violation", 2)
+    messages = pool.run(envelope_violation, 2)
     for message in messages:
         assert "lets a query see a key outside the window of 2 in this batch" in message, message

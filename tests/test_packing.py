@@ -3,8 +3,7 @@ contiguous shards. Property tests over random document lengths against a plain l
 
 import pytest
 import torch
-from hypothesis import example, given, settings
-from hypothesis import strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.data.packing import PAD_DOC_ID, UNUSED_SLOT

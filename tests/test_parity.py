@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cp_passes
 from cp_passes.layout import Layout
-
-from scenarios import (HF_MODELS, SCAN_MODELS, Mixer, RunningExtremes, hf_batch, in_global_order, mixer_batch,
-                       scan_batch, toy_batch, toy_model)
+from scenarios import (HF_MODELS, SCAN_MODELS, AdditiveIdsMask, Mixer, RunningExtremes, hf_batch, hf_parity,
+                       in_global_order, mixer_batch, scan_batch, scan_parity, small_parity, toy_batch, toy_model,
+                       toy_parity)
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -131,7 +132,7 @@ TOY_CASES = [
                          ids=[f"P{c[0]}-{c[1]}-{c[2]}" for c in TOY_CASES])
 def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, pass_positions):
     config = {"kv_repeat": kv_repeat}
-    per_rank = pool.run("toy_parity", P, backend=backend, config=config, seq_lens=seq_lens,
+    per_rank = pool.run(toy_parity, P, backend=backend, config=config, seq_lens=seq_lens,
                         pass_positions=pass_positions)
     for i, seq_len in enumerate(seq_lens):
         ref = _toy_reference(config, seq_len, pass_positions)
@@ -166,7 +167,7 @@ def test_saved_keys_parity(pool, parity_report, P, backend):
     """CPSpec(gathered_keys="save"): the backward reads the gathered K/V autograd kept (the default gathers them
     again)."""
     seq_lens = [16, 13]
-    per_rank = pool.run("toy_parity", P, backend=backend, config={}, seq_lens=seq_lens, pass_positions=False,
+    per_rank = pool.run(toy_parity, P, backend=backend, config={}, seq_lens=seq_lens, pass_positions=False,
                         spec={"gathered_keys": "save"})
     for i, seq_len in enumerate(seq_lens):
         _compare(f"ToyLlama-saved-keys-{backend}", [r[i] for r in per_rank], *_toy_reference({}, seq_len, False),
@@ -181,7 +182,7 @@ def _halo_id(case) -> str:
 @pytest.mark.parametrize("P,backend,config,seq_lens", HALO_CASES,
                          ids=[_halo_id(c) for c in HALO_CASES])
 def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
-    per_rank = pool.run("toy_parity", P, backend=backend, config=config, seq_lens=seq_lens, pass_positions=False)
+    per_rank = pool.run(toy_parity, P, backend=backend, config=config, seq_lens=seq_lens, pass_positions=False)
     name = "toy-" + ",".join(f"{k}={v}" for k, v in config.items()) + f"-{backend}"
     for i, seq_len in enumerate(seq_lens):
         _compare(name, [r[i] for r in per_rank], *_toy_reference(config, seq_len, False), seq_len, parity_report)
@@ -201,7 +202,7 @@ def test_contiguous_layout_parity(pool, parity_report, P, config):
     """CPSpec(layout="contiguous"): one range per rank, as before the balanced default (causal; a window and
     a conv whose halos span ranks)."""
     seq_lens = [16, 13]
-    per_rank = pool.run("toy_parity", P, backend="aot_eager", config=config, seq_lens=seq_lens,
+    per_rank = pool.run(toy_parity, P, backend="aot_eager", config=config, seq_lens=seq_lens,
                         pass_positions=False, spec={"layout": "contiguous"})
     for i, seq_len in enumerate(seq_lens):
         _compare("toy-contiguous-" + ",".join(f"{k}={v}" for k, v in config.items()), [r[i] for r in per_rank],
@@ -230,7 +231,7 @@ HF_CASES = [(2, "aot_eager", [16, 11], False), (4, "aot_eager", [16], False), (2
 @pytest.mark.parametrize("P,backend,seq_lens,mean_loss", HF_CASES,
                          ids=[f"P{c[0]}-{c[1]}" + ("-mean" if c[3] else "") for c in HF_CASES])
 def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens, mean_loss):
-    per_rank = pool.run("hf_parity", P, backend=backend, seq_lens=seq_lens, mean_loss=mean_loss)
+    per_rank = pool.run(hf_parity, P, backend=backend, seq_lens=seq_lens, mean_loss=mean_loss)
     name = f"hf-LlamaForCausalLM{'-meanloss' if mean_loss else ''}-{backend}"
     for i, seq_len in enumerate(seq_lens):
         _compare(name, [r[i] for r in per_rank], *_hf_reference(seq_len, mean_loss), seq_len, parity_report)
@@ -240,7 +241,7 @@ def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens, mean_loss):
 def test_hf_llama_labels_shifted_in_the_model_parity(pool, parity_report, P, seq_lens):
     """model(input_ids, labels=input_ids): the model pads and slices the labels (each rank needs the next
     rank's first label: a shift of +1) and averages over the valid targets (a global mean)."""
-    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True)
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True)
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-LlamaForCausalLM-labels=-aot_eager", [r[i] for r in per_rank],
                  *_hf_reference(seq_len, False, labels_in_model=True), seq_len, parity_report)
@@ -252,7 +253,7 @@ def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
     softmax over keys, @ v), sliding and global layers, called with labels=. The sliding layers' K and V come
     as a halo of window - 1 = 3 rows (over two ranks at P = 4 and length 6), the global layers' as the causal
     prefix (only its rows moved); the masks are evaluated over the whole sequence and cut to the same keys."""
-    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
                         family="gemma2")
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-Gemma2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
@@ -273,7 +274,7 @@ def test_hf_inkling2_parity(pool, parity_report, P, seq_lens):
     """Inkling2 as transformers writes it: the relative-position bias (query activations gathered by the
     query/key distance) and the masks are [q, k] blocks on the brought key axis; sinks extend the key axis;
     the dynamic short conv's pad + unfold takes a halo of k - 1 rows."""
-    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
                         family="inkling2")
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-Inkling2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
@@ -288,7 +289,7 @@ def test_shard_batch_and_gather_sequence(pool, P, kind):
     """Each rank holds its ranges of the padded sequence (balanced: chunks r and 2P-1-r of 2P), padding at the
     end of the sequence; gather_sequence puts the rows back in order and returns each gradient to its owner."""
     seq_len = 13
-    per_rank = pool.run("gather_roundtrip", P, seq_len=seq_len, kind=kind)
+    per_rank = pool.run(gather_roundtrip, P, seq_len=seq_len, kind=kind)
     layout = Layout(P, kind)
     ids = toy_batch(seq_len)["input_ids"].float()
     multiple = P * layout.chunks
@@ -320,7 +321,7 @@ def test_running_ops_over_activations_parity(pool, parity_report, P, backend, se
     """cumsum, cumprod, logcumsumexp, cummax and cummin (values and indices) along the sequence: each rank's
     running value combined with the carry from the preceding ranks' last values (scan); diff: the previous
     position's row (shift), the prepended row at the first position."""
-    per_rank = pool.run("scan_parity", P, backend=backend, seq_lens=seq_lens, model="running_scans")
+    per_rank = pool.run(scan_parity, P, backend=backend, seq_lens=seq_lens, model="running_scans")
     for i, seq_len in enumerate(seq_lens):
         _compare(f"running-scans-{backend}", [r[i] for r in per_rank], *_scan_reference("running_scans", seq_len),
                  seq_len, parity_report)
@@ -333,7 +334,7 @@ def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool
     """The positions and scan transports rewire the activations' uses only; the doc-id mask, evaluated over the
     whole sequence, keeps the model's own arange and cumsum (rewiring them crashed the mask's evaluation)."""
     seq_lens = [16, 11]
-    per_rank = pool.run("scan_parity", 2, backend="aot_eager", seq_lens=seq_lens, model="shared_mask_inputs")
+    per_rank = pool.run(scan_parity, 2, backend="aot_eager", seq_lens=seq_lens, model="shared_mask_inputs")
     for i, seq_len in enumerate(seq_lens):
         _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank],
                  *_scan_reference("shared_mask_inputs", seq_len), seq_len, parity_report)
@@ -365,7 +366,7 @@ def test_a_prompt_unmasked_by_a_later_addition_parity(pool, parity_report, P, la
 
 def _mixer_parity(pool, parity_report, mix, layout, P=2):
     seq_lens = [16, 12] if P == 2 else [16, 24]  # multiples of 2P: the summed loss would count padded rows
-    per_rank = pool.run("mixer_parity", P, mix=mix, seq_lens=seq_lens, layout=layout)
+    per_rank = pool.run(mixer_parity, P, mix=mix, seq_lens=seq_lens, layout=layout)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         model = Mixer(mix)
@@ -383,7 +384,7 @@ def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
     from scenarios import AdditiveIdsMask
 
     seq_lens = [16, 12]
-    per_rank = pool.run("ids_mask_parity", 2, sdpa=sdpa, seq_lens=seq_lens)
+    per_rank = pool.run(ids_mask_parity, 2, sdpa=sdpa, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         model = AdditiveIdsMask(sdpa)
@@ -404,7 +405,7 @@ def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
     each rank's tail carried from ranges of every rank."""
     ids = torch.tensor([[0, 9, 4, 4, 5, 8, 6, 5, 9, 9, 3, 6, 8, 7, 1, 2],
                         [4, 7, 2, 9, 5, 6, 0, 8, 3, 3, 9, 1, 7, 2, 4, 0]])
-    per_rank = pool.run("running_extremes", 4, ids=ids, kind=kind)
+    per_rank = pool.run(running_extremes, 4, ids=ids, kind=kind)
     for k, want in enumerate(RunningExtremes()(ids)):
         for part, expected in (("values", want.values), ("indices", want.indices)):
             got = in_global_order(per_rank, f"{k}-{part}")
@@ -412,3 +413,36 @@ def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
                                if expected.is_floating_point() else expected), (k, part, got, expected)
             if got.is_floating_point():
                 assert torch.equal(got.nan_to_num(-1), expected.nan_to_num(-1)), (k, part, got, expected)
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def gather_roundtrip(group, seq_len: int, kind: str = "auto") -> dict:
+    """shard_batch then gather_sequence gives back the global tensor; gradients reach their owners."""
+    global_batch = toy_batch(seq_len)
+    local, layout = cp_passes.shard_batch(global_batch, group, cp_passes.CPSpec(layout=kind))
+    x = local["input_ids"].float().requires_grad_()
+    full = cp_passes.gather_sequence(x, group, layout=layout)
+    (full * torch.arange(1, seq_len + 1)).sum().backward()
+    return {"full": full.detach(), "grad": x.grad, "layout": (layout.seq_len, layout.padded_len, layout.slices),
+            "local": local, "positions": layout.positions}
+
+
+def mixer_parity(group, mix: str, seq_lens: list[int], layout: str | None = None) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, Mixer(mix), cp_passes.CPSpec(layout=layout) if layout else None, seq_lens)
+
+
+def ids_mask_parity(group, sdpa: bool, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, AdditiveIdsMask(sdpa), None, seq_lens)
+
+
+def running_extremes(group, ids: torch.Tensor, kind: str = "auto") -> dict:
+    spec = cp_passes.CPSpec(layout=kind)
+    compiled = cp_passes.cp_compile(RunningExtremes(), spec, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch({"input_ids": ids}, group, spec)
+    outputs = compiled(**local)
+    return {"positions": layout.positions,
+            **{f"{k}-{part}": getattr(r, part) for k, r in enumerate(outputs) for part in ("values", "indices")}}

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 import cp_passes
-from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 from cp_passes.layout import Layout
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 WORLD = 4
 

@@ -12,8 +12,9 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
 from cp_passes.layout import resolve_layout
-from scenarios import (GLM5_LAYERS, KDA_KERNEL, DeltaRule, PackedScan, glm5_next_batch, glm5_next_packed_batch,
-                       hf_glm5_next, kda_spec, mixer_batch, packed_scan_batch, scan_spec)
+from scenarios import (GLM5_LAYERS, KDA_KERNEL, KDA_LAYERS, DeltaRule, PackedScan, glm5_next_batch,
+                       glm5_next_packed_batch, glm5_next_parity, hf_glm5_next, kda_spec, mixer_batch, packed_scan_batch,
+                       scan_spec, small_parity, step_result)
 from test_parity import GRAD_RTOL, _compare
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
@@ -39,7 +40,7 @@ def test_delta_rule_state_crosses_ranks(pool, parity_report, P, form):
     state-sized: affine gathers every rank's [h | M] once (K more columns than the state), sequential
     gathers the final states P - 1 times; the bound is the predecessor's state."""
     seq_lens = [16, 12]
-    per_rank = pool.run("recurrence_parity", P, form=form, seq_lens=seq_lens)
+    per_rank = pool.run(recurrence_parity, P, form=form, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         _compare(f"delta-rule-{form}-aot_eager", [r[i] for r in per_rank], *_delta_rule_reference(seq_len), seq_len,
                  parity_report)
@@ -156,7 +157,7 @@ def test_glm5_next_matches_one_device(pool, parity_report, P):
     types: three KDA layers and an indexed-attention layer, whose top-k indexer (no gradient; pools of 4
     keys, the open pool's tail) is evaluated over the whole sequence from its gathered inputs: at length 16
     the last queries attend to 8 of their 16 causal keys. Hyper-connections throughout."""
-    per_rank = pool.run("glm5_next_parity", P, seq_lens=[16], layer_types=GLM5_LAYERS)
+    per_rank = pool.run(glm5_next_parity, P, seq_lens=[16], layer_types=GLM5_LAYERS)
     _glm5_next_check("hf-Glm5NextTextModel-kda-indexed-aot_eager", P, [r[0] for r in per_rank],
                      glm5_next_batch(16), parity_report)
 
@@ -169,7 +170,7 @@ def test_glm5_next_packed_rows_match_one_device(pool, parity_report, P):
     indexer run across documents on one device too (transformers refuses cu_seqlens there, as it refuses it
     under cp_passes), so one device on the same packed rows is the reference."""
     documents = [[3, 9, 4], [8, 5, 3]]
-    per_rank = pool.run("glm5_next_packed_parity", P, documents=documents, layer_types=GLM5_LAYERS)
+    per_rank = pool.run(glm5_next_packed_parity, P, documents=documents, layer_types=GLM5_LAYERS)
     whole, _ = shard_for_rank(glm5_next_packed_batch(documents), 0, 1, "glm5_next")
     assert whole["doc_ids"][0].tolist() == [0] * 3 + [1] * 9 + [2] * 4, whole["doc_ids"]
     _glm5_next_check("hf-Glm5NextTextModel-packed-aot_eager", P, per_rank, whole, parity_report)
@@ -201,7 +202,7 @@ def test_packed_documents_restart_the_state_across_ranks(pool, parity_report, P,
     and 2 and start the third at rank 3's first position; 8, 5, 3 start one at rank 2's (at P = 2, rank 1's).
     Bytes stay state-sized."""
     documents = [[3, 9, 4], [8, 5, 3]]
-    per_rank = pool.run("packed_scan_parity", P, form=form, documents=documents)
+    per_rank = pool.run(packed_scan_parity, P, form=form, documents=documents)
     for i, lengths in enumerate(documents):
         _compare(f"packed-gated-scan-{form}-aot_eager", [r[i] for r in per_rank], *_packed_reference(lengths),
                  sum(lengths), parity_report)
@@ -332,3 +333,39 @@ def test_a_call_with_one_state_per_document_runs_the_kernel_itself():
     assert scenarios.gated_scan is not raw
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def recurrence_parity(group, form: str, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, DeltaRule(), kda_spec(form), seq_lens)
+
+
+def packed_scan_parity(group, form: str, documents: list[list[int]]) -> list[dict]:
+    """PackedScan under CP, one forward/backward per packing: this rank's results."""
+    torch.manual_seed(0)
+    model = PackedScan()
+    compiled = cp_passes.cp_compile(model, scan_spec(form), mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for lengths in documents:
+        batch = packed_scan_batch(lengths)
+        local, layout = cp_passes.shard_batch({"input_ids": batch["input_ids"]}, group, scan_spec(form))
+        model.zero_grad()
+        loss, out = compiled(**local, cu_seqlens=batch["cu_seqlens"])
+        loss.backward()
+        results.append(step_result(model, compiled, loss, out, layout))
+    return results
+
+
+def glm5_next_packed_parity(group, documents: list[list[int]], layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
+    """The model with model_specs/glm5_next.py on packed rows sharded by shard_batch (doc ids and per-document
+    positions added, which the model takes and does not read); the loss as in glm5_next_parity."""
+    model = hf_glm5_next(layer_types=tuple(layer_types))
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(glm5_next_packed_batch(documents), group, "glm5_next")
+    out = compiled(**local).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)

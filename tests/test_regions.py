@@ -151,7 +151,7 @@ def test_regions_match_one_device(pool, P, backend):
     """ToyLlama with two kinds of block (window 5 over packed documents, a convolution in every other block; at P = 4
     a document spans three ranks and the window is longer than a rank's chunk) and transformers' Llama (3 layers,
     one kind): each kind planned once, loss and gradients as on one device."""
-    for rank, found in enumerate(pool.run("test_regions:parity", P, backend=backend, seq_len=4 * P)):
+    for rank, found in enumerate(pool.run(parity, P, backend=backend, seq_len=4 * P)):
         for name, (loss, grads, regions) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
             assert len(regions) == (2 if name == "toy" else 1), (rank, name, regions)

@@ -11,7 +11,7 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
-from scenarios import hf_step3p7, step3p7_batch
+from scenarios import hf_step3p7, step3p7_batch, step_result
 from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
 PACKED = [[3, 9, 4], [8, 4, 4]]
@@ -53,7 +53,7 @@ def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
     full-attention layers (the causal prefix of an all-gather of K and V), a dense MLP and three MoE layers.
     Packed rows: the masks transformers builds from per-document positions keep the documents apart, here as
     on one device."""
-    per_rank = pool.run("step3p7_parity", P, documents=documents, seq_len=4 * max(P, 2))
+    per_rank = pool.run(step3p7_parity, P, documents=documents, seq_len=4 * max(P, 2))
     batch, loss, out, grads = _reference(P, documents)
     name = f"hf-Step3p7TextModel-moe-{'packed' if documents else 'unpacked'}-aot_eager"
     if documents:
@@ -76,3 +76,18 @@ def test_untraceable_experts_are_refused_with_the_fix(fake_group):
     local, _ = cp_passes.shard_batch(step3p7_batch(seq_len=64), fake_group, spec)
     with pytest.raises(CPCompileError, match=r"layers\.1\.mlp\.experts.*CPSpec\(experts=\('\*mlp\.experts',\)\)"):
         compiled(input_ids=local["input_ids"], position_ids=local["position_ids"])
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def step3p7_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Step3p7TextModel with model_specs/step5.py on a batch sharded by shard_batch; the loss is the sum of
+    squares of the last hidden states."""
+    model = hf_step3p7()
+    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(step3p7_batch(documents, seq_len), group, "step5")
+    out = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)

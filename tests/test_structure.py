@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import cp_passes
-from cp_passes.transports import in_order
 from cp_passes.report.explain import format_record
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from cp_passes.transports import in_order
 
 WORLD, RANK = 8, 3
 GATHER = "cp_passes.prefix_pack.default"  # the rows a causal key gather sends (its all_to_all follows)

@@ -2,13 +2,15 @@
 dp x cp mesh, bf16, gradient accumulation over micro-batches of different lengths. Each is checked against
 the single-device model, forward and gradients, as in test_parity.py."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from scenarios import bf16_step, dp_cp_micro_batches, in_global_order, toy_batch, toy_model
+import cp_passes
+from scenarios import bf16_step, dp_cp_micro_batches, hf_parity, in_global_order, toy_batch, toy_model, toy_parity
 from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
 
 # A causal layer (K/V gather) and a layer with a causal convolution (halo) before its attention, both
@@ -20,7 +22,7 @@ CHECKPOINTED = dict(checkpoint=True, conv_kernel=(0, 4))
                                        pytest.param(2, "inductor", marks=pytest.mark.full)])
 def test_checkpointed_blocks_parity(pool, parity_report, P, backend):
     seq_lens = [16, 13]
-    per_rank = pool.run("toy_parity", P, backend=backend, config=CHECKPOINTED, seq_lens=seq_lens,
+    per_rank = pool.run(toy_parity, P, backend=backend, config=CHECKPOINTED, seq_lens=seq_lens,
                         pass_positions=False)
     for i, seq_len in enumerate(seq_lens):
         _compare(f"ToyLlama-checkpointed-{backend}", [r[i] for r in per_rank],
@@ -32,7 +34,7 @@ def test_hf_activation_checkpointing_parity(pool, parity_report, P):
     """transformers' activation_checkpointing_enable() (use_reentrant=False on every decoder layer), against
     the model without it."""
     seq_lens = [16, 11]
-    per_rank = pool.run("hf_parity", P, backend="aot_eager", seq_lens=seq_lens, checkpointing=True)
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, checkpointing=True)
     for i, seq_len in enumerate(seq_lens):
         _compare("hf-LlamaForCausalLM-checkpointed", [r[i] for r in per_rank], *_hf_reference(seq_len, False),
                  seq_len, parity_report)
@@ -75,7 +77,7 @@ STEPS = [[16, 11], [13, 8]]
 def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wrapper):
     """dp 2 x cp 2 on four gloo processes against one device on the concatenated batch, step by step: the
     wrapper sums the gradients over dp and cp, losses are normalised by the step's global token count."""
-    per_rank = pool.run("dp_cp_training", 4, wrapper=wrapper, steps=STEPS)
+    per_rank = pool.run(dp_cp_training, 4, wrapper=wrapper, steps=STEPS)
     for step, ref in enumerate(_dp_cp_reference(STEPS)):
         ranks = [r[step] for r in per_rank]
         assert {r["count"] for r in ranks} == {ref["count"]}
@@ -96,7 +98,7 @@ def test_data_parallel_that_would_not_sum_over_cp_is_refused(pool, wrapper, erro
     divide them by the ranks, and a block sharded inside the model would split the graph at FSDP's hooks:
     refused before anything compiles, naming what to do."""
     with pytest.raises(RuntimeError, match=error):
-        pool.run("dp_cp_training", 4, wrapper=wrapper, steps=STEPS[:1])
+        pool.run(dp_cp_training, 4, wrapper=wrapper, steps=STEPS[:1])
 
 
 def _errors(loss, logits, grads, reference) -> tuple[float, float, float]:
@@ -142,7 +144,7 @@ def test_bf16_parity_within_twice_the_single_device_bf16_error(pool, parity_repo
     _, one_logits_err, one_grad_err = _errors(*one_device, reference)
     loss_scale = _loss_error_scale(one_device[1], reference, batch["labels"])
 
-    per_rank = pool.run("bf16_parity", P, mode=mode, seq_len=seq_len, config=config, backend=backend)
+    per_rank = pool.run(bf16_parity, P, mode=mode, seq_len=seq_len, config=config, backend=backend)
     logits = in_global_order(per_rank, "logits")[:, :seq_len]
     grads = {n: sum(r["grads"][n] for r in per_rank) for n in reference[2]}
     loss_err, logits_err, grad_err = _errors(sum(r["loss"] for r in per_rank), logits, grads, reference)
@@ -152,3 +154,64 @@ def test_bf16_parity_within_twice_the_single_device_bf16_error(pool, parity_repo
     assert logits_err <= 2 * one_logits_err, f"logits: {logits_err} against one device's bf16 error {one_logits_err}"
     assert grad_err <= 2 * one_grad_err, f"gradients: {grad_err} against one device's bf16 error {one_grad_err}"
     assert loss_err <= 2 * loss_scale, f"loss: {loss_err} against one device's per-token bf16 error {loss_scale}"
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "aot_eager") -> dict:
+    """Four ranks as dp 2 x cp 2: cp_compile over the cp dim, the data-parallel ``wrapper`` over a mesh that
+    holds the cp ranks ("fsdp": FSDP2 over the flattened mesh, torchtitan's arrangement; "hsdp": FSDP2 on the
+    2-D mesh; "ddp": DDP over the flattened group; refused: "fsdp_dp" and "ddp_dp" over dp alone, "fsdp_avg"
+    averaging, "fsdp_inner" a block sharded inside the CP model). Each
+    step accumulates micro-batches of the given global lengths, each summed loss divided by the step's global
+    token count, the wrapper summing gradients; an SGD update between steps. Returns, per step, this rank's
+    losses and every full gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert torch.distributed.get_world_size(group) == 4
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    model = toy_model()
+    compiled = cp_passes.cp_compile(model, mesh=mesh["cp"], backend=backend, verbose=False)
+    flat = mesh["dp", "cp"]._flatten("dp_cp")
+    if wrapper.startswith("ddp"):
+        group = mesh["dp"].get_group() if wrapper == "ddp_dp" else flat.get_group()
+        compiled = DistributedDataParallel(compiled, process_group=group)
+    else:
+        if wrapper == "fsdp_inner":
+            fully_shard(model.layers[0], mesh=flat)
+        fully_shard(compiled, mesh={"fsdp": flat, "fsdp_inner": flat, "fsdp_avg": flat, "hsdp": mesh,
+                                    "fsdp_dp": mesh["dp"]}[wrapper])
+    if wrapper != "fsdp_avg":
+        cp_passes.sum_gradients(compiled)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    replica, results = mesh["dp"].get_local_rank(), []
+    for step, seq_lens in enumerate(steps):
+        local = [cp_passes.shard_batch(b, mesh["cp"])[0] for b in dp_cp_micro_batches(step, seq_lens, 2, replica)]
+        count = cp_passes.global_token_count([b["labels"] for b in local], mesh)
+        losses = []
+        for i, batch in enumerate(local):
+            batch.pop("position_ids")
+            # DDP reduces the whole accumulated gradient at each backward: sync at the last micro-batch only
+            last = i == len(local) - 1
+            with compiled.no_sync() if wrapper == "ddp" and not last else contextlib.nullcontext():
+                loss, _ = compiled(**batch)
+                (loss / count).backward()
+            losses.append((loss / count).detach())
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).clone()
+                 for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad()
+        results.append({"losses": losses, "grads": grads, "count": int(count)})
+    return results
+
+
+def bf16_parity(group, mode: str, seq_len: int, config: dict, backend: str = "aot_eager") -> dict:
+    model = toy_model(**config)
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    local, layout = cp_passes.shard_batch(toy_batch(seq_len), group)
+    local.pop("position_ids")
+    loss, logits, grads = bf16_step(model, mode, local, compiled)
+    return {"loss": loss, "logits": logits, "grads": grads, "valid": layout.valid, "positions": layout.positions}

@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.fx
 import torch.nn as nn
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 import cp_passes
 from cp_passes import CPCompileError, Layout

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import cp_passes
-from cp_passes.layout import Layout
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
-from scenarios import (COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch,
-                       in_global_order, mixer_batch)
+from cp_passes.layout import Layout
+from scenarios import (COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch, in_global_order,
+                       mixer_batch, small_parity, step_result)
 from test_parity import GRAD_RTOL, OUT_TOL
 
 
@@ -21,7 +21,7 @@ def test_compressed_entries_match_one_device(pool, P):
     single window would let the tracer specialize the window count to 1). Entries (rotated at their global
     window positions) and gradients match one device; nothing moves between ranks."""
     seq_len = 8 * P
-    per_rank = pool.run("compressor_parity", P, seq_len=seq_len)
+    per_rank = pool.run(compressor_parity, P, seq_len=seq_len)
     torch.manual_seed(0)
     model = Compressor()
     loss, out = model(**compressor_batch(seq_len))
@@ -102,7 +102,7 @@ def test_windows_paired_with_the_previous_one_take_a_halo_of_one_window(pool, P)
     and rank 0's first entry keeps the zero / -inf slots. Three lengths: the first (two windows a rank, so
     one row to copy) gets a graph dynamo guards to that length, and one more graph serves the others."""
     seq_lens = [4 * P, 8 * P, 12 * P]
-    per_rank = pool.run("overlapping_windows_parity", P, seq_lens=seq_lens)
+    per_rank = pool.run(overlapping_windows_parity, P, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         _matches_one_device(OverlappingWindows(), compressor_batch(seq_len), [r[i] for r in per_rank], 1)
@@ -117,7 +117,7 @@ def test_a_token_shift_written_into_a_fresh_tensor_matches_one_device(pool):
     """``prev[:, 1:] = h[:, :-1]`` along positions: each rank but the first receives one row, at every
     length, from one graph."""
     seq_lens = [8, 12]
-    per_rank = pool.run("shifted_write_parity", 2, seq_lens=seq_lens)
+    per_rank = pool.run(shifted_write_parity, 2, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
         torch.manual_seed(0)
         _matches_one_device(ShiftedWrite(), {"input_ids": mixer_batch(seq_len)["input_ids"]},
@@ -151,3 +151,38 @@ def test_positions_grouped_other_than_in_windows_are_refused(group, how):
     compiled, local = _compile(Regrouped(how), COMPRESSOR_SPEC, group, 64)
     with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
         compiled(**local)
+
+
+# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def compressor_parity(group, seq_len: int) -> dict:
+    torch.manual_seed(0)
+    model = Compressor()
+    compiled = cp_passes.cp_compile(model, COMPRESSOR_SPEC, mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, COMPRESSOR_SPEC)
+    loss, out = compiled(**local)
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)
+
+
+def overlapping_windows_parity(group, seq_lens: list[int]) -> list[dict]:
+    """OverlappingWindows under CP at each length in turn (one compiled model): this rank's results, each
+    with the number of graphs compiled so far."""
+    torch.manual_seed(0)
+    model = OverlappingWindows()
+    spec = cp_passes.CPSpec(name="overlap", pad_multiple=2)
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
+        model.zero_grad()
+        loss, out = compiled(**local)
+        loss.backward()
+        results.append({**step_result(model, compiled, loss, out, layout), "compiles": len(compiled.compile_records)})
+    return results
+
+
+def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, ShiftedWrite(), None, seq_lens)

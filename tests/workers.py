@@ -2,8 +2,9 @@
 
 Spawning a rank costs ~13 s on 2 cores, so one pool of 4 ranks serves the whole session: a task for
 P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (size-1 and size-2
-subgroups are made once at start-up). Tasks are functions in ``scenarios.py`` (or ``module:function``); results come back
-per rank, and a failure on any rank re-raises here with that rank's traceback.
+subgroups are made once at start-up). A task is a module-level function, kept next to the test that runs it
+(shared builders and tasks live in ``scenarios.py``); results come back per rank, and a failure on any rank
+re-raises here with that rank's traceback.
 """
 
 from __future__ import annotations
@@ -60,13 +61,11 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
 
 
 def _task(name: str):
-    """``scenarios.<name>``, or ``<module>:<function>`` for a task a test module keeps next to it."""
+    """The function ``<module>:<function>`` names (what :meth:`WorkerPool.run` sends for a task)."""
     import importlib
 
-    import scenarios
-
-    module, _, function = name.rpartition(":")
-    return getattr(importlib.import_module(module) if module else scenarios, function)
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)
 
 
 class WorkerPool:
@@ -84,13 +83,15 @@ class WorkerPool:
         for p in self.procs:
             p.start()
 
-    def run(self, name: str, size: int, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
-        """Run ``scenarios.<name>(group, **kwargs)`` on ranks 0..size-1; return their results in rank order.
+    def run(self, task, size: int, timeout: float = TASK_TIMEOUT_S, **kwargs) -> list:
+        """Run ``task(group, **kwargs)`` on ranks 0..size-1; return their results in rank order. ``task`` is a
+        module-level function: each rank imports its module and calls it.
 
         A task that has not finished on every rank after ``timeout`` seconds is a hang: the pool is replaced
         (hung ranks cannot take another task) and the test fails. A task that failed on some rank also
         replaces the pool, so that one failure does not leave the next test's collectives mismatched."""
         assert size in (1, 2, self.world), size
+        name = f"{task.__module__}:{task.__qualname__}"
         for r in range(size):
             self.tasks[r].put((name, size, kwargs))
         out, errors, answered = {}, [], set()
