@@ -112,6 +112,16 @@ def bloom():
                                         use_cache=False))
 
 
+def gpt2():
+    """Learned absolute positions (``wpe(arange)``), SDPA, and a loss that logs: GPT-2's config has no
+    ``loss_type``, so ``loss_function`` calls ``logger.warning_once`` inside the forward."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # no dropout (GPT-2's default is 0.1): each rank draws its own masks, one device other ones
+    return GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False))
+
+
 def mpt():
     """ALiBi from a table of max_seq_len positions sliced to the keys' length (``table[..., n - S:]``), eager
     attention written by hand."""
@@ -155,7 +165,7 @@ def table(variant: str):
     return PositionTable(variant)
 
 
-OTHERS = {"bloom": bloom, "mpt": mpt, **{f"table_{v}": (lambda v=v: table(v)) for v in PositionTable.VARIANTS}}
+OTHERS = {"bloom": bloom, "gpt2": gpt2, "mpt": mpt, **{f"table_{v}": (lambda v=v: table(v)) for v in PositionTable.VARIANTS}}
 """Models without a recurrence that run the same parity task."""
 
 

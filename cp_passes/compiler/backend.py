@@ -35,7 +35,7 @@ from .schedule import schedule_for_overlap
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
 from ..experts import install as install_experts
-from .capture import capture, install_output_hooks
+from .capture import capture, install_output_hooks, logging_ignored
 from .interleave import interleaved_refusal
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
@@ -333,7 +333,8 @@ class CPModule(torch.nn.Module):
         self._guard_failures.clear()
         self._agreed = self._entered = False
         try:
-            out = self._compiled(*args, **kwargs)
+            with logging_ignored():
+                out = self._compiled(*args, **kwargs)
         except Exception as error:
             if self._entered:
                 raise  # a run-time error inside a compiled graph, not a compile failure

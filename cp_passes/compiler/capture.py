@@ -27,6 +27,21 @@ _KEEP_SYMBOLIC = (
 )
 
 
+_LOGGER_METHODS = ("debug", "info", "warning", "warn", "error", "critical", "exception", "log",
+                   "warning_once", "info_once", "warning_advice")  # the last three: transformers' additions
+
+
+def logging_ignored():
+    """A dynamo config patch under which the model's calls of ``logging.Logger`` methods trace as no-ops, as
+    they do under ``torch.export``: a log line cannot change a value, and dynamo otherwise stops at it
+    (transformers' ``logger.warning_once`` in ``loss_function`` when a config's ``loss_type`` is None: GPT-2
+    with ``labels=``). The messages are not printed from the compiled graph."""
+    import logging
+
+    methods = {getattr(logging.Logger, name) for name in _LOGGER_METHODS if hasattr(logging.Logger, name)}
+    return torch._dynamo.config.patch(ignore_logging_functions=torch._dynamo.config.ignore_logging_functions | methods)
+
+
 def sharded_placeholders(gm: torch.fx.GraphModule,
                          sharded: dict[int, tuple[str, int]]) -> list[tuple[torch.fx.Node, tuple[str, int]]]:
     """Dynamo's placeholders for the sharded inputs (``sharded`` maps ``id(tensor)`` to the input's name and
