@@ -86,7 +86,7 @@ def _landings(ctx: RuleContext) -> list[tuple[torch.fx.Node, int]]:
         if x in keys or not dims:
             continue
         if torch.Tag.pointwise not in node.target.tags and node.target not in _ALIGNED:
-            ctx.refuse(f"it makes the [q, k] block '{node.name}' from '{x.name}', whose sequence axis cp_passes "
+            ctx.refuse(f"it makes the [q, k] block {node_ref(node)} from {node_ref(x)}, whose sequence axis cp_passes "
                        f"cannot place on the query or the key axis",
                        "build scores as q @ k.transpose(-2, -1) and combine them with pointwise ops, gather or "
                        "cat only")
@@ -147,10 +147,10 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     if plan.move == HALO:
         return KeyRange(plan, masking, first), f"{reach.describe()} read from the model's mask"
     if not reach.causal:
-        return None, reach.describe() + (f"; '{side.name}' is read on the key axis besides K and V"
+        return None, reach.describe() + (f"; {node_ref(side)} is read on the key axis besides K and V"
                                          if side is not None else ", by gather as the spec asks")
     if side is not None:
-        return KeyRange(plan, masking, first), (f"{reach.describe()}; '{side.name}' is read on the key axis "
+        return KeyRange(plan, masking, first), (f"{reach.describe()}; {node_ref(side)} is read on the key axis "
                                                 f"besides K and V, so the prefix of a gather rather than a halo "
                                                 f"with zero rows")
     return KeyRange(plan, masking, first), ("causal, read from the model's mask" if reach.before is None
@@ -199,7 +199,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
     band over its first part (causal only)."""
     blocks, spec = ctx.matches.blocks, ctx.spec
     if concat is not None and not _positions_first(concat, ctx.sym, spec.pad_multiple):
-        return f"its keys concatenate windows of positions first ('{concat.name}'), which cp_passes does not cut"
+        return f"its keys concatenate windows of positions first ({node_ref(concat)}), which cp_passes does not cut"
     masks, steps, dims = [], [], []
     for masking in cut.masking:
         found = blocks.masks[masking.mask]
@@ -272,7 +272,7 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
         sizes = [a for a in torch.utils._pytree.tree_leaves(node.args if reshape is None else reshape[0])
                  if has_symbol(a, ctx.sym)]
         if sizes:
-            ctx.refuse(f"it sizes the [q, k] block '{node.name}' with the local length ({sizes[0].name}), and "
+            ctx.refuse(f"it sizes the [q, k] block {node_ref(node)} with the local length ({sizes[0].name}), and "
                        f"cp_passes makes its key axis whole",
                        "size attention scores from the query and key tensors' own shapes (expand_as, or no size)")
         if reshape is not None and reshape[1]:
@@ -291,14 +291,14 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
             concat = source in blocks.concats
             behind = key_concat(operand, dim, ctx.sym, ctx.spec.pad_multiple)
             if behind is not None and behind is not source:
-                ctx.refuse(f"its keys concatenate positions and windows of them ('{behind.name}'), and cp_passes would "
-                           f"bring '{source.name}' instead, whose rows interleave the ranks' parts",
+                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(behind)}), and cp_passes would "
+                           f"bring {node_ref(source)} instead, whose rows interleave the ranks' parts",
                            "read the concatenated keys through transposes and a head repeat on dim 1 only")
             if keys is not None and concat and not keys.first_part:
-                ctx.refuse(f"its keys concatenate positions and windows of them ('{source.name}'), but cp_passes read "
+                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(source)}), but cp_passes read "
                            f"its masks as {keys.describe()} over the whole key axis", NO_RULE_FIX)
             if keys is not None and keys.first_part and not concat:
-                ctx.refuse(f"its key axis concatenates positions and windows of them, but '{source.name}' is not that "
+                ctx.refuse(f"its key axis concatenates positions and windows of them, but {node_ref(source)} is not that "
                            f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
                            f"part by part as well", "concatenate once and read the result as both K and V (as "
                            "DeepSeek V4 does)")

@@ -15,7 +15,7 @@ import sympy
 import torch
 import torch.fx
 
-from ..errors import CPCompileError, Problem, module_path, op_name, source_line
+from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..match import match_graph
 from ..rules import VIEW_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
@@ -239,7 +239,7 @@ def _check_mutation(ctx: RuleContext, write_back: bool = False) -> None:
                     f"a view ({op_name(x)})" if _returns_alias(x) else
                     f"also read by {', '.join(op_name(u) for u in observers)} at {source_line(observers[0])}")
             ctx.refuse(
-                f"it mutates '{x.name}' in place, which is {what}; cp_passes reads each op's result as a value "
+                f"it mutates {node_ref(x)} in place, which is {what}; cp_passes reads each op's result as a value "
                 f"and cannot follow the mutation to the other readers",
                 "write it out of place (y = x & m instead of x &= m), or mutate a fresh tensor nothing else reads",
             )
@@ -308,7 +308,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             plan.rewrites.append((origin, rw, plan.records[-1]))
     problems.extend(_check_block_uses(gm, sym, refused | matches.claimed, matches.blocks.keys))
     (output,) = gm.graph.find_nodes(op="output")
-    problems.extend(Problem.at(n, f"the compiled module returns '{n.name}', which holds this rank's rows in the "
+    problems.extend(Problem.at(n, f"the compiled module returns {node_ref(n)}, which holds this rank's rows in the "
                                   f"order of {op_name(orders[n][0].sort if isinstance(orders[n], tuple) else orders[n].sort)} "
                                   f"(or its indices or counts): each rank orders only its own rows",
                                permutations.UNDO_FIX)
@@ -336,7 +336,7 @@ def _check_region_call(ctx: RuleContext) -> None:
                "a [q, k] block of attention scores" if t in ctx.matches.blocks.keys else
                "a [seq, seq] block" if len(seq_dims(t, ctx.sym)) >= 2 else None)
         if why is not None:
-            raise InlineRegion(ctx.node.args[0].target, f"operand '{t.name}' is {why}")
+            raise InlineRegion(ctx.node.args[0].target, f"operand {node_ref(t)} is {why}")
 
 
 def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set, keys: dict) -> list[Problem]:
@@ -346,7 +346,7 @@ def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set, keys: dict) -
     problems = []
     for node in gm.graph.nodes:
         if node.op == "output":
-            problems += [Problem.at(n, f"the compiled module returns '{n.name}', a [q, k] block of attention "
+            problems += [Problem.at(n, f"the compiled module returns {node_ref(n)}, a [q, k] block of attention "
                                        f"scores, which under CP holds every key for this rank's queries",
                                     "return what attention computes from the scores, not the scores")
                          for n in torch.utils._pytree.tree_leaves(node.args[0]) if n in keys]
@@ -358,7 +358,7 @@ def _check_block_uses(gm: torch.fx.GraphModule, sym, refused: set, keys: dict) -
                 continue
             problems.append(Problem.at(
                 user,
-                f"it consumes '{node.name}', a [seq, seq] block built on one shard: each rank holds only the "
+                f"it consumes {node_ref(node)}, a [seq, seq] block built on one shard: each rank holds only the "
                 f"diagonal block of the global matrix, not a slice of it",
                 "use scaled_dot_product_attention (masks built from positions are read and rebuilt per rank)",
             ))

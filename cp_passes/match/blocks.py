@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..errors import node_ref
 from ..graph.analysis import expr_of, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 from .head_repeat import is_whole_slice, match_head_repeat
@@ -196,7 +197,7 @@ def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None, multip
         for x in node.all_input_nodes:
             if x in found.keys and len(seq_dims(x, sym)) == 2:
                 give(node, map_dim(node, x, found.keys[x], sym),
-                     f"cp_passes cannot tell where {node.target} puts the key axis of '{x.name}'")
+                     f"cp_passes cannot tell where {node.target} puts the key axis of {node_ref(x)}")
     inside: set = set()  # the nodes of matched masks: evaluated whole, never given a key axis of their own
     for node in reversed(nodes):
         if node not in found.keys or node in inside or node in found.conflicts:
@@ -209,9 +210,9 @@ def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None, multip
                 found.anchors.add((node, x))
             if x in found.keys:
                 if key != found.keys[x]:
-                    found.conflicts[node] = f"it combines '{x.name}' with a block whose key axis is another dim"
+                    found.conflicts[node] = f"it combines {node_ref(x)} with a block whose key axis is another dim"
                 continue
-            give(x, key, f"cp_passes cannot tell which dim of '{x.name}' {node.target} reads as the key axis")
+            give(x, key, f"cp_passes cannot tell which dim of {node_ref(x)} {node.target} reads as the key axis")
             if key is None or not _unmerged(x, [d for d in seq_dims(x, sym) if d != key], sym):
                 continue
             mask = model_mask(x, sym, carry, multiple)

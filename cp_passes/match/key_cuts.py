@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..errors import node_ref
 from ..graph.analysis import meta_val
 from .blocks import _REORDERING, RESHAPES, SCORES, Blocks
 
@@ -209,16 +210,16 @@ def _prove(cut: KeyCut, blocks: Blocks) -> str | None:
             continue
         cut.nodes.add(n)
         if n.op != "call_function" or not (n.target in SCORES or _columnwise(n, blocks)):
-            return f"'{n.name}' ({n.target}) combines key columns before the softmax"
+            return f"{node_ref(n)} ({n.target}) combines key columns before the softmax"
         if n.target is aten.cat.default and n is not sinks and _key_dim_of_cat(n) == keys[n]:
-            return f"'{n.name}' concatenates along the key axis before the mask is applied"
+            return f"{node_ref(n)} concatenates along the key axis before the mask is applied"
         if n.target not in SCORES:
             stack.extend(a for a in n.all_input_nodes if a in keys)
     for n in list(cut.nodes):
         for user in n.users:
             if user not in cut.nodes and user is not softmax and user.target not in _IGNORED \
                     and user not in reductions:
-                return f"'{n.name}' is also read by '{user.name}' ({user.target})"
+                return f"{node_ref(n)} is also read by {node_ref(user)} ({user.target})"
 
     stack = [(softmax, *(_extra_columns(sinks, blocks) if sinks is not None else (0, 0)))]
     while stack:  # after: to the contractions with V, a zero probability kept zero
@@ -229,20 +230,20 @@ def _prove(cut: KeyCut, blocks: Blocks) -> str | None:
                 continue
             if user.target in SCORES and user.args[0] is n and user.args[1] not in keys:
                 if front or back or keys[n] != meta_val(n).dim() - 1:
-                    return f"'{user.name}' contracts '{n.name}' with sink columns or not over the keys"
+                    return f"{node_ref(user)} contracts {node_ref(n)} with sink columns or not over the keys"
                 cut.nodes.add(user)
             elif user not in keys or any(a in keys and a is not n and a not in blocks.masks
                                          for a in user.all_input_nodes):
-                return f"'{user.name}' ({user.target}) reads the probabilities with something else"
+                return f"{node_ref(user)} ({user.target}) reads the probabilities with something else"
             elif user.target is aten.slice.Tensor and user.args[1] % meta_val(n).dim() == keys[n]:
                 drops = _slice_drops(user)
                 if drops is None or drops[0] > front or drops[1] > back:
-                    return f"'{user.name}' slices the key axis of '{n.name}' by more than its sink columns"
+                    return f"{node_ref(user)} slices the key axis of {node_ref(n)} by more than its sink columns"
                 stack.append((user, front - drops[0], back - drops[1]))
             elif user.target in _ZERO_KEEPING:
                 stack.append((user, front, back))
             else:
-                return f"'{user.name}' ({user.target}) may not keep a zero probability zero"
+                return f"{node_ref(user)} ({user.target}) may not keep a zero probability zero"
     return None
 
 
@@ -257,8 +258,8 @@ def key_cuts(blocks: Blocks) -> dict[torch.fx.Node, KeyCut]:
         found.nodes.add(node)
         shared = [n for n in found.nodes if n in cuts]
         if shared and found.why is None:  # two softmaxes read one block: every key for both
-            found.why = f"'{shared[0].name}' is read by another softmax too"
+            found.why = f"{node_ref(shared[0])} is read by another softmax too"
         for other in {id(cuts[n]): cuts[n] for n in shared}.values():
-            other.why = other.why or f"'{shared[0].name}' is read by another softmax too"
+            other.why = other.why or f"{node_ref(shared[0])} is read by another softmax too"
         cuts.update((n, found) for n in found.nodes if n not in cuts)
     return cuts

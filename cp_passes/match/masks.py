@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..errors import node_ref
 from ..graph.analysis import INPUT_NAME, SHAPE_ONLY, hint, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
 
@@ -87,7 +88,7 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
     attention masks, whose inputs are computed for masks as well."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
     if mask in carry:
-        return (f"its mask '{mask.name}' carries a gradient back to what it is computed from (a learned or "
+        return (f"its mask {node_ref(mask)} carries a gradient back to what it is computed from (a learned or "
                 f"data-dependent bias, not a mask); masks without one (boolean, or from metadata or indices) "
                 f"are evaluated over the whole sequence")
     own = _own(mask, masks)
@@ -116,15 +117,15 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
             tensor_leaves.append(n)  # an activation the model uses elsewhere, read here without its gradient
         elif n.op == "placeholder":
             if not tensor:
-                return f"its mask reads input '{n.name}', which is not a tensor"
+                return f"its mask reads input {node_ref(n)}, which is not a tensor"
             if len(dims) != 1 or seq_multiple(val.shape[dims[0]], sym) != 1:
-                return f"its mask reads input '{n.name}', whose sequence axis is not one whole dim"
+                return f"its mask reads input {node_ref(n)}, whose sequence axis is not one whole dim"
             tensor_leaves.append(n)
         elif n.op in ("call_function", "get_attr"):
             nodes.append(n)
             stack.extend(n.all_input_nodes)
         else:
-            return f"its mask reads {n.op} '{n.name}'"
+            return f"its mask reads {n.op} {node_ref(n)}"
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     nodes.sort(key=order.__getitem__)
     size_leaves.sort(key=order.__getitem__)

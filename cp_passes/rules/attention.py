@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import module_path, source_line
+from ..errors import module_path, node_ref, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach,
@@ -40,7 +40,7 @@ def _evaluate(ctx: RuleContext, found: PositionMask, length: int) -> torch.Tenso
     except NotPositional as error:
         (n,) = error.args
         ctx.refuse(
-            f"its attention mask reads {n.op} '{n.name}' (data, not positions); masks built from data "
+            f"its attention mask reads {n.op} {node_ref(n)} (data, not positions); masks built from data "
             f"(document ids, padding) need the packed-documents transport",
             "pass is_causal=True, or a mask built only from positions (arange comparisons)",
         )

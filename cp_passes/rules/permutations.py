@@ -29,7 +29,7 @@ import sympy
 import torch
 import torch.fx
 
-from ..errors import op_name, source_line
+from ..errors import node_ref, op_name, source_line
 from ..graph.analysis import expr_of, meta_val, seq_dims
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, lookup_rule, out_of_place
 
@@ -234,7 +234,7 @@ def _gather(ctx: RuleContext, ordered: dict):
             or meta_val(index).dim() != 1:
         return _refuse_use(ctx, ordered, "it reads rows by a sort's indices other than along the sorted rows' axis")
     if not _same_length(expr_of(meta_val(x).shape[dim]) * order.div, _length(index)):
-        ctx.refuse(f"it reads rows of '{x.name}' ({meta_val(x).shape[dim]} along dim {dim}) by indices of "
+        ctx.refuse(f"it reads rows of {node_ref(x)} ({meta_val(x).shape[dim]} along dim {dim}) by indices of "
                    f"{_describe(order)}, which numbers {meta_val(index).shape[0]} rows"
                    + (f" divided by {order.div}" if order.div > 1 else "")
                    + ": the sorted tensor is not these rows (or these rows repeated), so cp_passes cannot tell "
@@ -271,7 +271,7 @@ def _scatter(ctx: RuleContext, ordered: dict):
     if not _same_length(_length(out) * order.div, _length(index)) or not _same_length(_length(source),
                                                                                         _length(index)):
         ctx.refuse(f"it writes {meta_val(source).shape[0]} reordered rows into the {meta_val(out).shape[0]} rows "
-                   f"of '{out.name}' by indices of {_describe(order)}, whose lengths do not show that each row "
+                   f"of {node_ref(out)} by indices of {_describe(order)}, whose lengths do not show that each row "
                    f"returns to its own place", UNDO_FIX)
     return None
 
@@ -356,7 +356,7 @@ def _rowwise(ctx: RuleContext, ordered: dict):
         return _refuse_use(ctx, ordered, "it combines rows reordered by two different sorts")
     plain = [t for t in ctx.seq_inputs() if t not in ordered]
     if plain:
-        ctx.refuse(f"it combines rows that {_describe(next(iter(ordered.values())))} reordered with '{plain[0].name}', "
+        ctx.refuse(f"it combines rows that {_describe(next(iter(ordered.values())))} reordered with {node_ref(plain[0])}, "
                    f"rows in sequence order: on each rank the sort orders only its own rows, so the pairs differ "
                    f"from one device's", UNDO_FIX)
     if any(ctx.is_partial(t) for t in ctx.tensor_inputs()):
