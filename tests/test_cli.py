@@ -69,6 +69,7 @@ def test_demo_runs_and_matches_one_device(tmp_path):
     assert '"name": "cp_passes_explain"' in logs and "cp_passes_08_after_sequence_gather" in logs
 
 
+@pytest.mark.full
 def test_example_script_trains():
     out = run("examples/train_toy_llama.py", "--backend", "aot_eager", "--steps", "2", "--seq-len", "64")
     assert out.returncode == 0, out.stderr[-3000:]

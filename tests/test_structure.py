@@ -292,6 +292,7 @@ def _saved_slope(saved_at) -> int:
     return saved_at(2) - saved_at(1)
 
 
+@pytest.mark.full
 def test_checkpointing_shrinks_saved_activations_as_on_one_device(fake_group):
     """The saved-for-backward estimate (AOTAutograd's partition, fake tensors): a rank keeps what one device
     keeps divided by P, with checkpointed blocks or without (measured: 1.00x and 0.94x; the local K/V are kept

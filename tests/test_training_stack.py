@@ -89,10 +89,11 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
         parity_report.append((f"ToyLlama-dp2xcp2-{wrapper}-step{step}", 4, STEPS[step][0], 0.0, loss_err, grad_err))
 
 
-@pytest.mark.parametrize("wrapper,error", [("fsdp_dp", "does not hold this rank's CP peers"),
-                                           ("ddp_dp", "does not hold this rank's CP peers"),
-                                           ("fsdp_avg", "fully_shard averages gradients over its ranks"),
-                                           ("fsdp_inner", "fully_shard was applied to modules inside the CP model")])
+@pytest.mark.parametrize("wrapper,error", [
+    ("fsdp_dp", "does not hold this rank's CP peers"),
+    pytest.param("ddp_dp", "does not hold this rank's CP peers", marks=pytest.mark.full),
+    pytest.param("fsdp_avg", "fully_shard averages gradients over its ranks", marks=pytest.mark.full),
+    pytest.param("fsdp_inner", "fully_shard was applied to modules inside the CP model", marks=pytest.mark.full)])
 def test_data_parallel_that_would_not_sum_over_cp_is_refused(pool, wrapper, error):
     """FSDP2 or DDP over the dp dim alone would never sum the CP ranks' shares, FSDP2 left averaging would
     divide them by the ranks, and a block sharded inside the model would split the graph at FSDP's hooks:
