@@ -42,7 +42,7 @@ def timed_steps(step, warmup: int, steps: int, barrier=lambda: None) -> float:
 
 
 def rank_main(args, results) -> None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     ids = torch.randint(0, 1024, (1, args.seq_len))
     for mode in MODES:

@@ -376,16 +376,17 @@ def step_result(model, compiled, loss, out, layout) -> dict:
             "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes) for r in compiled.compile_records[-1].records]}
 
 
-def small_parity(group, model, spec, seq_lens: list[int]) -> list[dict]:
-    """A model called as ``loss, out = model(input_ids=...)`` on mixer batches: this rank's results."""
+def small_parity(group, model, spec, seq_lens: list[int], batch=None) -> list[dict]:
+    """A model called as ``loss, out = model(input_ids=...)`` on ``batch(seq_len)`` (mixer batches by default),
+    one compiled model for every length: this rank's results, each with the number of graphs compiled so far."""
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     results = []
     for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(mixer_batch(seq_len), group, spec)
+        local, layout = cp_passes.shard_batch((batch or mixer_batch)(seq_len), group, spec)
         model.zero_grad()
         loss, out = compiled(**local)
         loss.backward()
-        results.append(step_result(model, compiled, loss, out, layout))
+        results.append({**step_result(model, compiled, loss, out, layout), "compiles": len(compiled.compile_records)})
     return results
 
 
@@ -689,7 +690,6 @@ def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
     first and MoE layers after it (4 experts, top 2, transformers' default grouped_mm)."""
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
 
-    n = len(layer_types)
     config = Glm5NextTextConfig(**_glm5_next_text(layer_types))
     torch.manual_seed(seed)
     return Glm5NextTextModel(config).float()

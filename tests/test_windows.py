@@ -170,17 +170,8 @@ def overlapping_windows_parity(group, seq_lens: list[int]) -> list[dict]:
     """OverlappingWindows under CP at each length in turn (one compiled model): this rank's results, each
     with the number of graphs compiled so far."""
     torch.manual_seed(0)
-    model = OverlappingWindows()
-    spec = cp_passes.CPSpec(name="overlap", pad_multiple=2)
-    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-    results = []
-    for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(compressor_batch(seq_len), group, spec)
-        model.zero_grad()
-        loss, out = compiled(**local)
-        loss.backward()
-        results.append({**step_result(model, compiled, loss, out, layout), "compiles": len(compiled.compile_records)})
-    return results
+    return small_parity(group, OverlappingWindows(), cp_passes.CPSpec(name="overlap", pad_multiple=2), seq_lens,
+                        batch=compressor_batch)
 
 
 def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
