@@ -119,11 +119,12 @@ def _relative(group, compiled_loss, model, reference_loss, reference) -> tuple[f
     return (abs(total - reference_loss) / abs(reference_loss)).item(), grads
 
 
-def parity(group, backend: str, seq_len: int) -> dict:
+def parity(group, backend: str, seq_len: int, models: tuple[str, ...] = ("toy", "llama")) -> dict:
     """Per model: (loss, gradient) differences from one device, relative, and the region names its graph planned."""
     found = {}
     batch = _toy_batch(seq_len)
-    for name, build in (("toy", lambda: (torch.manual_seed(0), ToyLlama(MIXED))[1]), ("llama", _llama)):
+    builds = {"toy": lambda: (torch.manual_seed(0), ToyLlama(MIXED))[1], "llama": _llama}
+    for name, build in ((name, builds[name]) for name in models):
         torch._dynamo.reset()
         model, reference = build(), build()
         inputs = batch if name == "toy" else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
@@ -141,17 +142,19 @@ def parity(group, backend: str, seq_len: int) -> dict:
     return found
 
 
-@pytest.mark.parametrize("P,backend", [
-    pytest.param(2, "aot_eager", id="P2-aot_eager"),
-    pytest.param(2, "inductor", marks=pytest.mark.full, id="P2-inductor"),
-    pytest.param(4, "aot_eager", marks=pytest.mark.full, id="P4-aot_eager"),
-    pytest.param(4, "inductor", marks=pytest.mark.full, id="P4-inductor"),
+@pytest.mark.parametrize("P,backend,models", [
+    pytest.param(2, "aot_eager", ("toy",), id="P2-aot_eager"),
+    pytest.param(2, "aot_eager", ("llama",), marks=pytest.mark.full, id="P2-aot_eager-llama"),
+    pytest.param(2, "inductor", ("toy", "llama"), marks=pytest.mark.full, id="P2-inductor"),
+    pytest.param(4, "aot_eager", ("toy", "llama"), marks=pytest.mark.full, id="P4-aot_eager"),
+    pytest.param(4, "inductor", ("toy", "llama"), marks=pytest.mark.full, id="P4-inductor"),
 ])
-def test_regions_match_one_device(pool, P, backend):
+def test_regions_match_one_device(pool, P, backend, models):
     """ToyLlama with two kinds of block (window 5 over packed documents, a convolution in every other block; at P = 4
     a document spans three ranks and the window is longer than a rank's chunk) and transformers' Llama (3 layers,
-    one kind): each kind planned once, loss and gradients as on one device."""
-    for rank, found in enumerate(pool.run(parity, P, backend=backend, seq_len=4 * P)):
+    one kind; -m full): each kind planned once, loss and gradients as on one device."""
+    for rank, found in enumerate(pool.run(parity, P, backend=backend, seq_len=4 * P, models=models)):
+        assert sorted(found) == sorted(models)
         for name, (loss, grads, regions) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
             assert len(regions) == (2 if name == "toy" else 1), (rank, name, regions)
