@@ -153,7 +153,8 @@ def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, 
 HALO_CASES = [
     (1, "aot_eager", dict(window=5, conv_kernel=4), [16]),
     (2, "aot_eager", dict(window=5, conv_kernel=4, conv_dilation=2), [16, 13]),      # L=8: w < L, halo 6
-    (2, "inductor", dict(window=8, conv_kernel=3, conv_form="pad", conv_depthwise=False), [16]),  # w = L
+    pytest.param(2, "inductor", dict(window=8, conv_kernel=3, conv_form="pad", conv_depthwise=False), [16],
+                 marks=pytest.mark.full),                                             # w = L
     pytest.param(4, "aot_eager", dict(window=10, n_layers=6, conv_kernel=(2, 3, 4, 5, 6, 7), conv_form="pad"),
                  [16, 14], marks=pytest.mark.full),                                   # L=4: w = 2.5 L, 3 hops
     (4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8]),    # L=2: conv halo 6, 3 hops

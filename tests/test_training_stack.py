@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import cp_passes
-from scenarios import bf16_step, dp_cp_micro_batches, hf_parity, in_global_order, toy_batch, toy_model, toy_parity
+from scenarios import (bf16_step, dp_cp_micro_batches, error_text, hf_parity, in_global_order, toy_batch, toy_model,
+                       toy_parity)
 from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
 
 # A causal layer (K/V gather) and a layer with a causal convolution (halo) before its attention, both
@@ -89,17 +90,16 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
         parity_report.append((f"ToyLlama-dp2xcp2-{wrapper}-step{step}", 4, STEPS[step][0], 0.0, loss_err, grad_err))
 
 
-@pytest.mark.parametrize("wrapper,error", [
-    ("fsdp_dp", "does not hold this rank's CP peers"),
-    pytest.param("ddp_dp", "does not hold this rank's CP peers", marks=pytest.mark.full),
-    pytest.param("fsdp_avg", "fully_shard averages gradients over its ranks", marks=pytest.mark.full),
-    pytest.param("fsdp_inner", "fully_shard was applied to modules inside the CP model", marks=pytest.mark.full)])
+@pytest.mark.parametrize("wrapper,error", [("fsdp_dp", "does not hold this rank's CP peers"),
+                                           ("ddp_dp", "does not hold this rank's CP peers"),
+                                           ("fsdp_avg", "fully_shard averages gradients over its ranks"),
+                                           ("fsdp_inner", "fully_shard was applied to modules inside the CP model")])
 def test_data_parallel_that_would_not_sum_over_cp_is_refused(pool, wrapper, error):
     """FSDP2 or DDP over the dp dim alone would never sum the CP ranks' shares, FSDP2 left averaging would
     divide them by the ranks, and a block sharded inside the model would split the graph at FSDP's hooks:
-    refused before anything compiles, naming what to do."""
-    with pytest.raises(RuntimeError, match=error):
-        pool.run(dp_cp_training, 4, wrapper=wrapper, steps=STEPS[:1])
+    refused before anything compiles, naming what to do, on every rank alike (the pool's ranks stay in step)."""
+    for refusal in pool.run(refused_dp_cp_training, 4, wrapper=wrapper):
+        assert error in refusal, refusal
 
 
 def _errors(loss, logits, grads, reference) -> tuple[float, float, float]:
@@ -158,6 +158,11 @@ def test_bf16_parity_within_twice_the_single_device_bf16_error(pool, parity_repo
 
 
 # Tasks the worker pool's ranks run (pool.run(task, P, ...)).
+
+
+def refused_dp_cp_training(group, wrapper: str) -> str:
+    """A refused arrangement's first step: the error text every rank raises."""
+    return error_text(lambda: dp_cp_training(group, wrapper=wrapper, steps=STEPS[:1]))
 
 
 def dp_cp_training(group, wrapper: str, steps: list[list[int]], backend: str = "aot_eager") -> dict:
