@@ -28,12 +28,16 @@ def global_token_count(labels: torch.Tensor | Iterable[torch.Tensor], mesh, igno
     the loss reads: shifted ones; ``ignore_index`` is the spec's (``shard_batch`` pads labels with it).
     Divide each micro-batch's summed loss by it (or pass it to a transformers model as
     ``num_items_in_batch``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     tensors = [labels] if isinstance(labels, torch.Tensor) else list(labels)
     if not tensors:
         raise ValueError("global_token_count needs this rank's labels of at least one micro-batch")
-    count = sum((t != ignore_index).sum() for t in tensors).to(torch.int64)
+    return _sum_over(sum((t != ignore_index).sum() for t in tensors).to(torch.int64), mesh)
+
+
+def _sum_over(value: torch.Tensor, mesh) -> torch.Tensor:
+    """``value`` (modified) summed over every rank of ``mesh``, a DeviceMesh or a ProcessGroup."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     if isinstance(mesh, DeviceMesh):
         groups = [mesh.get_group(d) for d in range(mesh.ndim)]
     elif isinstance(mesh, dist.ProcessGroup):
@@ -41,8 +45,8 @@ def global_token_count(labels: torch.Tensor | Iterable[torch.Tensor], mesh, igno
     else:
         raise TypeError(f"mesh must be a DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
     for group in groups:  # a sum over each mesh dim in turn is the sum over the whole mesh
-        dist.all_reduce(count, group=group)
-    return count
+        dist.all_reduce(value, group=group)
+    return value
 
 
 def global_loss(loss: torch.Tensor, mesh) -> torch.Tensor:
@@ -50,13 +54,7 @@ def global_loss(loss: torch.Tensor, mesh) -> torch.Tensor:
     transformers model called with ``labels=``): the ranks' shares added up over ``mesh`` (a DeviceMesh or a
     ProcessGroup), detached. It is the single-device value, on every rank; ``loss.item()`` alone shows about 1/P
     of it."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    total = loss.detach().clone()
-    groups = ([mesh.get_group(d) for d in range(mesh.ndim)] if isinstance(mesh, DeviceMesh) else [mesh])
-    for group in groups:
-        dist.all_reduce(total, group=group)
-    return total
+    return _sum_over(loss.detach().clone(), mesh)
 
 
 def _sum_hook(group, bucket):

@@ -43,7 +43,9 @@ def node_ref(node: torch.fx.Node, code: bool = True) -> str:
         return f"'{node.name}'"
     place, _, text = where.partition(": ")
     place = place.split(" in ")[0]
-    return f"'{text}' at {place}" if code and text else place if not code else f"'{node.name}' at {place}"
+    if not code:
+        return place
+    return f"'{text or node.name}' at {place}"
 
 
 def _frames(node: torch.fx.Node) -> list[tuple[str, int, str]]:
@@ -141,7 +143,7 @@ def grouped(problems: list[Problem]) -> list[tuple[Problem, list[str]]]:
     """Each distinct problem once, in order of first occurrence, with the modules it occurs in."""
     groups: dict[tuple, tuple[Problem, list[str]]] = {}
     for problem in problems:
-        first, modules = groups.setdefault(problem.key(), (problem, []))
+        _, modules = groups.setdefault(problem.key(), (problem, []))
         if problem.module and problem.module not in modules:
             modules.append(problem.module)
     return list(groups.values())

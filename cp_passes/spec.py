@@ -392,7 +392,10 @@ def _field_docs(cls) -> dict[str, str]:
     import inspect
     import textwrap
 
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):  # no source shipped: the fields go undocumented, the class still works
+        return {}
     docs = {}
     for node, after in zip(body, body[1:]):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
@@ -405,12 +408,12 @@ def _document_fields(cls) -> None:
     """Append every field, its default and its docstring to ``cls.__doc__``, so that ``help(cls)`` lists them."""
     import textwrap
 
-    lines = ["", "Fields:", ""]
+    lines, docs = ["", "Fields:", ""], _field_docs(cls)
     for field in dataclasses.fields(cls):
         default = (repr(field.default) if field.default is not dataclasses.MISSING else
                    "required" if field.default_factory is dataclasses.MISSING else "(computed)")
         lines.append(f"{field.name} = {default}")
-        doc = _field_docs(cls).get(field.name, "")
+        doc = docs.get(field.name, "")
         lines.extend(textwrap.indent(textwrap.fill(paragraph, 100), "    ")
                      for paragraph in doc.split("\n\n") if paragraph)
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
