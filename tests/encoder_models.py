@@ -8,7 +8,7 @@ import torch
 
 import cp_passes
 
-from scenarios import _grads
+from shared import param_grads
 
 VOCAB = 128
 
@@ -57,7 +57,7 @@ def parity(group, seq_lens: list[int], attention: str = "sdpa", padded: bool = F
         model.zero_grad()
         out = compiled(**local)
         out.loss.backward()
-        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
                         "valid": layout_.valid, "positions": layout_.positions,
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.source)
                                     for r in compiled.compile_records[-1].records]})
@@ -73,7 +73,7 @@ def reference(seq_len: int, attention: str = "sdpa", padded: bool = False):
     b = batch(seq_len, padded)
     out = model(**b)
     out.loss.backward()
-    return out, _grads(model), b["attention_mask"].bool() if padded else torch.ones(2, seq_len, dtype=torch.bool)
+    return out, param_grads(model), b["attention_mask"].bool() if padded else torch.ones(2, seq_len, dtype=torch.bool)
 
 
 class ToyEncoder(torch.nn.Module):
@@ -172,8 +172,8 @@ def toy_parity(group, variant: str, seq_len: int, window: int = 3) -> dict:
     logits, loss = compiled(**local)
     loss.backward()
     records = compiled.compile_records[-1].records
-    return {"logits": logits.detach(), "loss": loss.detach(), "grads": _grads(model), "positions": layout.positions,
-            "rules": [r.rule for r in records if r.rule.startswith(("sdpa", "key_"))],
+    return {"logits": logits.detach(), "loss": loss.detach(), "grads": param_grads(model),
+            "positions": layout.positions, "rules": [r.rule for r in records if r.rule.startswith(("sdpa", "key_"))],
             "halo": any(r.rule == "key_operand" and "a halo of" in r.note for r in records)}
 
 
@@ -195,4 +195,4 @@ def toy_reference(variant: str, seq_len: int, window: int = 3):
     batch = toy_batch(variant, seq_len)
     logits, loss = model(**batch)
     loss.backward()
-    return logits, loss, _grads(model), batch.get("attention_mask", torch.ones(2, seq_len)).bool()
+    return logits, loss, param_grads(model), batch.get("attention_mask", torch.ones(2, seq_len)).bool()

@@ -9,7 +9,8 @@ from transformers.modeling_outputs import CausalLMOutput
 
 import cp_passes
 
-from scenarios import _grads, hf_one_device, packed_batch, packed_model_inputs, toy_batch
+from family_models import hf_one_device
+from shared import packed_batch, packed_model_inputs, param_grads, toy_batch
 
 TINY = dict(vocab_size=128, hidden_size=64, pad_token_id=0, eos_token_id=None, bos_token_id=None, use_cache=False)
 ATTENTION = dict(num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)
@@ -207,7 +208,7 @@ def parity(group, family: str, seq_lens: list[int], documents: list | None = Non
         model.zero_grad()
         out = compiled(**_inputs(local, bool(documents)))
         out.loss.backward()
-        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
                         "valid": layout.valid, "positions": layout.positions, "origin": compiled.spec_origin,
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.source)
                                     for r in compiled.compile_records[-1].records]})

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import cp_passes
-from scenarios import _grads, hf_one_device, packed_batch, packed_model_inputs, toy_batch
+from family_models import hf_one_device
+from shared import packed_batch, packed_model_inputs, param_grads, toy_batch
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, use_cache=False, pad_token_id=0, eos_token_id=None,
@@ -77,7 +78,7 @@ def parity(group, family: str, seq_lens: list[int], aux: bool = False, documents
         model.zero_grad()
         out = compiled(**_inputs(local, bool(documents)))
         out.loss.backward()
-        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
                         "aux_loss": out.aux_loss.detach() if aux else None, "valid": layout.valid,
                         "positions": layout.positions,
                         "records": [(r.rule, r.transport, r.bytes, r.source) for r in compiled.compile_records[-1].records]})
@@ -159,7 +160,7 @@ def hand_moe_parity(group, seq_len: int) -> dict:
         local, layout = cp_passes.shard_batch({"input_ids": toy_batch(seq_len, 2, vocab=64)["input_ids"]}, group)
         out = compiled(local["input_ids"])
         (out.square() * layout.valid[..., None]).sum().backward()  # the padding's rows are no one's loss
-        results[variant] = {"logits": out.detach(), "grads": _grads(model), "positions": layout.positions}
+        results[variant] = {"logits": out.detach(), "grads": param_grads(model), "positions": layout.positions}
     return results
 
 
@@ -172,9 +173,9 @@ and one that reuses its top-k (shared), MoE after a dense first layer."""
 def glm5_next(kpool: int, seed: int = 0):
     from transformers import Glm5NextTextConfig, Glm5NextTextModel
 
-    from scenarios import _glm5_next_text
+    from family_models import glm5_next_text
 
-    config = {**_glm5_next_text(tuple(GLM5_SHARED["layer_types"])), **GLM5_SHARED, "index_kpool": kpool,
+    config = {**glm5_next_text(tuple(GLM5_SHARED["layer_types"])), **GLM5_SHARED, "index_kpool": kpool,
               "index_topk": 2 * kpool}
     torch.manual_seed(seed)
     return Glm5NextTextModel(Glm5NextTextConfig(**config)).float()
@@ -182,7 +183,7 @@ def glm5_next(kpool: int, seed: int = 0):
 
 def glm5_next_parity(group, kpool: int, seq_len: int) -> dict:
     """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
-    from scenarios import glm5_next_batch
+    from family_models import glm5_next_batch
 
     model = glm5_next(kpool)
     compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
@@ -190,13 +191,13 @@ def glm5_next_parity(group, kpool: int, seq_len: int) -> dict:
     out = compiled(**local).last_hidden_state
     loss = out.pow(2).sum()
     loss.backward()
-    return {"loss": loss.detach(), "logits": out.detach(), "grads": _grads(model), "valid": layout.valid,
+    return {"loss": loss.detach(), "logits": out.detach(), "grads": param_grads(model), "valid": layout.valid,
             "positions": layout.positions}
 
 
 def deepseek_v4(aux: bool = True):
     """The DeepSeek V4 test model (routed and hash-routed MoE on grouped_mm) with its router loss on."""
-    from scenarios import hf_deepseek_v4
+    from family_models import hf_deepseek_v4
 
     model = hf_deepseek_v4()
     model.config.output_router_logits = aux
@@ -205,12 +206,12 @@ def deepseek_v4(aux: bool = True):
 
 def deepseek_v4_aux_parity(group, seq_len: int) -> dict:
     """model(input_ids, position_ids, labels=shift_labels, shift_labels=...): the loss with the router's."""
-    from scenarios import deepseek_v4_batch
+    from family_models import deepseek_v4_batch
 
     model = deepseek_v4()
     compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
     local, layout = cp_passes.shard_batch(deepseek_v4_batch(seq_len=seq_len), group, compiled.spec)
     out = compiled(**local, labels=local["shift_labels"])
     out.loss.backward()
-    return {"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": _grads(model),
+    return {"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
             "aux_loss": out.aux_loss.detach(), "valid": layout.valid, "positions": layout.positions}

@@ -5,10 +5,85 @@ is then replaced). P = 4 runs with the full matrix (``-m full``)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cp_passes
-from scenarios import (BreaksOnSomeRanks, MarkedKeyAttention, Mixer, Scaled, envelope_violation, error_text,
-                       mixer_batch, prefix_lm, toy_batch, toy_model)
+from shared import Mixer, envelope_violation, error_text, mixer_batch, toy_batch, toy_model
+
+
+class PrefixLM(torch.nn.Module):
+    """Attention written by hand with a prefix-LM mask: prompt tokens (doc id 1) see each other both ways,
+    the rest causally. For one document it is causal, so cp_passes brings the causal prefix and checks the
+    mask each step."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, input_ids, doc_ids):
+        x = self.embed(input_ids)
+        pos = torch.arange(x.shape[1])
+        prompt = doc_ids == 1
+        allowed = (pos[None, :, None] >= pos[None, None, :]) | (prompt[:, :, None] & prompt[:, None, :])
+        out = self.proj((x @ x.transpose(1, 2)).masked_fill(~allowed, float("-inf")).softmax(-1) @ x)
+        return out.pow(2).sum(), out
+
+
+def prefix_lm(group, prompt: int, attention_keys: str) -> dict:
+    """PrefixLM on 8 tokens whose first ``prompt`` are the prompt: this rank's outputs, or the error."""
+    torch.manual_seed(0)
+    model = PrefixLM()
+    spec = cp_passes.CPSpec(attention_keys=attention_keys)
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(3))
+    doc_ids = (torch.arange(8) < prompt).long().expand(2, 8)
+    local, layout = cp_passes.shard_batch({"input_ids": ids, "doc_ids": doc_ids}, group, spec)
+    outputs = []
+    error = error_text(lambda: outputs.append(compiled(**local)[1].detach()))
+    return {"error": error, "out": outputs[0] if outputs else None, "want": model(ids, doc_ids)[1].detach(),
+            "positions": layout.positions}
+
+
+class MarkedKeyAttention(torch.nn.Module):
+    """SDPA over token embeddings with a mask read from the token ids: causal, and every query also sees token
+    31 wherever it stands, later keys included. For one document without that token it is causal."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)[:, None]
+        pos = torch.arange(input_ids.shape[1], device=input_ids.device)
+        mask = (pos[:, None] >= pos[None, :]) | (input_ids[:, None, :] == 31)
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None])[:, 0].square().sum()
+
+
+class BreaksOnSomeRanks(torch.nn.Module):
+    """ToyLlama whose forward has a graph break where ``breaks`` is set: those ranks cannot compile."""
+
+    def __init__(self, breaks: bool):
+        super().__init__()
+        self.toy = toy_model()
+        self.breaks = breaks
+
+    def forward(self, input_ids):
+        if self.breaks:
+            torch._dynamo.graph_break()
+        return self.toy(input_ids)
+
+
+class Scaled(torch.nn.Module):
+    """ToyLlama's logits times a Python float: dynamo guards on its value."""
+
+    def __init__(self):
+        super().__init__()
+        self.toy = toy_model()
+        self.factor = 1.0
+
+    def forward(self, input_ids):
+        return self.toy(input_ids) * self.factor
 
 HANG_S = 240
 WORLDS = [2, pytest.param(4, marks=pytest.mark.full)]

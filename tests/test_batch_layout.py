@@ -15,7 +15,7 @@ from cp_passes.compiler.batch_layout import read_batch
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.group import CPGroup
 from cp_passes.layout import BALANCED, CONTIGUOUS
-from scenarios import error_text, toy_batch, toy_model
+from shared import error_text, toy_batch, toy_model
 
 SPEC = CPSpec()
 FIX = 'cut the batch with cp_passes.shard_batch(batch, mesh, spec)'

@@ -14,8 +14,21 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
 from cp_passes.tools.dryrun import dry_run
-from scenarios import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4, step_result
+from family_models import deepseek_v4_batch, hf_deepseek_v4
+from shared import step_result
 from test_parity import GRAD_RTOL, _compare, split_floor
+
+
+def deepseek_v4_spec() -> cp_passes.CPSpec:
+    """model_specs/deepseek_v4.py read for the tiny config's rates (windows of 2 and 4: whole windows of 4)."""
+    return cp_passes.load_spec("deepseek_v4", config=hf_deepseek_v4().config)
+
+
+def deepseek_v4_loss(model, batch: dict, positions: bool = True):
+    """The summed cross entropy of the model's logits against labels shifted inside each document; without
+    ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
+    out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
+    return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
 
 PACKED = [[3, 17, 4], [8, 8, 8]]
 """Aligned to windows of 4: row 0's documents start at 0, 4 and 24 (32 positions after padding), so at

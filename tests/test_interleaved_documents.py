@@ -15,7 +15,7 @@ from cp_passes.data.checks import check_batch
 from cp_passes.data.packing import pack
 from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
-from scenarios import error_text, packed_batch, packed_model_inputs, toy_model
+from shared import error_text, packed_batch, packed_model_inputs, toy_model
 
 LAYOUT = [[(7, 6), (9, 9), (4, 4), (12, 12)]] * 2
 """Two packed rows of 32 positions with the same document lengths (other tokens): documents shorter than their

@@ -7,7 +7,7 @@ import torch
 
 import moe_models
 from moe_models import HandMoE, reference
-from scenarios import in_global_order, toy_batch
+from shared import in_global_order, toy_batch
 from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
 
 
@@ -167,8 +167,8 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
     8 or 16 keys, MoE layers: the indexers' top-k masks are evaluated over the whole sequence for both
     attentions, 32 positions a rank. The gradient tolerance is the family's: twice the one-device floor of
     computing as CP does (the KDA layer's affine carry and block attention, test_recurrence._split_floor)."""
+    from family_models import glm5_next_batch
     from moe_models import glm5_next
-    from scenarios import glm5_next_batch
     from test_parity import _compare as compare
     from test_recurrence import _split_floor
 
@@ -189,8 +189,8 @@ def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
     """DeepseekV4ForCausalLM with output_router_logits=True: its load-balancing loss over the routed layers
     joins the loss; loss, aux_loss and gradients match one device, within the family's tolerance (twice the
     one-device floor of cutting its loss as CP does, test_compressed_attention._cut_floor)."""
+    from family_models import deepseek_v4_batch
     from moe_models import deepseek_v4
-    from scenarios import deepseek_v4_batch
     from test_compressed_attention import _cut_floor, _reference
     from test_parity import _compare as compare
 

@@ -10,8 +10,42 @@ import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.data.batch import shard_for_rank
-from scenarios import MROPE_SPEC, hf_qwen2_vl_text, mrope_batch, step_result
+from shared import step_result
 from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
+
+
+MROPE_SPEC = cp_passes.CPSpec(name="qwen2_vl_text", sequence_dims=(("position_ids", -1),))
+"""Qwen2-VL's M-RoPE positions ``[3, batch, seq]`` carry the sequence on their last dim."""
+
+
+def hf_qwen2_vl_text(seed: int = 0):
+    """A tiny Qwen2VLTextModel: M-RoPE (sections 2, 3, 3 of head_dim 16's 8 frequencies: temporal, height,
+    width), causal attention through SDPA."""
+    from transformers import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel
+
+    config = Qwen2VLTextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, bos_token_id=None, eos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    torch.manual_seed(seed)
+    return Qwen2VLTextModel(config).float()
+
+
+def mrope_batch(seq_len: int, image: tuple[int, int, int]) -> dict:
+    """Token ids and M-RoPE positions as Qwen2-VL's ``get_rope_index`` lays them out for one image of
+    ``image = (start, height, width)`` patches: text positions count on all three rows; the image's tokens
+    share the temporal position ``start`` and take ``start + row`` / ``start + column`` on the others; text
+    after it resumes at the image's largest position + 1."""
+    start, height, width = image
+    ids = torch.randint(1, 128, (2, seq_len), generator=torch.Generator().manual_seed(5))
+    rows = torch.arange(height).repeat_interleave(width)
+    cols = torch.arange(width).repeat(height)
+    after = torch.arange(seq_len - start - height * width) + start + max(height, width)
+    t = torch.cat([torch.arange(start), torch.full((height * width,), start), after])
+    h = torch.cat([torch.arange(start), start + rows, after])
+    w = torch.cat([torch.arange(start), start + cols, after])
+    return {"input_ids": ids, "position_ids": torch.stack([t, h, w])[:, None].expand(3, 2, seq_len).contiguous()}
 
 IMAGE = (3, 2, 4)
 """An image of 2 x 4 patches at positions 3..10: across the boundary at 8 (P = 2, 16 positions) and at 4 and

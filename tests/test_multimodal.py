@@ -3,12 +3,133 @@ from an exclusive scan of the ranks' image-token counts; the model's own count c
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
-from scenarios import VLM_MODELS, MeasuredSplice, measured_splice_batch, step_result
+from family_models import INKLING2_TEXT, glm5_next_text, inkling2_weights, step3p7_text
+from shared import step_result
 from test_parity import _compare
+
+
+IMAGE_TOKEN = 127
+"""The image placeholder id of the tiny vision-language models."""
+
+
+def hf_step3p7_vlm(seed: int = 0):
+    """A tiny Step3p7ForConditionalGeneration: the text model of :func:`hf_step3p7` with a vision tower (one
+    layer, patch 14) whose 112 x 112 images give 4 tokens each."""
+    from transformers import Step3p7Config, Step3p7ForConditionalGeneration
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56,
+                  patch_size=14)
+    config = Step3p7Config(text_config=step3p7_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                           use_cache=False)
+    torch.manual_seed(seed)
+    return Step3p7ForConditionalGeneration(config).float()
+
+
+VLM_IMAGES = [[6], [2, 11]]
+"""Where each row's images start (4 tokens each): row 0's crosses position 8 (a rank boundary at P = 2 and
+4), row 1's first crosses 4 and its second 12 (boundaries at P = 4)."""
+
+
+def vlm_batch(seq_len: int = 16, tokens: int = 4, hw: int = 112) -> dict:
+    """Token ids with image placeholders at :data:`VLM_IMAGES`, positions, labels (-100 on the images), and
+    every image's pixels (row 0's first)."""
+    ids = torch.randint(1, 120, (len(VLM_IMAGES), seq_len), generator=torch.Generator().manual_seed(6))
+    for row, starts in enumerate(VLM_IMAGES):
+        for start in starts:
+            ids[row, start:start + tokens] = IMAGE_TOKEN
+    labels = torch.where(ids == IMAGE_TOKEN, -100, ids)
+    pixels = torch.randn(sum(map(len, VLM_IMAGES)), 3, hw, hw, generator=torch.Generator().manual_seed(7))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(len(VLM_IMAGES), seq_len),
+            "labels": labels, "pixel_values": pixels}
+
+
+def hf_inkling2_vlm(seed: int = 0):
+    """A tiny Inkling2ForConditionalGeneration: the text model of :func:`hf_inkling2` with a one-layer vision
+    tower; an image of grid (1, 2, 2) (28 x 28 pixels a token, channels last) gives 4 tokens."""
+    from transformers import Inkling2Config, Inkling2ForConditionalGeneration
+
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, patch_size=14, spatial_merge_size=2,
+                  posemb_grid_size=4, projection_hidden_dim=64, text_hidden_size=64)
+    config = Inkling2Config(text_config=INKLING2_TEXT, vision_config=vision, image_token_id=IMAGE_TOKEN,
+                            use_cache=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return inkling2_weights(Inkling2ForConditionalGeneration(config).float())
+
+
+def inkling2_vlm_batch() -> dict:
+    """:func:`vlm_batch`'s ids, positions and labels with Inkling2's pixels: one 28 x 28 x 3 block a token."""
+    batch = vlm_batch()
+    images = sum(map(len, VLM_IMAGES))
+    batch["pixel_values"] = torch.rand(4 * images, 28, 28, 3, generator=torch.Generator().manual_seed(7)) * 2 - 1
+    batch["image_grid_thw"] = torch.tensor([[1, 2, 2]] * images)
+    return batch
+
+
+class MeasuredSplice(torch.nn.Module):
+    """Image features spliced into token embeddings after Inkling2's count check, which measures the masked
+    embeddings (``inputs_embeds[mask].numel() == features.numel()``); one causal attention layer mixes them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(128, 16)
+        self.vision = torch.nn.Linear(12, 16)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(16, 128)
+
+    def forward(self, input_ids, pixel_values, labels):
+        x = self.embed(input_ids)
+        features = self.vision(pixel_values).tanh()
+        mask = (input_ids == IMAGE_TOKEN).unsqueeze(-1).expand_as(x)
+        torch._check(x[mask].numel() == features.numel())
+        x = x.masked_scatter(mask, features)
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        h = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        logits = self.head(x + h)
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"), logits
+
+
+def measured_splice_batch() -> dict:
+    batch = vlm_batch()
+    batch.pop("position_ids")
+    batch["pixel_values"] = torch.randn(4 * sum(map(len, VLM_IMAGES)), 12, generator=torch.Generator().manual_seed(8))
+    return batch
+
+
+def hf_glm5_next_vlm(seed: int = 0):
+    """A tiny Glm5NextForConditionalGeneration: the text model of :func:`hf_glm5_next` with a one-layer vision
+    tower; an image of grid (1, 4, 4) patches (flattened, 1176 values each) gives 4 tokens after the 2 x 2
+    merge. Image and video markers take ids above the batches' (120..126)."""
+    from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
+
+    vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
+                  out_hidden_size=64, intermediate_size=64, projection_intermediate_size=64, image_size=56)
+    config = Glm5NextConfig(text_config=glm5_next_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
+                            video_token_id=126, image_start_token_id=125, image_end_token_id=124,
+                            video_start_token_id=123, video_end_token_id=122, use_cache=False)
+    torch.manual_seed(seed)
+    return Glm5NextForConditionalGeneration(config).float()
+
+
+def glm5_next_vlm_batch() -> dict:
+    """:func:`vlm_batch`'s ids, positions and labels with Glm5Next's flattened patches, 16 an image."""
+    batch = vlm_batch()
+    images = sum(map(len, VLM_IMAGES))
+    batch["pixel_values"] = torch.randn(16 * images, 1176, generator=torch.Generator().manual_seed(7))
+    batch["image_grid_thw"] = torch.tensor([[1, 4, 4]] * images)
+    return batch
+
+
+VLM_MODELS = {"step3p7": (hf_step3p7_vlm, vlm_batch, "step5"),
+              "inkling2": (hf_inkling2_vlm, inkling2_vlm_batch, "inkling2"),
+              "glm5_next": (hf_glm5_next_vlm, glm5_next_vlm_batch, "glm5_next")}
+"""Each vision-language model: builder, batch, spec."""
 
 
 @pytest.mark.parametrize("world,mask_shape", [(2, (2, 8, 1)), (4, (3, 8, 5)), (3, (1, 9, 1))])

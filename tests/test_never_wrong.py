@@ -10,7 +10,7 @@ from cp_passes import CPCompileError, CPSpec
 
 
 def toy():
-    from scenarios import toy_model
+    from shared import toy_model
 
     return toy_model()
 
@@ -202,7 +202,7 @@ def test_the_llama_spec_shards_doc_ids_and_other_specs_must_list_them(group):
     (CPSpec(causal_convs=("layers.*.conv1d",)), "causal_convs entry 'layers.*.conv1d'", "layers.0.conv"),
 ])
 def test_a_spec_glob_that_matches_no_module_names_the_closest_paths(group, spec, what, closest):
-    from scenarios import toy_model
+    from shared import toy_model
 
     with pytest.raises(ValueError) as info:
         cp_passes.cp_compile(toy_model(conv_kernel=3), spec, mesh=group, backend="aot_eager", verbose=False)

@@ -19,7 +19,7 @@ from cp_passes.errors import op_name, source_line
 from cp_passes.graph.analysis import meta_val, seq_dims, seq_multiple, sequence_symbol
 from cp_passes.group import CPGroup
 from cp_passes.spec import CPSpec
-from scenarios import HF_MODELS, hf_batch
+from family_models import HF_MODELS, hf_batch
 
 WORLD, LENGTH = 4, 16
 

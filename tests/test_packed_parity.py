@@ -8,11 +8,38 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
+import cp_passes
 from cp_passes import CPSpec
 from cp_passes.data.checks import check_batch
 from cp_passes.data.packing import pack
-from scenarios import (envelope_violation, hf_llama, in_global_order, packed_batch, packed_model_inputs, packed_parity,
-                       toy_model)
+from family_models import hf_llama
+from shared import envelope_violation, in_global_order, packed_batch, packed_model_inputs, param_grads, toy_model
+
+
+def packed_parity(group, model: str, backend: str, cases: list, config: dict | None = None) -> list[dict]:
+    """One compiled model run on several packed batches (seq_len, layout)."""
+    hf = model == "hf"
+    config = dict(config or {})
+    left_padding, layout = config.pop("left_padding", 0), config.pop("layout", "auto")
+    balance = config.pop("balance", None)
+    net = hf_llama(use_cache=False) if hf else toy_model(**config)
+    rules = (cp_passes.AttentionRule("layers.*.attn", window=config["window"], left_padding=left_padding),) \
+        if config.get("window") else ()
+    spec = cp_passes.CPSpec(attention=rules, layout=layout)
+    # every case its own length: lowered for any length from the first call, one compile
+    compiled = cp_passes.cp_compile(net, spec, mesh=group, backend=backend, verbose=False, dynamic=True)
+    results = []
+    for seq_len, layout in cases:
+        local, shard = cp_passes.shard_batch(packed_batch(seq_len, layout, 128 if hf else 256), group, spec,
+                                             balance=balance)
+        net.zero_grad()
+        out = compiled(**packed_model_inputs(local, hf))
+        loss, logits = (out.loss, out.logits) if hf else out
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": param_grads(net),
+                        "valid": shard.valid, "positions": shard.positions,
+                        "rules": [r.rule for r in compiled.compile_records[-1].records]})
+    return results
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5

@@ -15,9 +15,124 @@ import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.layout import Layout
-from scenarios import (HF_MODELS, SCAN_MODELS, AdditiveIdsMask, Mixer, RunningExtremes, hf_batch, hf_parity,
-                       in_global_order, mixer_batch, scan_batch, scan_parity, small_parity, toy_batch, toy_model,
-                       toy_parity)
+from family_models import HF_MODELS, hf_batch, hf_parity
+from shared import (Mixer, additive_mask_from_ids, in_global_order, mixer_batch, param_grads, small_parity, toy_batch,
+                    toy_model, toy_parity)
+
+
+class RunningScans(torch.nn.Module):
+    """Every running op along the sequence over activations: cumsum, cumprod, logcumsumexp, cummax / cummin
+    with their indices (token ids repeat, so equal running maxima across ranks test the tie rule), and diff
+    of activations (a learned first row) and of booleans."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.start = torch.nn.Parameter(torch.randn(1, 1, 16))
+        self.proj = torch.nn.Linear(7 * 16, 64)
+
+    def forward(self, input_ids, position_ids, labels):
+        h = self.embed(input_ids)
+        count = (position_ids[..., None] + 1).to(h.dtype)
+        top, bottom = h.cummax(1), h.cummin(1)
+        features = [h.cumsum(1) / count, (torch.sigmoid(h) * 0.5 + 0.75).cumprod(1), h.logcumsumexp(1) - count.log(),
+                    top.values, bottom.values, (top.indices - bottom.indices).to(h.dtype) / count,
+                    torch.diff(h, dim=1, prepend=self.start.expand(h.shape[0], 1, -1))]
+        even = input_ids % 2 == 0  # a boolean diff: where evenness changes (the first position from False)
+        changes = torch.diff(even, dim=1, prepend=torch.zeros(even.shape[0], 1, dtype=torch.bool))
+        features[-1] = features[-1] + changes.to(h.dtype)[..., None]
+        logits = self.proj(torch.tanh(torch.cat(features, -1)))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss, logits
+
+
+class SharedMaskInputs(torch.nn.Module):
+    """A model whose arange and cumsum feed both its activations and its doc-id attention mask: the transports
+    rewrite them for the activations while the mask is evaluated over the whole sequence as the model wrote it."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(64, 16)
+        self.proj = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids, doc_ids, labels):
+        b, s = input_ids.shape
+        pos = torch.arange(s, device=input_ids.device)
+        count = (doc_ids >= 0).long().cumsum(1)
+        h = self.embed(input_ids) + 0.01 * (pos[None, :, None] + count[..., None])
+        mask = (pos[:, None] >= pos[None, :]) & (count[:, :, None] >= count[:, None, :])
+        mask = mask & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        q = h.view(b, s, 2, 8).transpose(1, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask[:, None])
+        logits = self.proj(out.transpose(1, 2).reshape(b, s, 16))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+        return loss, logits
+
+
+def shared_mask_batch(seq_len: int) -> dict:
+    batch = toy_batch(seq_len, vocab=64)
+    del batch["position_ids"]
+    batch["doc_ids"] = (torch.arange(seq_len) >= seq_len // 3).long().expand(2, seq_len).clone()
+    return batch
+
+
+SCAN_MODELS = {"running_scans": RunningScans, "shared_mask_inputs": SharedMaskInputs}
+
+
+def scan_batch(model: str, seq_len: int) -> dict:
+    return shared_mask_batch(seq_len) if model == "shared_mask_inputs" else toy_batch(seq_len, vocab=64)
+
+
+def scan_parity(group, backend: str, seq_lens: list[int], model: str) -> list[dict]:
+    """One of SCAN_MODELS (running ops over activations, or an arange and a cumsum shared with a mask)."""
+    name = model
+    torch.manual_seed(0)
+    model = SCAN_MODELS[name]()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        batch = scan_batch(name, seq_len)
+        local, layout = cp_passes.shard_batch(batch, group)
+        model.zero_grad()
+        loss, logits = compiled(**local)
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": param_grads(model),
+                        "valid": layout.valid, "positions": layout.positions, "records": [(r.rule, r.transport)
+                                                           for r in compiled.compile_records[-1].records]})
+    return results
+
+
+class AdditiveIdsMask(torch.nn.Module):
+    """Two heads of attention under an additive mask computed from the token ids: added to hand-written scores,
+    or (``sdpa``) given to SDPA as the boolean ``mask == 0`` its refusal asks for."""
+
+    def __init__(self, sdpa: bool = False):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.proj = torch.nn.Linear(8, 8)
+        self.sdpa = sdpa
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        batch, length, _ = x.shape
+        mask = additive_mask_from_ids(input_ids, x.dtype)
+        q = x.view(batch, length, 2, 4).transpose(1, 2)
+        k, v = q * 0.5, q + 1
+        if self.sdpa:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask == 0)
+        else:
+            o = (q @ k.transpose(-2, -1) / 2 + mask).softmax(-1) @ v
+        out = self.proj(o.transpose(1, 2).reshape(batch, length, 8))
+        return out.pow(2).sum(), out
+
+
+class RunningExtremes(torch.nn.Module):
+    """cummax / cummin of integers, booleans and floats with NaN: values and indices, no gradients."""
+
+    def forward(self, input_ids):
+        nan = torch.where(input_ids == 7, float("nan"), input_ids.float())
+        return (input_ids.to(torch.uint8).cummin(1), (input_ids % 3 == 0).cummax(1), (input_ids % 3 == 0).cummin(1),
+                input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -386,7 +501,7 @@ def _mixer_parity(pool, parity_report, mix, layout, P=2):
 def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
     """Hugging Face 4.x's float padding-and-causal mask, computed in the model from input_ids (pad id 0, at
     random places in mixer batches), added to hand-written scores; and as SDPA's boolean mask == 0."""
-    from scenarios import AdditiveIdsMask
+    
 
     seq_lens = [16, 12]
     per_rank = pool.run(ids_mask_parity, 2, sdpa=sdpa, seq_lens=seq_lens)

@@ -6,16 +6,137 @@ refusals on the fake process group."""
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
 from cp_passes.layout import resolve_layout
-from scenarios import (GLM5_LAYERS, KDA_KERNEL, KDA_LAYERS, DeltaRule, PackedScan, glm5_next_batch,
-                       glm5_next_packed_batch, glm5_next_parity, hf_glm5_next, kda_spec, mixer_batch, packed_scan_batch,
-                       scan_spec, small_parity, step_result)
+from family_models import KDA_LAYERS, glm5_next_batch, glm5_next_text
+from shared import mixer_batch, small_parity, step_result
 from test_parity import GRAD_RTOL, _compare
+
+
+KDA_KERNEL = "transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention"
+
+
+def kda_spec(form: str = "affine") -> cp_passes.CPSpec:
+    return cp_passes.CPSpec(recurrences=(cp_passes.Recurrence(KDA_KERNEL, ("query", "key", "value", "g", "beta"),
+                                                              form=form),))
+
+
+class DeltaRule(torch.nn.Module):
+    """Kimi Delta Attention as transformers writes it (chunk_kimi_delta_attention: a Python loop over chunks of
+    64), called through its module attribute as Glm5Next's layers do: a [K, V] state per head flows along the
+    sequence, across ranks under CP."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.qkvg = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.beta = torch.nn.Linear(16, 2)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        from transformers.models.glm5_next import modeling_glm5_next as glm
+
+        h = self.embed(input_ids)
+        q, k, v, g = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkvg]
+        o, _ = glm.chunk_kimi_delta_attention(q, k, v, g=-torch.sigmoid(g), beta=torch.sigmoid(self.beta(h)),
+                                              use_qk_l2norm_in_kernel=True)
+        out = self.out(o.flatten(-2))
+        return out.pow(2).sum(), out
+
+
+def gated_scan(query, key, value, g, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """A gated linear recurrence written as a Python loop over positions, in flash-linear-attention's layout:
+    query, key ``[B, T, H, K]``, value ``[B, T, H, V]``, g ``[B, T, H]`` (log decay); the state ``[H, K, V]``
+    goes ``S <- exp(g_t) S + k_t^T v_t`` and ``o_t = q_t S``. With ``cu_seqlens`` (B = 1) document n starts
+    from ``initial_state[n]`` (zeros when None), and the final states are one per document."""
+    batch, length, heads, n_k = key.shape
+    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
+    segments = ([(b, 0, length, b) for b in range(batch)] if cu_seqlens is None else
+                [(0, start, stop, n) for n, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    states = (initial_state if initial_state is not None else
+              key.new_zeros(len(segments), heads, n_k, value.shape[-1]))
+    outs, finals = [[] for _ in range(batch)], []
+    for b, start, stop, n in segments:
+        state = states[n]
+        for t in range(start, stop):
+            state = g[b, t].exp()[:, None, None] * state + key[b, t][:, :, None] * value[b, t][:, None, :]
+            outs[b].append(torch.einsum("hk,hkv->hv", query[b, t], state))
+        finals.append(state)
+    return torch.stack([torch.stack(o) for o in outs]), (torch.stack(finals) if output_final_state else None)
+
+
+SCAN_KERNEL = "test_recurrence:gated_scan"
+
+
+def scan_spec(form: str = "affine") -> cp_passes.CPSpec:
+    return cp_passes.CPSpec(recurrences=(cp_passes.Recurrence(SCAN_KERNEL, ("query", "key", "value", "g"), form=form,
+                                                              documents="cu_seqlens"),))
+
+
+class PackedScan(torch.nn.Module):
+    """Token embeddings, gated_scan over packed documents (the boundaries passed as ``cu_seqlens``, the whole
+    sequence's), a projection; the loss a sum of squares."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.gate = torch.nn.Linear(16, 2)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids, cu_seqlens=None):
+        h = self.embed(input_ids)
+        q, k, v = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkv]
+        o, _ = gated_scan(q, k, v, F.logsigmoid(self.gate(h)), cu_seqlens=cu_seqlens)
+        out = self.out(o.flatten(-2))
+        return out.pow(2).sum(), out
+
+
+def packed_scan_batch(lengths: list[int]) -> dict:
+    ids = torch.randint(0, 32, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
+
+
+GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
+"""Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
+
+
+def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
+    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative): linear-attention (KDA) layers (short
+    causal convs, the KDA recurrence) and indexed-attention layers (MLA over the keys a top-k indexer picks
+    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, a dense MLP
+    first and MoE layers after it (4 experts, top 2, transformers' default grouped_mm)."""
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+
+    config = Glm5NextTextConfig(**glm5_next_text(layer_types))
+    torch.manual_seed(seed)
+    return Glm5NextTextModel(config).float()
+
+
+def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
+    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
+    model = hf_glm5_next(layer_types=tuple(layer_types))
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
+        model.zero_grad()
+        out = compiled(**local).last_hidden_state
+        loss = out.pow(2).sum()
+        loss.backward()
+        results.append(step_result(model, compiled, loss, out, layout))
+    return results
+
+
+def glm5_next_packed_batch(documents: list[list[int]]) -> dict:
+    """Two packed rows of Glm5Next tokens, one per list of document lengths (each row's lengths sum alike)."""
+    ids = torch.randint(1, 128, (len(documents), sum(documents[0])), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
 
 STATE = 2 * 2 * 8 * 8 * 4  # DeltaRule's state: batch 2, 2 heads, K = V = 8, fp32
 
@@ -322,15 +443,13 @@ def test_glm5_next_called_with_cu_seqlens_is_refused_as_on_one_device(group):
 def test_a_call_with_one_state_per_document_runs_the_kernel_itself():
     """cu_seqlens with initial states or final states per document (generation with a cache) is not what
     the op carries: the installed wrapper calls the kernel as it is, so a call outside CP is unchanged."""
-    import scenarios
-
-    raw = getattr(scenarios.gated_scan, "__wrapped__", scenarios.gated_scan)  # installed by an earlier test
+    raw = getattr(gated_scan, "__wrapped__", gated_scan)  # installed by an earlier test
     install(scan_spec().recurrences)
     x = torch.randn(1, 6, 2, 8)
     g, cu, states = -x[..., 0].sigmoid(), torch.tensor([0, 2, 6]), torch.randn(2, 2, 8, 8)
-    got = scenarios.gated_scan(x, x, x, g, initial_state=states, output_final_state=True, cu_seqlens=cu)
+    got = gated_scan(x, x, x, g, initial_state=states, output_final_state=True, cu_seqlens=cu)
     want = raw(x, x, x, g, initial_state=states, output_final_state=True, cu_seqlens=cu)
-    assert scenarios.gated_scan is not raw
+    assert gated_scan is not raw
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

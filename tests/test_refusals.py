@@ -232,7 +232,7 @@ def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
     """transformers pads labels by one ignore_index and slices from 1: each range reads the next range's first
     label (rank 3 of 8, balanced, holds chunks 3 and 12: it receives the first labels of chunks 4 and 13, one
     int64 per batch row each, and sends its own two back)."""
-    from scenarios import hf_llama
+    from family_models import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 128, (2, 8))
@@ -243,7 +243,7 @@ def test_hf_label_shift_inside_the_model_is_a_shift_of_one_row(group):
 
 
 def test_hf_mean_loss_becomes_a_sum_over_the_global_count(group):
-    from scenarios import hf_llama
+    from family_models import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(), mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 128, (1, 8))
@@ -270,7 +270,7 @@ def test_hf_packed_sequence_mask_is_evaluated_from_gathered_positions(group):
     """Without a cache, transformers 5.x derives a packed-document mask from position_ids with diff,
     cumsum and indexing along the sequence; those ops only build the mask, so the attention rule claims
     them and evaluates the mask over the whole sequence from gathered position ids."""
-    from scenarios import hf_llama
+    from family_models import hf_llama
 
     compiled = cp_passes.cp_compile(hf_llama(use_cache=False), mesh=group, backend="aot_eager", verbose=False)
     ids = torch.randint(0, 128, (1, 8))
@@ -457,7 +457,7 @@ def test_selective_checkpointing_is_refused_naming_context_fn(group):
 def test_a_cache_that_slices_the_sequence_asks_for_use_cache_false(group):
     """transformers' sliding-window cache keeps the last window - 1 positions: on a shard those would be this
     rank's, so the slice is refused, and the fix says what a training step does."""
-    from scenarios import hf_batch, hf_gemma2
+    from family_models import hf_batch, hf_gemma2
 
     model = hf_gemma2()
     compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
@@ -471,7 +471,7 @@ def test_a_cache_that_slices_the_sequence_asks_for_use_cache_false(group):
 def test_checkpointed_layers_with_a_configured_cache_compile(group):
     """With activation checkpointing on, transformers turns a configured cache off and logs it; the log call
     traces as a no-op (it stopped dynamo, and the error asked for use_cache=False), so the step compiles."""
-    from scenarios import hf_llama
+    from family_models import hf_llama
 
     model = hf_llama()
     model.activation_checkpointing_enable()
@@ -589,7 +589,7 @@ def _padding_only(ids):
 
 
 def _padding_and_causal(ids):
-    from scenarios import additive_mask_from_ids
+    from shared import additive_mask_from_ids
 
     return additive_mask_from_ids(ids, torch.float32)
 

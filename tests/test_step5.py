@@ -5,14 +5,36 @@ gloo processes against one device, unpacked and packed; the untraceable experts 
 from unittest import mock
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
-from scenarios import hf_step3p7, step3p7_batch, step_result
+from family_models import step3p7_text
+from shared import step_result
 from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
+
+
+def hf_step3p7(seed: int = 0, moe: bool = True):
+    """A tiny Step3p7TextModel (Step-5's public relative) as transformers 5.24 ships it: sliding-window layers
+    (window 4) and full-attention layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP
+    first, then MoE layers (4 experts, top 2, a shared expert) whose experts loop over nonzero() (the step5 spec
+    runs them through transformers' grouped_mm forward)."""
+    from transformers import Step3p7TextConfig, Step3p7TextModel
+
+    torch.manual_seed(seed)
+    return Step3p7TextModel(Step3p7TextConfig(**step3p7_text(moe))).float()
+
+
+def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions, or packed rows (one list of document lengths per row)."""
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(4))
+    if documents:
+        return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(2, length)}
 
 PACKED = [[3, 9, 4], [8, 4, 4]]
 """Row 0 at P = 4 (4 a rank): the second document spans ranks 0, 1 and 2 (positions 3..11), the third is

@@ -10,9 +10,31 @@ import torch
 import torch.nn.functional as F
 
 import cp_passes
-from scenarios import (bf16_step, dp_cp_micro_batches, error_text, hf_parity, in_global_order, toy_batch, toy_model,
-                       toy_parity)
+from family_models import hf_parity
+from shared import error_text, in_global_order, toy_batch, toy_model, toy_parity
 from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
+
+
+def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | None = None) -> list[dict]:
+    """The micro-batches of one step: 2 rows per replica, one global length each (an odd one padded); a
+    replica's rows, or all of them (the single-device reference's concatenated batch)."""
+    batches = [toy_batch(seq_len, batch=2 * dp, seed=10 * step + i) for i, seq_len in enumerate(seq_lens)]
+    if replica is None:
+        return batches
+    rows = slice(2 * replica, 2 * replica + 2)
+    return [{k: v[rows] for k, v in b.items()} for b in batches]
+
+
+def bf16_step(model, mode: str, batch: dict, call=None):
+    """One training step in bf16: ``mode`` "autocast" (fp32 parameters, bf16 compute) or "params" (bf16
+    parameters). Returns the loss, the logits and the gradients, in fp32."""
+    call = call or model
+    if mode == "params":
+        model.to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16) if mode == "autocast" else contextlib.nullcontext():
+        loss, logits = call(**batch)
+    loss.backward()
+    return loss.detach().float(), logits.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 # A causal layer (K/V gather) and a layer with a causal convolution (halo) before its attention, both
 # checkpointed: the backward's recomputation issues both transports again.

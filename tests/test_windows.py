@@ -10,9 +10,82 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import Layout
-from scenarios import (COMPRESSOR_SPEC, Compressor, OverlappingWindows, ShiftedWrite, compressor_batch, in_global_order,
-                       mixer_batch, small_parity, step_result)
+from shared import in_global_order, mixer_batch, small_parity, step_result
 from test_parity import GRAD_RTOL, OUT_TOL
+
+
+class Compressor(torch.nn.Module):
+    """DeepSeek V4's compressor of heavily compressed attention (transformers' DeepseekV4HCACompressor) on
+    token embeddings: windows of 4 positions pooled by a learned softmax gate into one entry each, rotated
+    at the window's global position. Returns the sum of squares of the entries and the entries."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers import DeepseekV4Config
+        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
+
+        config = DeepseekV4Config(vocab_size=32, hidden_size=16, head_dim=8, num_hidden_layers=1, q_lora_rank=8,
+                                  compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4})
+        self.embed = torch.nn.Embedding(32, 16)
+        self.compressor = ds.DeepseekV4HCACompressor(config)
+        torch.nn.init.normal_(self.compressor.position_bias)
+
+    def forward(self, input_ids, position_ids):
+        entries, _ = self.compressor(self.embed(input_ids), None, position_ids, None, 0)
+        return entries.pow(2).sum(), entries
+
+
+COMPRESSOR_SPEC = cp_passes.CPSpec(name="compressor", pad_multiple=4)
+
+
+def compressor_batch(seq_len: int) -> dict:
+    ids = torch.randint(0, 32, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
+
+
+class OverlappingWindows(torch.nn.Module):
+    """The window pairing of DeepSeek V4's CSA compressor, as transformers writes it: each position projects
+    to two halves; entry ``w`` pools window ``w``'s second halves with window ``w - 1``'s first halves (written
+    into rows ``1:`` of a fresh tensor; window 0's slots stay zero with a -inf gate). Windows of 2."""
+
+    def __init__(self, ratio: int = 2, dim: int = 8):
+        super().__init__()
+        self.ratio, self.dim = ratio, dim
+        self.embed = torch.nn.Embedding(32, 16)
+        self.kv_proj = torch.nn.Linear(16, 2 * dim, bias=False)
+        self.gate_proj = torch.nn.Linear(16, 2 * dim, bias=False)
+        self.position_bias = torch.nn.Parameter(torch.randn(ratio, 2 * dim))
+
+    def forward(self, input_ids, position_ids):
+        h = self.embed(input_ids)
+        batch, ratio, dim = h.shape[0], self.ratio, self.dim
+        n_windows = h.shape[1] // ratio
+        kv = self.kv_proj(h).view(batch, n_windows, ratio, -1)
+        gate = self.gate_proj(h).view(batch, n_windows, ratio, -1) + self.position_bias
+        new_kv = kv.new_zeros((batch, n_windows, 2 * ratio, dim))
+        new_gate = gate.new_full((batch, n_windows, 2 * ratio, dim), float("-inf"))
+        new_kv[:, :, ratio:] = kv[..., dim:]
+        new_gate[:, :, ratio:] = gate[..., dim:]
+        new_kv[:, 1:, :ratio] = kv[:, :-1, :, :dim]
+        new_gate[:, 1:, :ratio] = gate[:, :-1, :, :dim]
+        entries = (new_kv * new_gate.softmax(dim=2)).sum(dim=2)
+        return entries.pow(2).sum(), entries
+
+
+class ShiftedWrite(torch.nn.Module):
+    """A token shift written into a fresh tensor: ``prev[:, 1:] = h[:, :-1]`` (zeros at the first position)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.mix = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        prev = h.new_zeros(h.shape)
+        prev[:, 1:] = h[:, :-1]
+        out = self.mix(torch.cat([h, prev], -1))
+        return out.pow(2).sum(), out
 
 
 @pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])

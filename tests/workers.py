@@ -3,7 +3,7 @@
 Spawning a rank costs ~13 s on 2 cores, so one pool of 4 ranks serves the whole session: a task for
 P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (size-1 and size-2
 subgroups are made once at start-up). A task is a module-level function, kept next to the test that runs it
-(shared builders and tasks live in ``scenarios.py``); results come back per rank, and a failure on any rank
+(shared builders and tasks live in ``shared.py``); results come back per rank, and a failure on any rank
 re-raises here with that rank's traceback.
 """
 

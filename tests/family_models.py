@@ -1,0 +1,199 @@
+"""transformers models, configs and batches that several test modules build: tiny configs of the families the
+suite runs (a model one module alone builds lives in that module)."""
+
+from __future__ import annotations
+
+import torch
+
+import cp_passes
+from shared import packed_model_inputs, param_grads, toy_batch
+
+
+def hf_llama_config(use_cache: bool = True):
+    """A tiny Llama. With use_cache=False transformers 5.x builds a packed-sequence mask from
+    position_ids under torch.compile, which cp_passes refuses until packed documents land."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       attn_implementation="sdpa", use_cache=use_cache)
+
+
+def hf_llama(seed: int = 0, use_cache: bool = True):
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(hf_llama_config(use_cache)).float()
+
+
+def hf_gemma2(seed: int = 0):
+    """A tiny Gemma2 with attention written by hand (eager): soft-capped scores, sliding-window layers (a
+    window of 4, longer than a shard at P = 4) alternating with global ones, masks from position_ids."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          sliding_window=4, attn_implementation="eager", use_cache=False)
+    torch.manual_seed(seed)
+    return Gemma2ForCausalLM(config).float()
+
+
+def hf_inkling2(seed: int = 0):
+    """A tiny Inkling2 text model, both layer types: eager attention with a relative-position bias from the
+    queries' activations (extent 6, longer than a shard at P = 4), sinks concatenated on the key axis,
+    log-scaled queries from position_ids, a short conv (sliding layers, window 4) and a dynamic one written
+    with pad + unfold (full layers); MoE experts on transformers' default grouped_mm."""
+    from transformers import Inkling2ForCausalLM, Inkling2TextConfig
+
+    config = Inkling2TextConfig(**INKLING2_TEXT, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return inkling2_weights(Inkling2ForCausalLM(config).float())
+
+
+INKLING2_TEXT = dict(
+    vocab_size=128, unpadded_vocab_size=128, eos_token_id=None, hidden_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+    swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=4, d_rel=8, rel_extent=6,
+    log_scaling_n_floor=4, layer_types=["hybrid_sliding", "hybrid"], conv_kernel_size=3,
+    moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_layers_per_attn_res_block=1,
+    use_cache=False)
+
+
+def inkling2_weights(model):
+    """Constant parameters (unit scales, zero queries) and std-0.02 weights would hide errors (near-uniform
+    attention, no rel-pos profile): weights are drawn at 1 / sqrt(fan_in), which keeps activations O(1), and
+    vectors perturbed. Larger weights make the model amplify rounding: computing the same positions with more
+    masked keys then changes its own logits by more than the parity tolerance on one device."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, p.shape[-1] ** -0.5)
+            else:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2}
+
+
+def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
+    """Inputs for LlamaForCausalLM: pre-shifted labels (passed as labels= and shift_labels=), or, with
+    ``labels_in_model``, unshifted labels (``labels=input_ids``) that the model shifts itself."""
+    b = toy_batch(seq_len, batch, vocab=128, seed=seed)
+    if labels_in_model:
+        return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "labels": b["input_ids"].clone()}
+    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "shift_labels": b["labels"]}
+
+
+def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
+              labels_in_model: bool = False, family: str = "llama", checkpointing: bool = False) -> list[dict]:
+    """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
+    as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
+    ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside.
+    ``checkpointing``: transformers' activation checkpointing on every decoder layer (called with use_cache=False,
+    as cp_passes asks: the layers would log while turning the configured cache off)."""
+    model = HF_MODELS[family]()
+    call = {}
+    if checkpointing:
+        model.activation_checkpointing_enable()
+        call["use_cache"] = False
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        global_batch = hf_batch(seq_len, labels_in_model=labels_in_model)
+        local, layout = cp_passes.shard_batch(global_batch, group, compiled.spec)
+        model.zero_grad()
+        if labels_in_model:
+            out = compiled(**local, **call)
+        else:
+            count = (global_batch["shift_labels"] != -100).sum()
+            extra = {} if mean_loss else {"num_items_in_batch": count}
+            out = compiled(**local, labels=local["shift_labels"], **extra, **call)
+        out.loss.backward()
+        results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
+                        "valid": layout.valid, "positions": layout.positions, "compiles": len(compiled.compile_records),
+                        "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                                    for r in compiled.compile_records[-1].records]})
+    return results
+
+
+def hf_one_device(model, batch: dict, seq_len: int, packed: bool) -> tuple:
+    """A transformers model on one device: its output, its gradients and which positions are real (all, or the
+    documents of a ``packed`` batch, which is packed here as shard_batch would)."""
+    from cp_passes.data.checks import check_batch
+    from cp_passes.data.packing import pack
+
+    if packed:
+        batch = pack(check_batch(batch, cp_passes.CPSpec(), ()))
+    out = model(**(packed_model_inputs(batch, hf=True) if packed else batch))
+    out.loss.backward()
+    return out, param_grads(model), batch["valid"] if packed else torch.ones(2, seq_len, dtype=torch.bool)
+
+
+KDA_LAYERS = ("linear_attention",) * 3
+"""Glm5Next's first three layer types: Kimi Delta Attention."""
+
+
+def glm5_next_text(layer_types: tuple[str, ...] = KDA_LAYERS) -> dict:
+    n = len(layer_types)
+    return dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=n,
+        num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16, index_topk=8, index_kpool=4,
+        index_head_dim=16, index_n_heads=2, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
+        hc_mult=2, hc_sinkhorn_iters=3, pad_token_id=0, use_cache=False, layer_types=list(layer_types),
+        mlp_layer_types=["dense"] + ["sparse"] * (n - 1), indexer_types=["full"] * n)
+
+
+def glm5_next_batch(seq_len: int) -> dict:
+    ids = torch.randint(1, 128, (2, seq_len), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
+
+
+def hf_deepseek_v4(seed: int = 0):
+    """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 12, longer than the tests' shards of 8), a
+    compressed-sparse-attention layer (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a
+    heavily-compressed one (HCA: windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer
+    and two routed ones (experts on transformers' default grouped_mm). Every layer's raw keys go by a halo of 11 rows."""
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    config = DeepseekV4Config(
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, head_dim=32, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, sliding_window=12, o_groups=2, o_lora_rank=16,
+        index_n_heads=2, index_head_dim=16, index_topk=2,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe", "moe"], use_cache=False, pad_token_id=0, num_nextn_predict_layers=0)
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(config).float()
+    with torch.no_grad():  # a hash table that routes tokens to different experts
+        for layer in model.model.layers:
+            if hasattr(layer.mlp.gate, "tid2eid"):
+                layer.mlp.gate.tid2eid.copy_(torch.randint(0, 4, layer.mlp.gate.tid2eid.shape,
+                                                           generator=torch.Generator().manual_seed(seed)))
+    return model
+
+
+def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions and labels shifted before sharding, or packed rows (one list of document
+    lengths per row) with unshifted labels, which shard_batch shifts inside each document."""
+    rows = 2
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (rows, length), generator=torch.Generator().manual_seed(2))
+    if documents:
+        return {"input_ids": ids, "labels": ids.clone(), "seq_lens": torch.tensor(documents)}
+    shifted = torch.cat([ids[:, 1:], torch.full((rows, 1), -100)], 1)
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(rows, length), "shift_labels": shifted}
+
+
+STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
+
+
+def step3p7_text(moe: bool = True) -> dict:
+    return dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=list(STEP3P7_LAYERS),
+        mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
+        pad_token_id=0, use_cache=False)
