@@ -90,6 +90,67 @@ def test_a_region_its_calls_cannot_share_is_inlined(fake_group, kind, why):
     assert _rows(regions) == _rows(flat)
 
 
+class IndexerBlock(nn.Module):
+    """A GLM5-Next decoder layer's contract: it returns ``(hidden, top-k indices)``, the indices None in layers
+    without an indexer, and takes the previous layer's indices (None, or a tensor it reuses)."""
+
+    def __init__(self, indexer: bool):
+        super().__init__()
+        self.qkv, self.indexer = nn.Linear(8, 24), indexer
+
+    def forward(self, x, previous=None):
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+        if self.indexer:
+            return out, out.argmax(-1)
+        return (out if previous is None else out * 2), None
+
+
+class IndexerStack(nn.Module):
+    def __init__(self, kinds=(False, False, True, False, False)):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(IndexerBlock(kind) for kind in kinds)
+
+    def forward(self, input_ids):
+        x, indices = self.embed(input_ids), None
+        for block in self.blocks:
+            x, indices = block(x, indices)
+        assert indices is None
+        return x.pow(2).sum()
+
+
+def test_a_block_returning_none_is_traced_once_per_kind(fake_group):
+    """dynamo reuses a region's trace only where it returns tensors; a None in a block's returned tuple leaves the
+    region as a marker and is put back outside, so each call after a kind's first is reused, and the model still
+    sees None."""
+    from unittest import mock
+
+    from torch._dynamo.variables import invoke_subgraph as dynamo_regions
+
+    eligible = []
+
+    def spy(*args, **kwargs):
+        eligible.append(reuse(*args, **kwargs))
+        return eligible[-1]
+
+    reuse = dynamo_regions.is_reuse_eligible
+    inputs = {"input_ids": ((2, 16), torch.int64)}
+    with mock.patch.object(dynamo_regions, "is_reuse_eligible", spy):
+        regions = dry_run(IndexerStack, inputs, mesh=fake_group, regions=True)
+    # three traces, each reusable: blocks 0 (given no indices; blocks 1 and 4 reuse it), 2 (an indexer) and 3
+    # (given indices). Before the marker: five traces, none reusable.
+    assert eligible == [True, True, True], eligible
+    flat = dry_run(IndexerStack, inputs, mesh=fake_group)
+    assert _rows(regions) == _rows(flat) and not _inlined(regions)
+    torch.manual_seed(0)
+    model = IndexerStack()
+    ids = torch.randint(0, 32, (2, 16))
+    expected = model(ids)
+    cp_passes.compiler.regions.mark_regions(model, [IndexerBlock])
+    assert torch.equal(model(ids), expected)  # eager, marked: the Nones are back
+
+
 def _toy_batch(seq_len: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, seq_len), generator=g)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 import torch.fx
@@ -153,6 +154,40 @@ def module_at_call(call: torch.fx.Node, first: torch.fx.Node, path: str) -> str:
 
 _SUBCLASSES: dict[type, type] = {}
 
+_NONE_SHAPE = (0,) * 8
+"""A None the region returned, as an empty 8-dimensional uint8 tensor (a shape no layer returns)."""
+
+
+def _tensors_out(forward):
+    """``forward`` returning tensors only: dynamo traces a region once for all its calls only where it returns a
+    tensor or a tuple of tensors, and decoder layers return ``(hidden_states, None)`` (GLM5-Next's layers without
+    an indexer: each was traced again, 45 times). A None in a returned tuple goes out as an empty marker tensor
+    and :func:`_nones_back` puts it back outside the region."""
+
+    @functools.wraps(forward)
+    def region(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        if isinstance(out, tuple) and None in out and all(o is None or isinstance(o, torch.Tensor) for o in out):
+            device = next((o.device for o in out if o is not None), None)
+            return tuple(torch.empty(_NONE_SHAPE, dtype=torch.uint8, device=device) if o is None else o for o in out)
+        return out
+
+    return region
+
+
+def _nones_back(forward):
+    region = torch.compiler.nested_compile_region(_tensors_out(forward))
+
+    @functools.wraps(forward)
+    def marked(self, *args, **kwargs):
+        out = region(self, *args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(None if isinstance(o, torch.Tensor) and o.shape == _NONE_SHAPE and o.dtype == torch.uint8
+                         else o for o in out)
+        return out
+
+    return marked
+
 
 def repeated_blocks(model: torch.nn.Module) -> list[type]:
     """The classes of the blocks a model repeats: the children of a ``ModuleList`` that holds at least two
@@ -183,7 +218,7 @@ def mark_regions(model: torch.nn.Module, classes) -> list[str]:
         if cls is base:
             if base not in _SUBCLASSES:
                 _SUBCLASSES[base] = type(base.__name__, (base,), {
-                    "forward": torch.compiler.nested_compile_region(base.forward),
+                    "forward": _nones_back(base.forward),
                     "__module__": base.__module__, "__qualname__": base.__qualname__})
             module.__class__ = _SUBCLASSES[base]
         if base.__name__ not in marked:
