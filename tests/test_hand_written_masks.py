@@ -126,7 +126,13 @@ def batch(seq_len: int, documents: list[tuple[int, int]]) -> dict:
     return {"input_ids": ids.expand(2, -1).clone(), "doc_ids": doc.expand(2, -1).clone()}
 
 
-@pytest.mark.parametrize("name", [n for n in ATTENTIONS if n != "table_positions_and_band"])  # export bounds S
+ROWS_ONLY_DEFAULT = ("causal_documents_fill", "window_heads_4d", "window_documents", "alibi_slopes",
+                     "rotary_and_packed_positions")
+"""One of each kind of mask program in the default run; the rest with -m full."""
+
+
+@pytest.mark.parametrize("name", [n if n in ROWS_ONLY_DEFAULT else pytest.param(n, marks=pytest.mark.full)
+                                  for n in ATTENTIONS if n != "table_positions_and_band"])  # export bounds S
 def test_masks_are_evaluated_at_the_rank_rows_only(fake_group, name):
     """No value of the rewritten forward (AOTAutograd's partition) has two whole-sequence dims: the masks are
     evaluated at the rank's queries and the keys brought, the check a tile at a time inside its op."""

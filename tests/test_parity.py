@@ -240,7 +240,7 @@ TOY_CASES = [
     (2, "aot_eager", "expand", [16, 13], False),
     (2, "inductor", "repeat_interleave", [16], True),  # lowered for the one length (packed parity: any length)
     pytest.param(2, "inductor", "repeat_interleave", [16, 11], True, marks=pytest.mark.full),  # then symbolic
-    (4, "aot_eager", "sdpa", [16, 13, 6], False),
+    pytest.param(4, "aot_eager", "sdpa", [16, 13, 6], False, marks=pytest.mark.full),  # P = 4: test_halo_parity
 ]
 
 
@@ -266,7 +266,7 @@ def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, 
 # 2.5x L; conv kernels 2..7 (one per layer), dilation 2, both causal forms, depthwise and full, and
 # halos that span several ranks.
 HALO_CASES = [
-    (1, "aot_eager", dict(window=5, conv_kernel=4), [16]),
+    pytest.param(1, "aot_eager", dict(window=5, conv_kernel=4), [16], marks=pytest.mark.full),
     (2, "aot_eager", dict(window=5, conv_kernel=4, conv_dilation=2), [16, 13]),      # L=8: w < L, halo 6
     pytest.param(2, "inductor", dict(window=8, conv_kernel=3, conv_form="pad", conv_depthwise=False), [16],
                  marks=pytest.mark.full),                                             # w = L
@@ -312,7 +312,8 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
             assert moved == bound  # a halo moves exactly what the window needs
 
 
-@pytest.mark.parametrize("P,config", [(2, {}), (2, dict(window=5, conv_kernel=4, conv_dilation=2)),
+@pytest.mark.parametrize("P,config", [pytest.param(2, {}, marks=pytest.mark.full),
+                                      (2, dict(window=5, conv_kernel=4, conv_dilation=2)),
                                       pytest.param(4, {}, marks=pytest.mark.full),
                                       pytest.param(4, dict(window=10, conv_kernel=3), marks=pytest.mark.full)],
                          ids=["P2-causal", "P2-window-conv", "P4-causal", "P4-window-conv"])
@@ -344,7 +345,7 @@ def _hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama"):
 # (P, backend, lengths, mean_loss): mean_loss leaves out num_items_in_batch, so the model averages
 # itself and cp_passes turns the mean into this rank's sum over the global count of valid labels.
 HF_CASES = [(2, "aot_eager", [16, 11], False), pytest.param(4, "aot_eager", [16], False, marks=pytest.mark.full),
-            (2, "aot_eager", [16, 11], True)]
+            pytest.param(2, "aot_eager", [16, 11], True, marks=pytest.mark.full)]  # the mean: labels= in the model
 
 
 @pytest.mark.parametrize("P,backend,seq_lens,mean_loss", HF_CASES,
@@ -517,7 +518,7 @@ def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
                  out.detach(), grads, seq_len, parity_report)
 
 
-@pytest.mark.parametrize("kind", ["contiguous", "balanced"])
+@pytest.mark.parametrize("kind", [pytest.param("contiguous", marks=pytest.mark.full), "balanced"])
 def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
     """The sequence's first positions hold the minimum 0, the next ones a larger one: later ranges carry the
     first's (uint8 and int64 cummin once compared negated values, which wrap); booleans; a NaN is the most

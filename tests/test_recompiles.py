@@ -74,7 +74,7 @@ WINDOW5 = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", w
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-@pytest.mark.parametrize("rank", [1, 3])
+@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.full), 3])
 @pytest.mark.parametrize("config,lengths", [
     (dict(window=5, conv_kernel=4), range(2, 17)),  # halos 4 (attention) and 3 (conv), shorter shards too
     (dict(window=10), range(3, 15)),  # halo 9 (at local length 2 the global 8 cannot show the window)

@@ -32,7 +32,8 @@ def compile_toy(group, seq=16, spec=None, **config):
     return compiled.compile_records[-1]
 
 
-@pytest.mark.parametrize("kv_repeat", ["expand", "repeat_interleave", "sdpa"])
+@pytest.mark.parametrize("kv_repeat", [pytest.param("expand", marks=pytest.mark.full),
+                                       pytest.param("repeat_interleave", marks=pytest.mark.full), "sdpa"])
 def test_one_gather_per_layer_forward_one_return_backward(fake_group, kv_repeat):
     """Causal attention brings its causal prefix of K/V (one all_to_all a layer); the backward returns each row's
     gradient to its owner and, by default, gathers each layer's K/V again (the forward's copy is not saved)."""
