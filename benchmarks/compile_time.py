@@ -18,8 +18,10 @@ Three ratios, measured in one run:
 
 With ``--hf-config NAME`` (a transformers model class or type, as ``explain --hf-config`` takes) it times the
 dry run of that model's default config (P = --world-size, S = --seq-len) against the same config cut to one
-layer of each kind (the distinct tuples of its per-layer lists: ``layer_types``, ``mlp_layer_types``...):
-planning time should follow the kinds, not the depth.
+layer of each kind (the distinct tuples of its per-layer lists: ``layer_types``, ``mlp_layer_types``...) and
+to two of each: planning time should follow the kinds, not the depth. With one layer a kind no block repeats,
+so nothing is a region; two of each is the smallest config planned as the full one is (a region per kind,
+which AOTAutograd traces several times: forward, schema, joint, backward).
 
     python benchmarks/compile_time.py --hf-config Glm5NextTextModel --world-size 16 --seq-len 1048576
 """
@@ -55,17 +57,18 @@ def plan_seconds(layers: int, world: int, seq_len: int, regions: bool):
     return time.process_time() - start, run
 
 
-def hf_plan_seconds(name: str, world: int, seq_len: int, kinds_only: bool):
-    """CPU seconds of explain's dry run of a transformers config (regions on), and how many layers it has."""
+def hf_plan_seconds(name: str, world: int, seq_len: int, per_kind: int | None):
+    """CPU seconds of explain's dry run of a transformers config (regions on), and how many layers it has; with
+    ``per_kind``, the config cut to each kind's first ``per_kind`` layers, in the model's order."""
     from cp_passes.spec import resolve_spec
     from cp_passes.tools.models import hf_model
 
     build, config, _ = hf_model(name, torch.bfloat16)
     layers = config.num_hidden_layers
     per_layer = [key for key, value in config.to_dict().items() if isinstance(value, list) and len(value) == layers]
-    if kinds_only:
+    if per_kind:
         kinds = list(zip(*(getattr(config, key) for key in per_layer))) if per_layer else [()] * layers
-        keep = [kinds.index(kind) for kind in dict.fromkeys(kinds)]
+        keep = sorted(i for kind in set(kinds) for i in [j for j, k in enumerate(kinds) if k == kind][:per_kind])
         for key in per_layer:
             setattr(config, key, [getattr(config, key)[i] for i in keep])
         config.num_hidden_layers = len(keep)
@@ -126,11 +129,13 @@ def main() -> int:
         return 0
     if args.hf_config:
         plan_seconds(1, args.world_size, 64 * args.world_size, True)  # imports and first-use caches, not timed
-        few, kinds = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, kinds_only=True)
-        many, layers = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, kinds_only=False)
+        one, kinds = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, per_kind=1)
+        two, repeated = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, per_kind=2)
+        many, layers = hf_plan_seconds(args.hf_config, args.world_size, args.seq_len, per_kind=None)
         print(f"plan {args.hf_config}, P = {args.world_size}, S = {args.seq_len}: one layer of each of its {kinds} "
-              f"kinds {few:.1f} CPU-s, all {layers} layers {many:.1f} CPU-s")
-        print(f"plan {layers}/{kinds} layers: {many / few:.2f}")
+              f"kinds {one:.1f} CPU-s, two of each ({repeated} layers) {two:.1f} CPU-s, all {layers} layers "
+              f"{many:.1f} CPU-s")
+        print(f"plan {layers}/{repeated} layers: {many / two:.2f}; {layers}/{kinds}: {many / one:.2f}")
         return 0
     plan_seconds(1, args.world_size, 64 * args.world_size, args.regions)  # imports and first-use caches, not timed
     few, _ = plan_seconds(4, args.world_size, args.seq_len, args.regions)

@@ -150,21 +150,24 @@ def glm5_next_batch(seq_len: int) -> dict:
     return {"input_ids": ids, "position_ids": torch.arange(seq_len).expand(2, seq_len)}
 
 
-def hf_deepseek_v4(seed: int = 0):
+def hf_deepseek_v4(seed: int = 0, layers: int = 3):
     """A tiny DeepseekV4ForCausalLM: a sliding-window layer (window 12, longer than the tests' shards of 8), a
     compressed-sparse-attention layer (CSA: windows of 2 paired with the previous one, a top-2 indexer) and a
     heavily-compressed one (HCA: windows of 4), attention sinks, hyper-connections, a hash-routed MoE layer
-    and two routed ones (experts on transformers' default grouped_mm). Every layer's raw keys go by a halo of 11 rows."""
+    and two routed ones (experts on transformers' default grouped_mm). Every layer's raw keys go by a halo of 11 rows.
+    ``layers`` (a multiple of 3) repeats the three."""
     from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
     config = DeepseekV4Config(
-        vocab_size=128, hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=3,
+        vocab_size=128, hidden_size=64, moe_intermediate_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=2, head_dim=32, q_lora_rank=16, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, hc_mult=2, hc_sinkhorn_iters=3, sliding_window=12, o_groups=2, o_lora_rank=16,
         index_n_heads=2, index_head_dim=16, index_topk=2,
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
-        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
-        mlp_layer_types=["hash_moe", "moe", "moe"], use_cache=False, pad_token_id=0, num_nextn_predict_layers=0)
+        layer_types=["sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention"] * (layers // 3),
+        mlp_layer_types=["hash_moe", "moe", "moe"] * (layers // 3), use_cache=False, pad_token_id=0,
+        num_nextn_predict_layers=0)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(config).float()
     with torch.no_grad():  # a hash table that routes tokens to different experts

@@ -36,9 +36,9 @@ P = 4 (8 a rank) the second spans ranks 0, 1 and 2 and the third starts at rank 
 start at every shard boundary."""
 
 
-def _reference(P: int, documents):
+def _reference(P: int, documents, layers: int = 3):
     """One device on the global batch as shard_batch lays it out for ``P`` ranks (the same padding)."""
-    model = hf_deepseek_v4()
+    model = hf_deepseek_v4(layers=layers)
     batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P), 0, 1, deepseek_v4_spec(), pad_multiple=8 * P)
     loss, logits = deepseek_v4_loss(model, batch)
     loss.backward()
@@ -46,7 +46,7 @@ def _reference(P: int, documents):
     return batch, loss.detach(), logits.detach(), grads
 
 
-def _cut_floor(P: int, batch: dict, grads: dict) -> float:
+def _cut_floor(P: int, batch: dict, grads: dict, layers: int = 3) -> float:
     """The model's one-device floor (:func:`split_floor`) cut as the spec's layout cuts it (balanced: 2P
     chunks): each chunk's queries attend only to the keys cp_passes brings them (the ``window - 1`` raw keys
     before it, its own, every compressed entry), and the gradient is summed from each rank's loss."""
@@ -65,7 +65,7 @@ def _cut_floor(P: int, batch: dict, grads: dict) -> float:
                               scaling, dropout, **kwargs)[0])
         return torch.cat(outs, 1), None
 
-    model = hf_deepseek_v4()
+    model = hf_deepseek_v4(layers=layers)
     with mock.patch.object(ds, "eager_attention_forward", cut):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     local = logits.shape[1] // P
@@ -105,6 +105,22 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, posit
              grad_rtol=tolerance)
     rules = [rec[0] for rec in per_rank[0]["records"]]
     assert rules.count("shift_stencil") == 2 and rules.count("key_operand") == 6, rules
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4])
+def test_deepseek_v4_as_regions_matches_one_device(pool, parity_report, P):
+    """Each decoder layer a nested compile region (``regions=True``), two layers of each kind, without
+    ``position_ids``: the model builds its masks and positions once from ``arange`` and hands them to every
+    layer; they are computed inside each region, which is planned once for its two calls."""
+    per_rank = pool.run(deepseek_v4_parity, P, seq_len=8 * P, positions=False, regions=True)
+    batch, loss, logits, grads = _reference(P, None, layers=6)
+    tolerance = max(GRAD_RTOL, 2 * _cut_floor(P, batch, grads, layers=6))
+    _compare(f"hf-DeepseekV4ForCausalLM-regions-no-position_ids-aot_eager (grad tol {tolerance:.1e})", per_rank,
+             loss, logits, grads, logits.shape[1], parity_report, grad_rtol=tolerance)
+    history = per_rank[0]["history"]
+    assert sum(label.endswith("are computed inside it") for label in history) == 3, history
+    assert not any(" inlined at its " in label for label in history), history
 
 
 def test_what_each_rank_receives_per_layer_at_p8(fake_group):
@@ -213,14 +229,16 @@ def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why, fak
 
 
 def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
-                       positions: bool = True) -> dict:
+                       positions: bool = True, regions: bool = False) -> dict:
     """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
-    doc-id map, per-document positions and labels), called with or without ``position_ids``: this rank's
-    results."""
-    model = hf_deepseek_v4()
-    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False)
+    doc-id map, per-document positions and labels), called with or without ``position_ids``, its layers nested
+    compile regions or not: this rank's results."""
+    model = hf_deepseek_v4(layers=6 if regions else 3)
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False,
+                                    regions=regions)
     assert compiled.spec.pad_multiple == 4  # read from the config's rates
     local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
     loss, logits = deepseek_v4_loss(compiled, local, positions)
     loss.backward()
-    return step_result(model, compiled, loss, logits, layout)
+    return {**step_result(model, compiled, loss, logits, layout),
+            "history": [label for label, _ in compiled.compile_records[-1].history]}

@@ -56,8 +56,9 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Two blocks given a causal ``[S, S]`` mask built outside them (``"outside"``); the documents' ids for the
-    first block and a copy of them for the next (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
+    """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``) or from
+    activations (``"activations"``); the documents' ids for the first block and a copy of them for the next
+    (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -71,6 +72,9 @@ class Stack(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.kind == "outside":
                 x = block(x, pos[:, None] >= pos[None, :])
+            elif self.kind == "activations":
+                score = self.embed(input_ids).sum(-1)
+                x = block(x, (score[:, :, None] >= score[:, None, :])[:, None] | (pos[:, None] == pos[None, :]))
             elif self.kind == "differ":
                 x = block(x, doc_ids if i == 0 else doc_ids + 0)
             else:
@@ -79,7 +83,17 @@ class Stack(nn.Module):
         return x.pow(2).sum() + total
 
 
-@pytest.mark.parametrize("kind,why", [("outside", "[seq, seq] block"), ("differ", "its calls differ"),
+def test_a_mask_built_outside_from_positions_is_computed_inside_the_region(fake_group):
+    """The blocks are handed one ``[S, S]`` causal mask built from ``arange``: it is moved into the region (DeepSeek
+    V4 builds its masks so), which is planned once, with the flat graph's table."""
+    inputs = {"input_ids": ((2, 16), torch.int64), "doc_ids": ((2, 16), torch.int64)}
+    flat = dry_run(lambda: Stack("outside"), inputs, mesh=fake_group)
+    regions = dry_run(lambda: Stack("outside"), inputs, mesh=fake_group, regions=True)
+    assert not _inlined(regions) and _rows(regions) == _rows(flat)
+    assert any(label.endswith("are computed inside it") for label, _ in regions.record.history)
+
+
+@pytest.mark.parametrize("kind,why", [("activations", "[seq, seq] block"), ("differ", "its calls differ"),
                                       ("sum", "returns a per-rank partial sum")])
 def test_a_region_its_calls_cannot_share_is_inlined(fake_group, kind, why):
     inputs = {"input_ids": ((2, 16), torch.int64), "doc_ids": ((2, 16), torch.int64)}
@@ -184,18 +198,20 @@ def parity(group, backend: str, seq_len: int, models: tuple[str, ...] = ("toy", 
     """Per model: (loss, gradient) differences from one device, relative, and the region names its graph planned."""
     found = {}
     batch = _toy_batch(seq_len)
-    builds = {"toy": lambda: (torch.manual_seed(0), ToyLlama(MIXED))[1], "llama": _llama}
+    builds = {"toy": lambda: (torch.manual_seed(0), ToyLlama(MIXED))[1], "llama": _llama,
+              "outside": lambda: (torch.manual_seed(0), Stack("outside"))[1]}
     for name, build in ((name, builds[name]) for name in models):
         torch._dynamo.reset()
         model, reference = build(), build()
-        inputs = batch if name == "toy" else {"input_ids": batch["input_ids"], "labels": batch["input_ids"]}
+        inputs = {"toy": batch, "outside": {"input_ids": batch["input_ids"] % 32, "doc_ids": batch["doc_ids"]}}.get(
+            name, {"input_ids": batch["input_ids"], "labels": batch["input_ids"]})
         out = reference(**inputs)
-        reference_loss = out[0] if name == "toy" else out.loss
+        reference_loss = out[0] if name == "toy" else out if name == "outside" else out.loss
         reference_loss.backward()
         compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False, regions=True)
         local, _ = cp_passes.shard_batch(inputs, group)
         out = compiled(**local)
-        loss = out[0] if name == "toy" else out.loss
+        loss = out[0] if name == "toy" else out if name == "outside" else out.loss
         loss.backward()
         regions = sorted({label.split(":")[0] for label, _ in compiled.compile_records[-1].history
                           if label.startswith("repeated_subgraph")})
@@ -204,7 +220,7 @@ def parity(group, backend: str, seq_len: int, models: tuple[str, ...] = ("toy", 
 
 
 @pytest.mark.parametrize("P,backend,models", [
-    pytest.param(2, "aot_eager", ("toy",), id="P2-aot_eager"),
+    pytest.param(2, "aot_eager", ("toy", "outside"), id="P2-aot_eager"),
     pytest.param(2, "aot_eager", ("llama",), marks=pytest.mark.full, id="P2-aot_eager-llama"),
     pytest.param(2, "inductor", ("toy", "llama"), marks=pytest.mark.full, id="P2-inductor"),
     pytest.param(4, "aot_eager", ("toy", "llama"), marks=pytest.mark.full, id="P4-aot_eager"),
@@ -213,7 +229,8 @@ def parity(group, backend: str, seq_len: int, models: tuple[str, ...] = ("toy", 
 def test_regions_match_one_device(pool, P, backend, models):
     """ToyLlama with two kinds of block (window 5 over packed documents, a convolution in every other block; at P = 4
     a document spans three ranks and the window is longer than a rank's chunk) and transformers' Llama (3 layers,
-    one kind; -m full): each kind planned once, loss and gradients as on one device."""
+    one kind; -m full): each kind planned once, loss and gradients as on one device; and (P = 2) blocks handed a
+    causal mask built outside them, which is computed inside the region."""
     for rank, found in enumerate(pool.run(parity, P, backend=backend, seq_len=4 * P, models=models)):
         assert sorted(found) == sorted(models)
         for name, (loss, grads, regions) in found.items():

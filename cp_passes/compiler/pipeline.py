@@ -28,8 +28,8 @@ from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
 from .interleave import interleave_readers
 from .planner import Plan, RewriteRecord, plan_graph
-from .regions import InlineRegion, Region, calls_by_subgraph, constants_as_factories, flatten_nested, inline, mismatch, \
-    name_placeholders, operands, schema_once
+from .regions import InlineRegion, Region, calls_by_subgraph, constants_as_factories, flatten_nested, inline, \
+    masks_into_region, mismatch, name_placeholders, operands, schema_once
 
 
 @dataclass
@@ -121,6 +121,9 @@ def prepare_graph(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, 
         if not constants_as_factories(getattr(gm, name)):
             count = inline(gm, name)
             history.append((f"{name} inlined at its {count} calls: it creates a tensor from data", format_graph(gm)))
+        elif masks_into_region(gm, name, lambda value: seq_dims(value, sym)):
+            history.append((f"{name}: the masks and positions its calls share are computed inside it",
+                            format_graph(gm)))
     for label, graph in [("", gm)] + [(f"{name}: ", getattr(gm, name)) for name in calls_by_subgraph(gm)]:
         _prepare(graph, sym, spec, history, label)
 

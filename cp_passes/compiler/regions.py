@@ -328,3 +328,109 @@ def constants_as_factories(sub: torch.fx.GraphModule) -> bool:
         delattr(sub, node.target)
     sub.recompile()
     return True
+
+
+def _mask_program(value: torch.fx.Node) -> tuple[list[torch.fx.Node], list[torch.fx.Node]] | None:
+    """The nodes that compute ``value`` (in graph order) and the graph inputs they read, where ``value`` is a
+    pure function of the sequence length and the model's integer inputs (positions, document ids, a padding
+    mask): a mask a model builds once and hands every layer. None where it reads anything else (a parameter,
+    an activation, a constant, an op that mutates or draws random numbers)."""
+    nodes, leaves, stack, seen = [], [], [value], set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op == "placeholder":
+            val = meta_val(node)
+            if isinstance(val, torch.Tensor) and (val.is_floating_point() or val.requires_grad):
+                return None
+            leaves.append(node)
+            continue
+        target = node.target
+        if node.op != "call_function" or target is INVOKE or not isinstance(target, torch._ops.OpOverload):
+            return None
+        if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+            return None
+        nodes.append(node)
+        stack.extend(node.all_input_nodes)
+    order = {node: i for i, node in enumerate(value.graph.nodes)}
+    return sorted(nodes, key=order.get), sorted(leaves, key=order.get)
+
+
+def _same_program(first: tuple, other: tuple) -> bool:
+    """Whether two programs compute the same value: the same ops on the same inputs, node for node."""
+    (nodes, leaves), (other_nodes, other_leaves) = first, other
+    if leaves != other_leaves or len(nodes) != len(other_nodes):
+        return False
+    to_first = dict(zip(other_nodes, nodes))
+
+    def same(value):
+        return to_first.get(value, value) if isinstance(value, torch.fx.Node) else value
+
+    return all(a.target == b.target and torch.fx.node.map_aggregate(b.args, same) == a.args
+               and torch.fx.node.map_aggregate(b.kwargs, same) == a.kwargs for a, b in zip(nodes, other_nodes))
+
+
+def masks_into_region(gm: torch.fx.GraphModule, name: str, sequence_dims) -> int:
+    """Move the masks a region's calls are handed into the region. An operand every call passes the same value
+    for (one node, or nodes that compute it alike) is computed inside the subgraph instead, from what computes
+    it, where it is a ``[seq, seq]`` block
+    computed from the sequence length and integer inputs only (DeepSeek V4 builds its masks once and hands them
+    to every layer), or integer positions computed from the length alone (an ``arange``: inside, the rules know
+    them as positions; as an operand they would be metadata to gather). The region then plans its mask as a
+    whole model does (at its rank's rows, cut to the keys brought). Returns how many operands moved;
+    ``sequence_dims(node)`` are a value's sequence dims."""
+    calls = calls_by_subgraph(gm).get(name, [])
+    sub = getattr(gm, name)
+    moved, outside = 0, set()
+    for index in reversed(range(len(operands(calls[0])) if calls else 0)):
+        value = operands(calls[0])[index]
+        if not (isinstance(value, torch.fx.Node) and isinstance(meta_val(value), torch.Tensor)):
+            continue
+        dims, program = sequence_dims(value), _mask_program(value)
+        if not dims or program is None:
+            continue
+        others = [operands(call)[index] for call in calls[1:]]
+        if not all(other is value or (isinstance(other, torch.fx.Node) and (found := _mask_program(other)) is not None
+                                      and _same_program(program, found)) for other in others):
+            continue
+        nodes, leaves = program
+        for other in others:
+            outside.update(_mask_program(other)[0])
+        positions = not meta_val(value).is_floating_point() and not any(
+            isinstance(meta_val(leaf), torch.Tensor) for leaf in leaves)
+        if len(dims) < 2 and not positions:
+            continue
+        outside.update(nodes)
+        placeholders = list(sub.graph.find_nodes(op="placeholder"))
+        env = {}
+        with sub.graph.inserting_after(placeholders[-1]):
+            for leaf in reversed(leaves):
+                known = [i for i, v in enumerate(operands(calls[0])) if v is leaf]
+                if known:
+                    env[leaf] = placeholders[known[0]]
+                    continue
+                env[leaf] = added = sub.graph.placeholder(f"{leaf.name}_for_mask")
+                added.meta = dict(leaf.meta)
+        first = next(n for n in sub.graph.nodes if n.op != "placeholder")
+        with sub.graph.inserting_before(first):
+            for node in nodes:
+                env[node] = sub.graph.node_copy(node, lambda n: env[n])
+        placeholders[index].replace_all_uses_with(env[value])
+        sub.graph.erase_node(placeholders[index])
+        added = [leaf for leaf in leaves if not any(v is leaf for v in operands(calls[0]))]
+        for call in calls:
+            rest = list(operands(call))
+            del rest[index]
+            call.args = (*call.args[:2], *rest, *added)
+        moved += 1
+    if moved:
+        for node in reversed(list(gm.graph.nodes)):  # what only the moved masks read
+            if node in outside and not node.users:
+                gm.graph.erase_node(node)
+        sub.graph.lint()
+        sub.recompile()
+        gm.graph.lint()
+        gm.recompile()
+    return moved
