@@ -56,8 +56,8 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``) or from
-    activations (``"activations"``); the documents' ids for the first block and a copy of them for the next
+    """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``), from positions
+    and document ids (``"outside_documents"``) or from activations (``"activations"``); the documents' ids for the first block and a copy of them for the next
     (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
 
     def __init__(self, kind: str):
@@ -72,6 +72,8 @@ class Stack(nn.Module):
         for i, block in enumerate(self.blocks):
             if self.kind == "outside":
                 x = block(x, pos[:, None] >= pos[None, :])
+            elif self.kind == "outside_documents":
+                x = block(x, ((pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None])
             elif self.kind == "activations":
                 score = self.embed(input_ids).sum(-1)
                 x = block(x, (score[:, :, None] >= score[:, None, :])[:, None] | (pos[:, None] == pos[None, :]))
@@ -83,12 +85,13 @@ class Stack(nn.Module):
         return x.pow(2).sum() + total
 
 
-def test_a_mask_built_outside_from_positions_is_computed_inside_the_region(fake_group):
-    """The blocks are handed one ``[S, S]`` causal mask built from ``arange``: it is moved into the region (DeepSeek
-    V4 builds its masks so), which is planned once, with the flat graph's table."""
+@pytest.mark.parametrize("kind", ["outside", "outside_documents"])
+def test_a_mask_built_outside_from_positions_is_computed_inside_the_region(fake_group, kind):
+    """The blocks are handed an ``[S, S]`` causal mask built from ``arange`` (and the documents' ids): it is moved
+    into the region (DeepSeek V4 builds its masks so), which is planned once, with the flat graph's table."""
     inputs = {"input_ids": ((2, 16), torch.int64), "doc_ids": ((2, 16), torch.int64)}
-    flat = dry_run(lambda: Stack("outside"), inputs, mesh=fake_group)
-    regions = dry_run(lambda: Stack("outside"), inputs, mesh=fake_group, regions=True)
+    flat = dry_run(lambda: Stack(kind), inputs, mesh=fake_group)
+    regions = dry_run(lambda: Stack(kind), inputs, mesh=fake_group, regions=True)
     assert not _inlined(regions) and _rows(regions) == _rows(flat)
     assert any(label.endswith("are computed inside it") for label, _ in regions.record.history)
 
