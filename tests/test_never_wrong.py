@@ -258,6 +258,7 @@ class ValidMask(nn.Module):
         return self.proj(torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=mask)[:, 0])
 
 
+@pytest.mark.full  # Inductor in the default run: test_parity's toy P = 2 case
 def test_a_mask_from_a_boolean_input_lowers_with_inductor(group):
     """Inductor's CPU code generation asserted on the gathered bool buffer (CppCSEVariable, mask.dtype)."""
     compiled = cp_passes.cp_compile(ValidMask(), mesh=group, backend="inductor", verbose=False)

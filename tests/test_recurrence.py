@@ -283,7 +283,8 @@ def test_glm5_next_matches_one_device(pool, parity_report, P):
                      glm5_next_batch(16), parity_report)
 
 
-@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+@pytest.mark.full  # a recurrence over packed documents by default: test_packed_documents_restart_the_state...
+@pytest.mark.parametrize("P", [2, 4])
 def test_glm5_next_packed_rows_match_one_device(pool, parity_report, P):
     """Packed rows through shard_batch with the family spec: documents of 3, 9, 4 (the second across ranks 0,
     1 and 2 at P = 4, the third starting at rank 3's first position) and 8, 5, 3. The model takes the doc ids
