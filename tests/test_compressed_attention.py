@@ -108,15 +108,16 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, posit
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("P", [2, 4])
-def test_deepseek_v4_as_regions_matches_one_device(pool, parity_report, P):
-    """Each decoder layer a nested compile region (``regions=True``), two layers of each kind, without
-    ``position_ids``: the model builds its masks and positions once from ``arange`` and hands them to every
-    layer; they are computed inside each region, which is planned once for its two calls."""
-    per_rank = pool.run(deepseek_v4_parity, P, seq_len=8 * P, positions=False, regions=True)
+@pytest.mark.parametrize("P,positions", [(2, False), (4, False), (2, True)])
+def test_deepseek_v4_as_regions_matches_one_device(pool, parity_report, P, positions):
+    """Each decoder layer a nested compile region (``regions=True``), two layers of each kind, with and without
+    ``position_ids``: the model builds its masks (and without them its positions, from ``arange``) once and
+    hands them to every layer; they are computed inside each region, which is planned once for its two calls."""
+    per_rank = pool.run(deepseek_v4_parity, P, seq_len=8 * P, positions=positions, regions=True)
     batch, loss, logits, grads = _reference(P, None, layers=6)
     tolerance = max(GRAD_RTOL, 2 * _cut_floor(P, batch, grads, layers=6))
-    _compare(f"hf-DeepseekV4ForCausalLM-regions-no-position_ids-aot_eager (grad tol {tolerance:.1e})", per_rank,
+    name = f"hf-DeepseekV4ForCausalLM-regions{'' if positions else '-no-position_ids'}-aot_eager"
+    _compare(f"{name} (grad tol {tolerance:.1e})", per_rank,
              loss, logits, grads, logits.shape[1], parity_report, grad_rtol=tolerance)
     history = per_rank[0]["history"]
     assert sum(label.endswith("are computed inside it") for label in history) == 3, history
