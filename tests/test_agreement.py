@@ -211,16 +211,19 @@ def refused_everywhere(group) -> tuple[str, int]:
     return "no error", 0
 
 
-def test_a_refusal_every_rank_finds_prints_once_each_problem_once(pool):
+@pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
+def test_a_refusal_every_rank_finds_prints_once_each_problem_once(pool, P):
     """The list is printed by rank 0 alone, each distinct problem once with the blocks it occurs in; the other
-    rank points there and keeps the problems for code that reads them."""
-    (first, count), (second, also) = pool.run(refused_everywhere, 2, timeout=HANG_S)
-    assert count == also == 6
+    ranks point there and keep the problems for code that reads them."""
+    (first, count), *others = pool.run(refused_everywhere, P, timeout=HANG_S)
+    assert count == 6 and all(also == 6 for _, also in others)
     assert first.startswith("CPCompileError: cp_passes cannot shard this model along the sequence (2 problems, at "
                             "6 places):"), first
     assert first.count("aten.flip.default at ") == 1 and first.count("aten.roll.default at ") == 1, first
     assert first.count("(in 3 modules: layers.0, layers.1, layers.2)") == 2, first
-    assert second == "CPCompileError: rank 0 prints why this model cannot be sharded (6 problems; ranks [0, 1] found the same)", second
+    pointer = (f"CPCompileError: rank 0 prints why this model cannot be sharded (6 problems; ranks {list(range(P))} "
+               f"found the same)")
+    assert all(second == pointer for second, _ in others), others
 
 
 # Tasks the worker pool's ranks run (pool.run(task, P, ...)).
