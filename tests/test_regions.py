@@ -38,15 +38,17 @@ def test_each_kind_of_block_is_planned_once_with_the_flat_table(fake_group):
 
 
 class Block(nn.Module):
-    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids; optionally also
-    returning the sum of its output."""
+    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids (``[B, S]``) or from
+    positions (``[S]``); optionally also returning the sum of its output."""
 
     def __init__(self, returns_sum: bool = False):
         super().__init__()
         self.qkv, self.returns_sum = nn.Linear(8, 24), returns_sum
 
     def forward(self, x, mask_or_ids):
-        if mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
+        if mask_or_ids.dim() == 1:  # positions: causal attention
+            mask_or_ids = mask_or_ids[:, None] >= mask_or_ids[None, :]
+        elif mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
             pos = torch.arange(x.shape[1])
             ids = mask_or_ids
             mask_or_ids = ((pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :]))[:, None]
@@ -56,9 +58,10 @@ class Block(nn.Module):
 
 
 class Stack(nn.Module):
-    """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``), from positions
-    and document ids (``"outside_documents"``) or from activations (``"activations"``); the documents' ids for the first block and a copy of them for the next
-    (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
+    """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``: for each block;
+    ``"outside_once"``: one for both), from positions and document ids (``"outside_documents"``) or from
+    activations (``"activations"``); the positions (``"positions"``); the documents' ids for the first block
+    and a copy of them for the next (``"differ"``); the ids, each block returning a sum (``"sum"``)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -69,8 +72,13 @@ class Stack(nn.Module):
     def forward(self, input_ids, doc_ids):
         x, total = self.embed(input_ids), 0
         pos = torch.arange(input_ids.shape[1])
+        causal = pos[:, None] >= pos[None, :]
         for i, block in enumerate(self.blocks):
-            if self.kind == "outside":
+            if self.kind == "outside_once":
+                x = block(x, causal)
+            elif self.kind == "positions":
+                x = block(x, pos)
+            elif self.kind == "outside":
                 x = block(x, pos[:, None] >= pos[None, :])
             elif self.kind == "outside_documents":
                 x = block(x, ((pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :]))[:, None])
@@ -85,10 +93,11 @@ class Stack(nn.Module):
         return x.pow(2).sum() + total
 
 
-@pytest.mark.parametrize("kind", ["outside", "outside_documents"])
+@pytest.mark.parametrize("kind", ["outside", "outside_once", "outside_documents", "positions"])
 def test_a_mask_built_outside_from_positions_is_computed_inside_the_region(fake_group, kind):
-    """The blocks are handed an ``[S, S]`` causal mask built from ``arange`` (and the documents' ids): it is moved
-    into the region (DeepSeek V4 builds its masks so), which is planned once, with the flat graph's table."""
+    """The blocks are handed an ``[S, S]`` causal mask built from ``arange`` (and the documents' ids), or the
+    positions themselves: it is moved into the region (DeepSeek V4 builds its masks and positions so), which is
+    planned once, with the flat graph's table."""
     inputs = {"input_ids": ((2, 16), torch.int64), "doc_ids": ((2, 16), torch.int64)}
     flat = dry_run(lambda: Stack(kind), inputs, mesh=fake_group)
     regions = dry_run(lambda: Stack(kind), inputs, mesh=fake_group, regions=True)

@@ -167,7 +167,8 @@ def _tensors_out(forward):
     @functools.wraps(forward)
     def region(self, *args, **kwargs):
         out = forward(self, *args, **kwargs)
-        if isinstance(out, tuple) and None in out and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        if isinstance(out, tuple) and any(o is None for o in out) and all(
+                o is None or isinstance(o, torch.Tensor) for o in out):
             device = next((o.device for o in out if o is not None), None)
             return tuple(torch.empty(_NONE_SHAPE, dtype=torch.uint8, device=device) if o is None else o for o in out)
         return out
@@ -375,12 +376,11 @@ def _same_program(first: tuple, other: tuple) -> bool:
 def masks_into_region(gm: torch.fx.GraphModule, name: str, sequence_dims) -> int:
     """Move the masks a region's calls are handed into the region. An operand every call passes the same value
     for (one node, or nodes that compute it alike) is computed inside the subgraph instead, from what computes
-    it, where it is a ``[seq, seq]`` block
-    computed from the sequence length and integer inputs only (DeepSeek V4 builds its masks once and hands them
-    to every layer), or integer positions computed from the length alone (an ``arange``: inside, the rules know
-    them as positions; as an operand they would be metadata to gather). The region then plans its mask as a
-    whole model does (at its rank's rows, cut to the keys brought). Returns how many operands moved;
-    ``sequence_dims(node)`` are a value's sequence dims."""
+    it, where it is a ``[seq, seq]`` block computed from the sequence length and integer inputs only (DeepSeek
+    V4 builds its masks once and hands them to every layer), or integer positions computed from the length
+    alone (an ``arange``: inside, the rules know them as positions; as an operand they would be metadata to
+    gather). The region then plans its mask as a whole model does (at its rank's rows, cut to the keys
+    brought). Returns how many operands moved; ``sequence_dims(node)`` are a value's sequence dims."""
     calls = calls_by_subgraph(gm).get(name, [])
     sub = getattr(gm, name)
     moved, outside = 0, set()
@@ -391,18 +391,18 @@ def masks_into_region(gm: torch.fx.GraphModule, name: str, sequence_dims) -> int
         dims, program = sequence_dims(value), _mask_program(value)
         if not dims or program is None:
             continue
-        others = [operands(call)[index] for call in calls[1:]]
-        if not all(other is value or (isinstance(other, torch.fx.Node) and (found := _mask_program(other)) is not None
-                                      and _same_program(program, found)) for other in others):
-            continue
         nodes, leaves = program
-        for other in others:
-            outside.update(_mask_program(other)[0])
         positions = not meta_val(value).is_floating_point() and not any(
             isinstance(meta_val(leaf), torch.Tensor) for leaf in leaves)
         if len(dims) < 2 and not positions:
             continue
-        outside.update(nodes)
+        others = [operands(call)[index] for call in calls[1:]]
+        if not all(isinstance(other, torch.fx.Node) for other in others):
+            continue
+        copies = [_mask_program(other) for other in others if other is not value]
+        if not all(found is not None and _same_program(program, found) for found in copies):
+            continue
+        outside.update(nodes, *(found[0] for found in copies))
         placeholders = list(sub.graph.find_nodes(op="placeholder"))
         env = {}
         with sub.graph.inserting_after(placeholders[-1]):
