@@ -222,3 +222,31 @@ def test_the_table_fits_a_terminal_and_names_the_model_s_code(fake_group):
     assert len(notes) == 2 and all("at llama/modeling_llama.py:" in note for note in notes), notes
     assert notes[0].startswith("'") and "key_states" in notes[0].split("' at ")[0], notes
     assert not any(re.search(r"'[a-z_]+_\d+'", note) for note in notes), notes  # no graph node names ('add_3')
+
+
+def test_explain_exports_a_model_that_casts_its_modules_and_constrains_its_length(fake_group):
+    """The dry run without regions (``explain --no-regions``) builds the model as the regions path does (on the
+    meta device, then fake tensors: a module cast in ``__init__``, as DeepSeek V4's norms are, cannot be built
+    under a FakeTensorMode) and exports any length the model accepts (DeepSeek V4 refuses fewer than 256 tokens:
+    a length ``Dim`` from 2 up fails the export)."""
+    import torch
+    import torch.nn.functional as F
+
+    from cp_passes.tools.dryrun import dry_run
+
+    class Guarded(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 16)
+            self.qkv = torch.nn.Linear(16, 48)
+            self.norm = torch.nn.LayerNorm(16).to(torch.float64)
+
+        def forward(self, input_ids):
+            if input_ids.shape[1] < 8:
+                raise ValueError("at least 8 tokens")
+            q, k, v = self.qkv(self.embed(input_ids)).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+            return self.norm(out.double()).float().sum()
+
+    record = dry_run(Guarded, {"input_ids": ((1, 32), torch.long)}, mesh=fake_group).record
+    assert any("K+V (causal prefix)" in r.collective for r in record.records), record.records

@@ -43,17 +43,27 @@ def _inputs(inputs, model: torch.nn.Module) -> dict:
 
 def _export(build_model, inputs, spec: CPSpec):
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    model = _fake_model(build_model, fake_mode)
     with fake_mode:
-        model = build_model()
         kwargs = {name: torch.zeros(shape, dtype=dtype) for name, (shape, dtype) in _inputs(inputs, model).items()}
     found = spec.length_input(list(kwargs.items()))
     if found is None:
         raise ValueError(f"no input has a sequence dim that spec {spec.name!r} may shard: {list(kwargs)}")
     seq_len, leading = spec.length_of(*found), spec.batch_dims(*found)
-    seq = torch.export.Dim("seq", min=2)
-    dynamic = {name: ({spec.dim_of(name, t): seq} if spec.is_sharded(name, t, seq_len, leading) else None)
-               for name, t in kwargs.items()}
-    exported = torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+
+    def export(seq):
+        dynamic = {name: ({spec.dim_of(name, t): seq} if spec.is_sharded(name, t, seq_len, leading) else None)
+                   for name, t in kwargs.items()}
+        return torch.export.export(model, (), kwargs, dynamic_shapes=dynamic, strict=False)
+
+    try:
+        exported = export(torch.export.Dim("seq", min=2))
+    except torch._dynamo.exc.UserError as error:
+        if error.error_type is not torch._dynamo.exc.UserErrorType.CONSTRAINT_VIOLATION:
+            raise
+        # The model constrains its length (DeepSeek V4's compressor: a multiple of 128, at least 256): any
+        # length it accepts, still a symbol.
+        exported = export(torch.export.Dim.DYNAMIC)
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return exported.graph_module, seq_len, parameter_bytes, list(kwargs)
 
