@@ -106,7 +106,7 @@ def main() -> None:
     print(f"S = {args.seq_len}, window {args.window}, {args.docs} packed documents; K/V bytes received per forward "
           f"for one layer (2 KV heads of 16, fp32, batch 1)")
     print(tabulate(rows, headers=("layout", "attention", "P", "rank", "bytes", "bound", "bytes / bound",
-                                  "bytes / all-gather")))
+                                  "bytes / all-gather"), floatfmt=".3f"))
     print(f"worst bytes/bound: {worst[0]:.3f} ({worst[1]})")
 
 
