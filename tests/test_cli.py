@@ -252,3 +252,20 @@ def test_explain_exports_a_model_that_casts_its_modules_and_constrains_its_lengt
 
     record = dry_run(Guarded, {"input_ids": ((1, 32), torch.long)}, mesh=fake_group).record
     assert any("K+V (causal prefix)" in r.collective for r in record.records), record.records
+
+
+def test_the_dry_run_freezes_the_heap_only_while_it_runs():
+    """The dry run leaves the garbage collector as it found it: the heap frozen only inside, a caller's own freeze
+    untouched."""
+    import gc
+
+    from cp_passes.tools.dryrun import _heap_frozen
+
+    inside = _heap_frozen(gc.get_freeze_count)
+    assert gc.get_freeze_count() == 0 and inside() > 0 and gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        held = gc.get_freeze_count()
+        assert inside() == held and gc.get_freeze_count() == held
+    finally:
+        gc.unfreeze()

@@ -14,7 +14,6 @@ import copy
 import dataclasses
 import functools
 import gc
-import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -232,35 +231,12 @@ def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModu
     # A tracing context, as under dynamo: it caches each region's traced graphs for all its calls. The backward
     # is partitioned with the forward, not at a first backward run (which would run both graphs on fakes).
     with fake_mode, torch._guards.tracing(torch._guards.TracingContext(fake_mode)), \
-            torch._functorch.config.patch(force_non_lazy_backward_lowering=True), _graph_logs_skipped():
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
         aot_module_simplified(gm, fakes, fw_compiler=keep("forward"), bw_compiler=keep("backward"),
                               partition_fn=min_cut_rematerialization_partition)
     for graph in graphs.values():  # as cp_compile orders them before lowering
         schedule_for_overlap(graph, collective_ops())
     return graphs["forward"], graphs["backward"]
-
-
-@contextlib.contextmanager
-def _graph_logs_skipped():
-    """AOTAutograd prints its joint, forward and backward graphs to strings for its loggers whether they are on or
-    not (``aot_module_simplified`` leaves ``AOTConfig.enable_log`` on): for a 32-layer Llama, every region call
-    printed in both partitions. With those loggers off and no structured trace (``TORCH_TRACE``), the dry run
-    skips the printing, as ``enable_log=False`` does; the record formats the two graphs it keeps."""
-    from torch._functorch._aot_autograd import graph_compile
-    from torch._logging._internal import trace_log
-
-    names = ("_log_joint_graph", "_log_fw_bw_graphs", "aot_joint_log", "aot_graphs_log")
-    if not all(hasattr(graph_compile, name) for name in names) or trace_log.handlers or any(
-            log.isEnabledFor(logging.INFO) for log in (graph_compile.aot_joint_log, graph_compile.aot_graphs_log)):
-        yield
-        return
-    saved = graph_compile._log_joint_graph, graph_compile._log_fw_bw_graphs
-    graph_compile._log_joint_graph = lambda *args, **kwargs: None
-    graph_compile._log_fw_bw_graphs = lambda *args, **kwargs: (None, None)
-    try:
-        yield
-    finally:
-        graph_compile._log_joint_graph, graph_compile._log_fw_bw_graphs = saved
 
 
 def _symbol(gm: torch.fx.GraphModule):
