@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..compiler.regions import operands
 from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
 
@@ -35,26 +36,57 @@ class Saved:
     """The module whose forward computed it (``layers.3.attn``), where the forward graph says."""
 
 
-def _views_of_inputs(forward: torch.fx.GraphModule | None) -> set[str]:
-    """The forward's nodes that are views of its inputs (``t(primals_3)``): no memory of their own."""
+def _origins(forward: torch.fx.GraphModule | None) -> dict[str, tuple[torch.fx.Node, bool]]:
+    """Each forward node -> the node whose memory it is, and whether it is that tensor itself rather than a view
+    of it. A view's origin is its base's (``t(primals_3)``: ``primals_3``); a region call's result that the region
+    handed back from one of its operands (a block returns its weights and its input for its backward), as it is or
+    as a view, is that operand's. Any other value is its own."""
     if forward is None:
-        return set()
-    found = set()
+        return {}
+    origins: dict[str, tuple[torch.fx.Node, bool]] = {}
+
+    def handed_back(call: torch.fx.Node, index: int) -> tuple[object, bool]:
+        """The call's operand that the subgraph's ``index``-th result is (or is a view of), if any."""
+        (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
+        value, same = output.args[0][index], True
+        while isinstance(value, torch.fx.Node) and _is_view(value):
+            value, same = value.args[0], False
+        if not (isinstance(value, torch.fx.Node) and value.op == "placeholder"):
+            return None, True
+        return operands(call)[list(value.graph.find_nodes(op="placeholder")).index(value)], same
+
     for node in forward.graph.nodes:
-        base = node
-        while (base.op == "call_function" and isinstance(base.target, torch._ops.OpOverload) and base.target.is_view
-               and isinstance(base.args[0], torch.fx.Node)):
-            base = base.args[0]
-        if base is not node and base.op == "placeholder":
-            found.add(node.name)
-    return found
+        origin, same, base = node, True, None
+        if _is_view(node):
+            base, same = node.args[0], False
+        elif (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
+              and node.args[0].target is torch.ops.higher_order.invoke_subgraph):
+            base, same = handed_back(node.args[0], node.args[1])
+        if isinstance(base, torch.fx.Node) and base.name in origins:
+            origin, base_same = origins[base.name]
+            same = same and base_same
+        origins[node.name] = (origin, same)
+    return origins
 
 
-def _path(node: torch.fx.Node) -> str | None:
+def region_call_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The region call (``invoke_subgraph``) whose result ``node`` is, or a view of; None for any other value."""
+    while _is_view(node):
+        node = node.args[0]
+    call = node.args[0] if node.target is operator.getitem and node.args else None
+    return call if isinstance(call, torch.fx.Node) and call.target is torch.ops.higher_order.invoke_subgraph else None
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
+            and isinstance(node.args[0], torch.fx.Node))
+
+
+def module_of(node: torch.fx.Node) -> str | None:
     """The module that made ``node`` (for a piece of a tuple without its own, the tuple's)."""
     stack = node.meta.get("nn_module_stack") or {}
     if not stack and node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node):
-        return _path(node.args[0])
+        return module_of(node.args[0])
     return re.sub(r"^L\['self'\]\.?", "", str(list(stack.values())[-1][0])) if stack else None
 
 
@@ -65,14 +97,14 @@ def _module_paths(forward: torch.fx.GraphModule | None) -> dict[str, str]:
         return {}
     paths = {}
     for node in forward.graph.nodes:
-        path = _path(node)
+        path = module_of(node)
         if path is not None:
             paths[node.name] = path
         call = node.args[0] if node.target is operator.getitem and node.args else None
         if isinstance(call, torch.fx.Node) and call.target is torch.ops.higher_order.invoke_subgraph:
             (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
             made = output.args[0][node.args[1]]
-            inner, block = _path(made) if isinstance(made, torch.fx.Node) else None, _path(call)
+            inner, block = module_of(made) if isinstance(made, torch.fx.Node) else None, module_of(call)
             if inner and block:  # the subgraph's paths are the first call's block's: keep what is below it
                 paths[node.name] = ".".join(block.split(".") + inner.split(".")[len(block.split(".")):])
     return paths
@@ -93,13 +125,18 @@ def saved_for_backward(backward: torch.fx.GraphModule, forward: torch.fx.GraphMo
                        length=None) -> list[Saved]:
     """The backward's inputs other than gradients; named by module when the ``forward`` graph is given, sized
     at ``length = (symbol, value)`` when given (else at the compile-time hint)."""
-    paths, views, saved = _module_paths(forward), _views_of_inputs(forward), []
+    paths, origins, saved, kept = _module_paths(forward), _origins(forward), [], set()
     for node in backward.graph.find_nodes(op="placeholder"):
         val = meta_val(node)
         if node.name.startswith("tangents") or not isinstance(val, torch.Tensor):
             continue
-        saved.append(Saved(node.name, str(tuple(val.shape)), _bytes(val, length),
-                           node.name.startswith("primals") or node.name in views, paths.get(node.name, "")))
+        origin, same = origins.get(node.name, (None, True))
+        if same:  # one tensor the backward receives twice (a region hands back its operand): kept once
+            if (origin.name if origin is not None else node.name) in kept:
+                continue
+            kept.add(origin.name if origin is not None else node.name)
+        primal = node.name.startswith("primals") or (origin is not None and origin.op == "placeholder")
+        saved.append(Saved(node.name, str(tuple(val.shape)), _bytes(val, length), primal, paths.get(node.name, "")))
     return saved
 
 
