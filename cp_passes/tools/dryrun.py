@@ -4,7 +4,9 @@ The model is built and exported under a FakeTensorMode (torch.export, non-strict
 named Dim), then the same analysis, planning and transport passes as ``cp_compile`` run on the
 exported ATen graph. The record holds the rewrite table and every graph, as a compiled one does. With
 ``memory=True`` AOTAutograd then partitions the rewritten graph and the single-device one (min-cut, as
-``cp_compile`` lowers) on the same fake inputs, for :class:`~cp_passes.report.memory.MemoryEstimate`.
+``cp_compile`` lowers) on the same fake inputs, for :class:`~cp_passes.report.memory.MemoryEstimate`; in the
+single-device one, a stack of identical blocks is partitioned as three and counted as all of them
+(:mod:`cp_passes.report.repeats`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..group import resolve_group
 from ..kernels import install
 from ..report.overlap import Overlap, overlap
 from ..report.memory import MemoryEstimate, collective_output, largest, quadratic, saved_for_backward
+from ..report.repeats import count_elided, elide_repeats
 from ..compiler.schedule import schedule_for_overlap
 from ..transports import collective_ops
 from ..spec import CPSpec
@@ -197,13 +200,14 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         record.aot_graphs.update(forward=format_graph(forward), backward=format_graph(backward))
         single_gm = single_gm if single_gm is not None else _export(build_model, inputs, spec)[0]
         single_fakes = [meta_val(n) for n in single_gm.graph.find_nodes(op="placeholder")]
+        elided = elide_repeats(single_gm)  # a stack of one block partitioned as three, counted as all of them
         mark_gradients(single_gm, single_fakes)
         with schema_once():
             single_forward, single_backward = partition(single_gm, single_fakes)
         single_sym = _symbol(single_gm)
         whole = (single_sym, cp.layout.global_len(seq_len))
         estimate = MemoryEstimate(
-            cp.size, saved_for_backward(backward, forward), saved_for_backward(single_backward, single_forward, whole),
+            cp.size, saved_for_backward(backward, forward), count_elided(saved_for_backward(single_backward, single_forward, whole), single_forward, elided),
             largest([forward, backward], collective_output(collective_ops())),
             largest([forward], quadratic(sym)),
             largest([single_forward], quadratic(single_sym), whole),
