@@ -254,6 +254,30 @@ def test_explain_exports_a_model_that_casts_its_modules_and_constrains_its_lengt
     assert any("K+V (causal prefix)" in r.collective for r in record.records), record.records
 
 
+def test_a_model_that_constrains_its_length_and_leaves_its_inputs_apart_is_planned_through_dynamo(fake_group):
+    """Exported with a length of their own (the model refuses a free one), two sharded inputs the model never
+    combines take two symbols: the export path says so and names the way that works (dynamo ties the lengths)."""
+    import pytest
+    import torch
+
+    from cp_passes.tools.dryrun import dry_run
+
+    class Apart(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(64, 16)
+
+        def forward(self, input_ids, labels):
+            if input_ids.shape[1] < 8:
+                raise ValueError("at least 8 tokens")
+            return self.embed(input_ids).cumsum(1).sum() + labels.float().sum()
+
+    inputs = {name: ((1, 32), torch.long) for name in ("input_ids", "labels")}
+    with pytest.raises(ValueError, match=r"one symbolic length.*without --no-regions"):
+        dry_run(Apart, inputs, mesh=fake_group)
+    assert dry_run(Apart, inputs, mesh=fake_group, regions=True).record.records
+
+
 def test_the_dry_run_freezes_the_heap_only_while_it_runs():
     """The dry run leaves the garbage collector as it found it: the heap frozen only inside, a caller's own freeze
     untouched."""

@@ -69,6 +69,13 @@ def _export(build_model, inputs, spec: CPSpec):
         # The model constrains its length (DeepSeek V4's compressor: a multiple of 128, at least 256): any
         # length it accepts, still a symbol.
         exported = export(torch.export.Dim.DYNAMIC)
+        if len(sequence_symbol(list(exported.graph_module.graph.find_nodes(op="placeholder")))) > 1:
+            sharded = [name for name, t in kwargs.items() if spec.is_sharded(name, t, seq_len, leading)]
+            raise ValueError(
+                f"torch.export cannot give the sharded inputs {sharded} one symbolic length: the model constrains "
+                f"it ({str(error).strip().splitlines()[0]}), and with a length of its own each they take different "
+                f"ones. Plan it as cp_compile captures it (dynamo, which ties the lengths together): explain "
+                f"without --no-regions, dry_run(..., regions=True)") from error
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return exported.graph_module, seq_len, parameter_bytes, list(kwargs)
 
