@@ -278,9 +278,9 @@ def test_a_model_that_constrains_its_length_and_leaves_its_inputs_apart_is_plann
     assert dry_run(Apart, inputs, mesh=fake_group, regions=True).record.records
 
 
-def test_the_dry_run_freezes_the_heap_only_while_it_runs():
+def test_the_dry_run_freezes_the_heap_only_while_it_runs(monkeypatch):
     """The dry run leaves the garbage collector as it found it: the heap frozen only inside, a caller's own freeze
-    untouched."""
+    untouched (neither frozen again nor thawed: the frozen count itself drifts as frozen objects die)."""
     import gc
 
     from cp_passes.tools.dryrun import _heap_frozen
@@ -289,7 +289,11 @@ def test_the_dry_run_freezes_the_heap_only_while_it_runs():
     assert gc.get_freeze_count() == 0 and inside() > 0 and gc.get_freeze_count() == 0
     gc.freeze()
     try:
-        held = gc.get_freeze_count()
-        assert inside() == held and gc.get_freeze_count() == held
+        calls = []
+        with monkeypatch.context() as patched:
+            patched.setattr(gc, "freeze", lambda: calls.append("freeze"))
+            patched.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+            assert inside() > 0
+        assert calls == [] and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
