@@ -71,7 +71,8 @@ def _single(build, group):
 
 
 @pytest.mark.parametrize("kind,cut", [
-    ("chain", 3), ("tap", 0),
+    pytest.param("chain", 3, marks=pytest.mark.full),  # a chain cut: test_a_cut_llama_saves_what_the_flat_graph_saves
+    ("tap", 0),
     pytest.param("between", 0, marks=pytest.mark.full), pytest.param("shared", 3, marks=pytest.mark.full),
     pytest.param("pair", 3, marks=pytest.mark.full), pytest.param("fed_apart", 0, marks=pytest.mark.full)])
 def test_cutting_a_stack_of_blocks_saves_what_the_whole_stack_saves(fake_group, monkeypatch, kind, cut):

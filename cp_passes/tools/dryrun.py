@@ -200,6 +200,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     fakes = [meta_val(n) for n in placeholders]
     rewrite_graph(gm, fakes, spec, cp, record, record_input=False)
     estimate = overlapped = None
+    forward = backward = None
     if memory and sym is not None:
         mark_gradients(gm, fakes)
         with schema_once():
@@ -221,7 +222,7 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
             parameter_bytes)
         record.saved = estimate.saved
         overlapped = overlap([forward, backward], collective_ops())
-    return DryRun(record, per_rank, parameter_bytes, estimate, gm, fakes, overlapped)
+    return DryRun(record, per_rank, parameter_bytes, estimate, gm, fakes, overlapped, forward, backward)
 
 
 def partition(gm: torch.fx.GraphModule, fakes: list) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
@@ -268,6 +269,10 @@ class DryRun:
     fakes: list | None = None
     overlap: Overlap | None = None
     """How much of the collectives' traffic the AOT graphs can hide behind compute (with ``memory``)."""
+    forward: torch.fx.GraphModule | None = None
+    """AOTAutograd's forward graph of the rewritten one, ordered for overlap as ``cp_compile`` lowers it (with
+    ``memory``); ``backward`` likewise."""
+    backward: torch.fx.GraphModule | None = None
 
 
 @contextlib.contextmanager
