@@ -184,7 +184,6 @@ def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_pa
         main(["explain", "no_such_module:build"])
 
 
-
 @pytest.mark.full  # the halo rows and bytes: test_halo_benchmark_reports_the_lower_bound by default
 def test_explain_plans_halos_for_a_sliding_window_model():
     out = run("-m", "cp_passes", "explain", "toy-llama-swa", "--world-size", "64", "--seq-len", "1048576")

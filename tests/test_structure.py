@@ -167,7 +167,6 @@ def test_halo_moves_exactly_the_window_across_hops(fake_group):
     assert record.aot_ops["forward"][GATHER] == 0 and record.aot_ops["backward"][GATHER_BACKWARD] == 0
 
 
-
 @pytest.mark.full  # the gather's and the halo's bytes: test_cli.py::test_halo_benchmark_reports_the_lower_bound
 def test_window_by_gather_moves_more_than_the_halo(fake_group):
     halo = compile_toy(fake_group, seq=16, window=5)

@@ -47,8 +47,7 @@ def _origins(forward: torch.fx.GraphModule | None) -> dict[str, tuple[torch.fx.N
 
     def handed_back(call: torch.fx.Node, index: int) -> tuple[object, bool]:
         """The call's operand that the subgraph's ``index``-th result is (or is a view of), if any."""
-        (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
-        value, same = output.args[0][index], True
+        value, same = _returned(forward, call, index), True
         while isinstance(value, torch.fx.Node) and _is_view(value):
             value, same = value.args[0], False
         if not (isinstance(value, torch.fx.Node) and value.op == "placeholder"):
@@ -59,8 +58,7 @@ def _origins(forward: torch.fx.GraphModule | None) -> dict[str, tuple[torch.fx.N
         origin, same, base = node, True, None
         if _is_view(node):
             base, same = node.args[0], False
-        elif (node.target is operator.getitem and isinstance(node.args[0], torch.fx.Node)
-              and node.args[0].target is torch.ops.higher_order.invoke_subgraph):
+        elif _call_of_result(node) is not None:
             base, same = handed_back(node.args[0], node.args[1])
         if isinstance(base, torch.fx.Node) and base.name in origins:
             origin, base_same = origins[base.name]
@@ -69,12 +67,23 @@ def _origins(forward: torch.fx.GraphModule | None) -> dict[str, tuple[torch.fx.N
     return origins
 
 
-def region_call_of(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The region call (``invoke_subgraph``) whose result ``node`` is, or a view of; None for any other value."""
-    while _is_view(node):
-        node = node.args[0]
+def _call_of_result(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The region call (``invoke_subgraph``) whose result ``node`` is (``call[i]``); None for any other value."""
     call = node.args[0] if node.target is operator.getitem and node.args else None
     return call if isinstance(call, torch.fx.Node) and call.target is torch.ops.higher_order.invoke_subgraph else None
+
+
+def _returned(forward: torch.fx.GraphModule, call: torch.fx.Node, index: int):
+    """The value the subgraph ``call`` runs returns as its ``index``-th result."""
+    (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
+    return output.args[0][index]
+
+
+def region_call_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The region call whose result ``node`` is, or a view of; None for any other value."""
+    while _is_view(node):
+        node = node.args[0]
+    return _call_of_result(node)
 
 
 def _is_view(node: torch.fx.Node) -> bool:
@@ -100,10 +109,9 @@ def _module_paths(forward: torch.fx.GraphModule | None) -> dict[str, str]:
         path = module_of(node)
         if path is not None:
             paths[node.name] = path
-        call = node.args[0] if node.target is operator.getitem and node.args else None
-        if isinstance(call, torch.fx.Node) and call.target is torch.ops.higher_order.invoke_subgraph:
-            (output,) = getattr(forward, call.args[0].target).graph.find_nodes(op="output")
-            made = output.args[0][node.args[1]]
+        call = _call_of_result(node)
+        if call is not None:
+            made = _returned(forward, call, node.args[1])
             inner, block = module_of(made) if isinstance(made, torch.fx.Node) else None, module_of(call)
             if inner and block:  # the subgraph's paths are the first call's block's: keep what is below it
                 paths[node.name] = ".".join(block.split(".") + inner.split(".")[len(block.split(".")):])

@@ -215,7 +215,8 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         single_sym = _symbol(single_gm)
         whole = (single_sym, cp.layout.global_len(seq_len))
         estimate = MemoryEstimate(
-            cp.size, saved_for_backward(backward, forward), count_elided(saved_for_backward(single_backward, single_forward, whole), single_forward, elided),
+            cp.size, saved_for_backward(backward, forward),
+            count_elided(saved_for_backward(single_backward, single_forward, whole), single_forward, elided),
             largest([forward, backward], collective_output(collective_ops())),
             largest([forward], quadratic(sym)),
             largest([single_forward], quadratic(single_sym), whole),
