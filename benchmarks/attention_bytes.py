@@ -24,7 +24,7 @@ from cp_passes.layout import Layout
 from cp_passes.spec import CPSpec
 from cp_passes.tools.dryrun import dry_run, fake_group
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
-from cp_passes.transports.gather import prefix_cost
+from cp_passes.transports.prefix_exchange import prefix_cost
 from cp_passes.transports.masks import first_keys
 
 KINDS = ("causal", "window", "packed")

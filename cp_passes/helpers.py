@@ -7,8 +7,8 @@ import torch.distributed as dist
 
 from .group import resolve_group
 from .layout import CONTIGUOUS
-from .transports.gather import sequence_gather_op
-from .transports.halo import halo_op
+from .transports.gathers import sequence_gather_op
+from .transports.halo_exchange import halo_op
 
 
 def gather_halo(x: torch.Tensor, mesh, halo: int, dim: int = 1, left_padding: int = 0, layout=None,

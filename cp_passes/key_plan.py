@@ -9,22 +9,33 @@ causal prefix of a gather, every key), count and check exactly what it says, wit
 
 - :class:`Reach`: how far before and after its own position a query sees (a causal prefix, a window's band, a
   two-sided band, everything). ``before`` is the halo's width: ``window - 1``.
-- :class:`KeyPlan`: a reach and how its keys move: ``HALO`` (the ``before`` rows before each of the rank's
-  ranges and the ``after`` rows after), ``PREFIX`` (the causal prefix of a gather; for packed documents from
-  each range's first key its mask shows) or ``EVERY_KEY`` (an all-gather).
+- :class:`KeyPlan`: a reach and how its keys move (:class:`Move`): ``Move.HALO`` (the ``before`` rows before each
+  of the rank's ranges and the ``after`` rows after), ``Move.PREFIX`` (the causal prefix of a gather; for packed
+  documents from each range's first key its mask shows) or ``Move.EVERY_KEY`` (an all-gather). One mover,
+  :func:`cp_passes.transports.key_move.move_keys`, executes every plan.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from .errors import CPCompileError
+from .graph.analysis import meta_val
 
-HALO, PREFIX, EVERY_KEY = "halo", "prefix", "every_key"
-MOVES = (HALO, PREFIX, EVERY_KEY)
+
+class Move(str, enum.Enum):
+    """How an attention's keys reach its rank (not to be confused with the ``halo`` transport, which also moves a
+    convolution's rows)."""
+
+    HALO = "halo"
+    PREFIX = "prefix"
+    EVERY_KEY = "every_key"
+
 
 PROBE_MAX_LEN = 4100
 """Longest single-device sequence at which a model-built attention mask is evaluated to read its reach (just
@@ -84,23 +95,23 @@ CAUSAL_REACH, EVERY_KEY_REACH = Reach(None, 0), Reach(None, None)
 @dataclass(frozen=True)
 class KeyPlan:
     """One attention's key side: what each query needs (``reach``) and how it moves (``move``, one of
-    :data:`MOVES`). ``first_keys``: gathered from each range's first key the model's mask shows (packed
+    :class:`Move`). ``first_keys``: gathered from each range's first key the model's mask shows (packed
     documents; the mask is evaluated at the rank's rows before K/V move)."""
 
     reach: Reach
-    move: str
+    move: Move
     first_keys: bool = False
 
     def __post_init__(self) -> None:
-        if self.first_keys and (self.move != PREFIX or self.reach.before is not None):
+        if self.first_keys and (self.move != Move.PREFIX or self.reach.before is not None):
             raise ValueError("only the causal prefix of a gather moves from each range's first key")
-        if self.move not in MOVES:
-            raise ValueError(f"KeyPlan.move must be one of {MOVES}, got {self.move!r}")
-        if self.move == HALO and not self.reach.banded:
+        if self.move not in tuple(Move):
+            raise ValueError(f"KeyPlan.move must be a Move, got {self.move!r}")
+        if self.move == Move.HALO and not self.reach.banded:
             raise ValueError(f"a halo brings a bounded band of keys, not {self.reach.describe()}")
-        if self.move == PREFIX and self.reach.after != 0:
+        if self.move == Move.PREFIX and self.reach.after != 0:
             raise ValueError(f"the causal prefix holds no later key, and the reach is {self.reach.describe()}")
-        if self.move == EVERY_KEY and self.reach != EVERY_KEY_REACH:
+        if self.move == Move.EVERY_KEY and self.reach != EVERY_KEY_REACH:
             raise ValueError(f"every key moves for a query that may see every key, not {self.reach.describe()}")
 
     @classmethod
@@ -109,28 +120,28 @@ class KeyPlan:
         zero rows would break), a causal reach as the causal prefix of a gather (``first_keys``: from each range's
         first key its mask shows), anything else every key (every key a query may see)."""
         if halo and reach.banded:
-            return cls(reach, HALO)
+            return cls(reach, Move.HALO)
         if reach.causal:  # a window by gather cuts its mask to the whole prefix: no first keys
-            return cls(reach, PREFIX, first_keys and reach.before is None)
-        return cls(EVERY_KEY_REACH, EVERY_KEY)
+            return cls(reach, Move.PREFIX, first_keys and reach.before is None)
+        return cls(EVERY_KEY_REACH, Move.EVERY_KEY)
 
     @property
     def halo(self) -> int | None:
         """The rows before each of the rank's ranges a halo brings (None: not a halo)."""
-        return self.reach.before if self.move == HALO else None
+        return self.reach.before if self.move == Move.HALO else None
 
     @property
     def after(self) -> int:
         """The rows after each range a halo brings (a two-sided window)."""
-        return self.reach.after if self.move == HALO else 0
+        return self.reach.after if self.move == Move.HALO else 0
 
     def describe(self) -> str:
-        if self.move == HALO:
+        if self.move == Move.HALO:
             if self.after:
                 return (f"a halo of the {self.halo} rows before this rank's and the {self.after} after (a two-sided "
                         f"window)")
             return f"a halo of the {self.halo} rows before this rank's (window {self.reach.window})"
-        if self.move == PREFIX:
+        if self.move == Move.PREFIX:
             scope = ("from each range's first key its mask shows, at most the causal prefix" if self.first_keys
                      else "the causal prefix")
             return scope + (f" ({self.reach.describe()}, by gather)" if self.reach.before is not None else "")
@@ -139,6 +150,33 @@ class KeyPlan:
     def message(self) -> str:
         """The run-time message for a mask that shows a key outside this plan's reach."""
         return outside(self.reach.before, self.reach.after or 0)
+
+
+EVERY_KEY_PLAN = KeyPlan(EVERY_KEY_REACH, Move.EVERY_KEY)
+
+
+def no_dropout(dropout_p) -> bool:
+    """Whether an attention's ``dropout_p`` is none or zero."""
+    return dropout_p is None or (isinstance(dropout_p, (int, float)) and dropout_p == 0)
+
+
+def by_blocks(reach: Reach, move: Move | None, dropout_p) -> bool:
+    """Whether SDPA over gathered keys runs as block attention
+    (:func:`~cp_passes.transports.block_attention.block_attention_op`): keys not by halo (``move`` None: not yet
+    decided), no window, no dropout."""
+    return move != Move.HALO and reach.before is None and no_dropout(dropout_p)
+
+
+def sized_by_data(found) -> bool:
+    """Whether a model-built mask's (:class:`~cp_passes.transports.masks.MetadataMask`) sizes depend on data (an
+    indexer's top-k width): it is then evaluated over the whole sequence, inlined node by node."""
+    return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
+
+
+def evaluated_at_rows(found, reach: Reach, move: Move | None, dropout_p) -> bool:
+    """Whether SDPA's model-built mask is evaluated only at this rank's rows and the keys brought
+    (:func:`~cp_passes.transports.attention.local_mask`) rather than over the whole sequence."""
+    return by_blocks(reach, move, dropout_p) and not sized_by_data(found)
 
 
 def band(size: int, window: int | None, device=None, ahead: int = 0) -> torch.Tensor:
@@ -192,6 +230,19 @@ def read_reach(read: Callable[[int], Reach | str], longer: int) -> Reach | str:
         return (f"the keys its mask shows change with the sequence length ({found.describe()} at {longer}, "
                 f"{again.describe()} at {shorter})")
     return found
+
+
+def outside_band_counts(shown: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                        before: int | None, after: int = 0) -> torch.Tensor:
+    """The one count of what a mask shows outside a band: ``[2]``, how many (query, key) pairs ``shown``
+    (``[.., queries, keys]``, True: the query sees the key; queries at ``query_positions``, keys at
+    ``key_positions``) shows outside ``-after <= q - k <= before`` (``before`` None: every earlier key), and how
+    many queries it shows no key of that band. Compared by broadcasting positions: nothing int64 of the block's
+    size."""
+    inside = key_positions[None, :] <= (query_positions + after)[:, None]
+    if before is not None:
+        inside = inside & (key_positions[None, :] >= (query_positions - before)[:, None])
+    return torch.stack([(shown & ~inside).sum(), (~(shown & inside).any(-1)).sum()])
 
 
 def outside(before: int | None, after: int = 0) -> str:

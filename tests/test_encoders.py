@@ -126,8 +126,8 @@ def test_a_mask_reaching_outside_the_two_sided_window_fails_at_run_time():
 
     allowed = band(8, 3, ahead=2)
     query = torch.zeros(1, 1, 4, 2)
-    block = mask_block(allowed, query, 0, 2, "contiguous", 3, True, ahead=2)  # keys: 2 before, 4 own, 2 after
+    block = mask_block(allowed, query, 0, 2, "contiguous", "halo", 2, 2)  # keys: 2 before, 4 own, 2 after
     assert torch.equal(block, torch.cat([torch.zeros(4, 2, dtype=torch.bool), allowed[:4, :6]], 1))
     allowed[0, 5] = True
     with pytest.raises(RuntimeError, match="outside the window of 2 keys before and 2 after"):
-        mask_block(allowed, query, 1, 2, "contiguous", 3, True, ahead=2)
+        mask_block(allowed, query, 1, 2, "contiguous", "halo", 2, 2)

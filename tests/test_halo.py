@@ -188,7 +188,7 @@ def halo_roundtrip(group, seq_len: int, halo: int, left_padding: int, kind: str 
 def prefix_roundtrip(group, seq_len: int, kind: str, doc_starts: list | None = None) -> dict:
     """cp_passes::prefix_gather against slicing the global tensor; gradients go back to the owners. With
     ``doc_starts`` (each position's document start), the first keys a document mask shows are passed too."""
-    from cp_passes.transports.gather import prefix_gather_op
+    from cp_passes.transports.prefix_exchange import prefix_gather_op
     from cp_passes.transports.masks import first_keys
 
     x_global = torch.arange(2 * seq_len * 3, dtype=torch.float32).view(2, seq_len, 3)

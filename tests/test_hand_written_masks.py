@@ -147,7 +147,7 @@ def test_masks_are_evaluated_at_the_rank_rows_only(fake_group, name):
         if isinstance(val, torch.Tensor):
             whole = [s for s in val.shape if isinstance(s, torch.SymInt) and str(s).startswith(f"{world}*")]
             assert len(whole) < 2, (node.format_node(), val.shape)
-    assert any(node.target is torch.ops.cp_passes.hidden_outside_keys.default for node in forward.graph.nodes)
+    assert any(node.target is torch.ops.cp_passes.outside_keys.default for node in forward.graph.nodes)
 
 
 def parity(group, names: list[str], seq_len: int, documents: list) -> dict:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_passes
-from cp_passes.key_plan import (CAUSAL_REACH, EVERY_KEY, EVERY_KEY_REACH, HALO, PREFIX, KeyPlan, Reach, band,
+from cp_passes.key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, KeyPlan, Move, Reach, band,
                                 mask_reach, outside, read_reach)
 from cp_passes.transports.base import TRANSPORTS
 
@@ -55,29 +55,29 @@ def test_a_reach_is_read_at_two_lengths_and_must_agree():
 
 
 @pytest.mark.parametrize("reach,halo,move,first_keys", [
-    (Reach(5, 0), True, HALO, False),
-    (Reach(5, 0), False, PREFIX, False),  # a window by gather keeps its reach: its halo is the bytes' bound
-    (Reach(2, 3), True, HALO, False),
-    (Reach(2, 3), False, EVERY_KEY, False),
-    (CAUSAL_REACH, True, PREFIX, True),
-    (EVERY_KEY_REACH, True, EVERY_KEY, False),
-    (Reach(None, 4), True, EVERY_KEY, False),
+    (Reach(5, 0), True, Move.HALO, False),
+    (Reach(5, 0), False, Move.PREFIX, False),  # a window by gather keeps its reach: its halo is the bytes' bound
+    (Reach(2, 3), True, Move.HALO, False),
+    (Reach(2, 3), False, Move.EVERY_KEY, False),
+    (CAUSAL_REACH, True, Move.PREFIX, True),
+    (EVERY_KEY_REACH, True, Move.EVERY_KEY, False),
+    (Reach(None, 4), True, Move.EVERY_KEY, False),
 ])
 def test_a_plan_moves_a_band_by_halo_the_causal_prefix_by_gather_and_anything_else_whole(reach, halo, move,
                                                                                          first_keys):
     plan = KeyPlan.decide(reach, halo, first_keys=True)
     assert (plan.move, plan.first_keys) == (move, first_keys)
-    assert plan.reach == (EVERY_KEY_REACH if move == EVERY_KEY else reach)
-    assert plan.halo == (reach.before if move == HALO else None)
+    assert plan.reach == (EVERY_KEY_REACH if move == Move.EVERY_KEY else reach)
+    assert plan.halo == (reach.before if move == Move.HALO else None)
     assert plan.message() == outside(plan.reach.before, plan.reach.after or 0)
 
 
 def test_a_plan_refuses_a_move_its_reach_cannot_take():
-    for reach, move in ((CAUSAL_REACH, HALO), (Reach(2, 3), PREFIX), (Reach(3, 0), EVERY_KEY)):
+    for reach, move in ((CAUSAL_REACH, Move.HALO), (Reach(2, 3), Move.PREFIX), (Reach(3, 0), Move.EVERY_KEY)):
         with pytest.raises(ValueError):
             KeyPlan(reach, move)
     with pytest.raises(ValueError):  # a window's mask is cut to the whole prefix
-        KeyPlan(Reach(3, 0), PREFIX, first_keys=True)
+        KeyPlan(Reach(3, 0), Move.PREFIX, first_keys=True)
 
 
 def _allowed(n: int, form: str) -> torch.Tensor:
@@ -114,9 +114,10 @@ def _plans(fake_group, monkeypatch, model, spec) -> list[KeyPlan]:
         original = transport.apply
 
         def apply(edit, request, original=original):
-            keys = getattr(request, "keys", None)
-            if keys is not None:
-                seen.append(keys if isinstance(keys, KeyPlan) else keys.plan)
+            plan = getattr(request, "plan", None)  # SDPA's K and V
+            keys = getattr(request, "keys", None)  # an operand or mask of attention written by hand
+            if plan is not None or keys is not None:
+                seen.append(plan if plan is not None else keys.plan)
             return original(edit, request)
 
         monkeypatch.setattr(transport, "apply", apply)
@@ -127,10 +128,10 @@ def _plans(fake_group, monkeypatch, model, spec) -> list[KeyPlan]:
 
 
 @pytest.mark.parametrize("form,transport,plan", [
-    ("causal", "halo", KeyPlan(CAUSAL_REACH, PREFIX)),
-    ("window", "halo", KeyPlan(Reach(5, 0), HALO)),
-    ("window", "gather", KeyPlan(Reach(5, 0), PREFIX)),
-    ("two_sided", "halo", KeyPlan(Reach(3, 2), HALO)),
+    ("causal", "halo", KeyPlan(CAUSAL_REACH, Move.PREFIX)),
+    ("window", "halo", KeyPlan(Reach(5, 0), Move.HALO)),
+    ("window", "gather", KeyPlan(Reach(5, 0), Move.PREFIX)),
+    ("two_sided", "halo", KeyPlan(Reach(3, 2), Move.HALO)),
 ])
 def test_sdpa_and_attention_written_by_hand_plan_the_same_keys(fake_group, monkeypatch, form, transport, plan):
     spec = cp_passes.CPSpec(window_transport=transport)

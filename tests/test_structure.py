@@ -247,7 +247,7 @@ def test_a_document_mask_is_per_position_terms_and_a_program(fake_group):
     record = _packed_toy(fake_group)
     assert [r.rule for r in record.records if r.module == "layers.0.attn"] == ["sdpa_data_mask"]
     forward = record.aot_ops["forward"]
-    assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.program_outside_keys.default"] == 1
+    assert forward["cp_passes.program_first_keys.default"] == forward["cp_passes.outside_keys.default"] == 1
     for code in record.aot_graphs.values():
         shapes = re.findall(r'"\w+\[([^\]]*)\]"', code)
         assert shapes and not [s for s in shapes if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
@@ -260,7 +260,7 @@ def test_a_windowed_document_mask_is_this_rank_s_rows_by_its_halo(fake_group):
     record = _packed_toy(fake_group, window=6)
     assert [(r.rule, r.transport) for r in record.records if r.module == "layers.0.attn"] == [("sdpa_data_mask",
                                                                                               "halo")]
-    assert record.aot_ops["forward"]["cp_passes.program_outside_keys.default"] == 1
+    assert record.aot_ops["forward"]["cp_passes.outside_keys.default"] == 1
     two_dims = [s for code in record.aot_graphs.values() for s in re.findall(r'"\w+\[([^\]]*)\]"', code)
                 if sum(bool(re.search(r"\bs\d+", d)) for d in s.split(", ")) > 1]
     assert two_dims and all(re.fullmatch(r"(2, (1, )?)?s\d+, 2\*\(\(s\d+//2\)\) \+ 10", s) for s in two_dims), two_dims

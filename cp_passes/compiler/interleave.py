@@ -36,7 +36,7 @@ import torch
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
-from ..key_plan import HALO
+from ..key_plan import Move
 from ..match.head_repeat import is_whole_slice
 from ..spec import CPSpec
 from ..transports.attention import mask_module
@@ -237,7 +237,7 @@ def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
     for node, rw, _ in plan.rewrites:
         request = rw.request
         if rw.rule in ("sdpa_data_mask", "sdpa_bidirectional"):
-            if request.keys.move == HALO:
+            if request.plan.move == Move.HALO:
                 add(node, "its keys come by a halo: the rows next to its own, other documents' pieces once "
                           "interleaved")
             elif request.mask.mask is not bind_args(node).get("attn_mask"):
@@ -246,7 +246,7 @@ def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
                 why = _mask_cannot_tell(request.mask, spec)
                 if why is not None:
                     add(node, why)
-        elif rw.rule.startswith("sdpa_") and request.keys.reach.banded:
+        elif rw.rule.startswith("sdpa_") and request.plan.reach.banded:
             add(node, f"attention over a window ({rw.rule}): distances between positions, which the interleaving "
                       f"changes")
         elif rw.rule.startswith("sdpa_"):

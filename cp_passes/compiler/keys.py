@@ -34,7 +34,7 @@ from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..rules import NO_RULE_FIX, Rewrite, RuleContext
-from ..key_plan import HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach, read_reach
+from ..key_plan import PROBE_MAX_LEN, KeyPlan, Move, Reach, mask_reach, read_reach
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
 
 aten = torch.ops.aten
@@ -144,7 +144,7 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     side = _side_operand(cut, ctx.matches.blocks, ctx.sym) if reach.before is not None else None
     halo = ctx.spec.window_transport == "halo" and side is None
     plan = KeyPlan.decide(reach, halo)
-    if plan.move == HALO:
+    if plan.move == Move.HALO:
         return KeyRange(plan, masking, first), f"{reach.describe()} read from the model's mask"
     if not reach.causal:
         return None, reach.describe() + (f"; {node_ref(side)} is read on the key axis besides K and V"

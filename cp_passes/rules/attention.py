@@ -16,9 +16,9 @@ import torch
 from ..errors import module_path, node_ref, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
-from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach,
-                        probe_lengths, read_reach)
-from ..transports.attention import AttentionKV, evaluated_locally, sized_by_data
+from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, PROBE_MAX_LEN, KeyPlan, Move, Reach, evaluated_at_rows,
+                        mask_reach, probe_lengths, read_reach, sized_by_data)
+from ..transports.attention import AttentionKV
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -229,9 +229,9 @@ def sdpa_rule(ctx: RuleContext):
         and all(same_size(a, b) for a, b in zip(meta_val(k_src).shape[:-1], meta_val(v_src).shape[:-1]))
     )
     dropout = ctx.arg("dropout_p")
-    local = metadata is not None and evaluated_locally(metadata, reach.window, False, dropout)
+    local = metadata is not None and evaluated_at_rows(metadata, reach, None, dropout)
     plan = KeyPlan.decide(reach, halo_allowed, first_keys=local)
-    if reach.banded and plan.move != HALO:
+    if reach.banded and plan.move != Move.HALO:
         notes.append("the spec asks for a gather")
     if metadata is not None:
         names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in metadata.tensor_leaves) or "positions"
@@ -239,7 +239,7 @@ def sdpa_rule(ctx: RuleContext):
                     f"{reach.describe()} read from the model's mask for one document" if reach.banded else
                     "causal envelope" if reach.causal else "bidirectional: every key")
         where = ("at this rank's rows and the keys brought"
-                 if evaluated_locally(metadata, plan.reach.window, plan.move == HALO, dropout) else
+                 if evaluated_at_rows(metadata, plan.reach, plan.move, dropout) else
                  "over the whole sequence" if sized_by_data(metadata) else
                  "at this rank's rows and the keys brought where it is elementwise in per-position terms (else over "
                  "the whole sequence)")
@@ -247,7 +247,7 @@ def sdpa_rule(ctx: RuleContext):
                      + (", checked at run time" if reach.causal or reach.banded else ""))
     elif reach.banded:
         notes.append(f"{reach.describe()} read from the model's mask")
-    left_padding = declared.left_padding if declared is not None and plan.move == HALO else 0
+    left_padding = declared.left_padding if declared is not None and plan.move == Move.HALO else 0
     if left_padding:
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, plan, together, gqa, dropout,
@@ -255,4 +255,4 @@ def sdpa_rule(ctx: RuleContext):
     rule = ("sdpa_bidirectional_window" if reach.banded and not reach.causal else
             "sdpa_bidirectional" if metadata and not reach.causal else "sdpa_data_mask" if metadata else
             "sdpa_window" if reach.banded else "sdpa_causal" if reach.causal else "sdpa_full")
-    return Rewrite(rule, plan.move if plan.move == HALO else "sequence_gather", request, note="; ".join(notes))
+    return Rewrite(rule, "halo" if plan.move == Move.HALO else "sequence_gather", request, note="; ".join(notes))

@@ -1,34 +1,35 @@
-"""The attention edit both K/V transports share: move K/V, mask at the rank's global positions.
+"""SDPA's key side: move K/V as the plan says, mask at the rank's global positions, rewire the attention call.
 
 A rule asks for :class:`AttentionKV` with its :class:`~cp_passes.key_plan.KeyPlan`: transport ``halo`` for a
 band (the ``before`` rows before each range, and for a two-sided window the ``after`` rows after), else
-``sequence_gather`` (the causal prefix, or every key); the transport supplies the function that moves one
-tensor, this module rewires the attention call. Gathered keys without
+``sequence_gather`` (the causal prefix, or every key). Either transport calls :func:`rewrite_attention`, which
+moves K and V with the one key mover (:func:`~.key_move.move_keys`) and rewires the attention call; the model's
+mask at the rank's rows comes from :func:`~.masks_at_rows.mask_at_rows`. Gathered keys without
 a window are attended block by block (:mod:`.block_attention`): the pieces a query sees whole, its own
 causally, no ``[queries, keys]`` mask built or saved unless the model's own mask reads data.
 """
 
 from __future__ import annotations
 
-import functools
 import operator
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
-from .base import Cost
 from ..graph.selection import Selector, compare_without_differences
-from .block_attention import block_attention_op, block_attention_rest_op
-from ..key_plan import HALO, KeyPlan, attention_pieces, outside, own_keys_first
+from ..key_plan import (EVERY_KEY_REACH, KeyPlan, Move, attention_pieces, by_blocks, no_dropout, outside,
+                        outside_band_counts, own_keys_first, sized_by_data)
 from ..layout import CONTIGUOUS
-from .mask_program import MaskProgram, split_mask
-from .masks import (MetadataMask, brought_positions, causal_mask, first_keys, global_shaped, in_global_order,
-                    kept_keys, mask_block, query_positions, sequence_positions, visible_key_positions)
+from .base import Cost
+from .block_attention import block_attention_op, block_attention_rest_op
+from .key_move import move_cost, move_keys
+from .mask_program import SHOWN, MaskProgram, split_mask
+from .gathers import in_global_order
+from .masks import (MetadataMask, brought_positions, first_keys, global_shaped, kept_keys, mask_block, query_positions,
+                    reach_mask, sequence_positions)
 from .prefix_exchange import prefix_finish
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 from .window_attention import window_attention_op  # noqa: F401  (registers cp_passes::window_attention)
@@ -47,7 +48,7 @@ class AttentionKV:
     value: torch.fx.Node
     dim: int
     """The sequence dim of ``key`` and ``value``."""
-    keys: KeyPlan
+    plan: KeyPlan
     together: bool
     """Move K and V as one tensor (one collective)."""
     enable_gqa: bool
@@ -82,22 +83,26 @@ class AttentionKV:
         return Cost(f"all_gather {names} (no grad)", 0, moved, moved, moved, moved)
 
 
-def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node, str], torch.fx.Node]) -> None:
-    """Replace the attention's K/V with moved ones (``move(x, name)``) and its mask with one at this rank's
-    global positions (the model's own mask, evaluated over the whole sequence, when it reads metadata)."""
-    node, q, rank, world, kind = request.node, edit.current(request.query), edit.rank, edit.world, edit.layout.kind
-    plan = request.keys
-    halo, window, ahead, causal = plan.move == HALO, plan.reach.window, plan.after, plan.reach.causal
-    blocks = blockwise(window, halo, request.dropout_p)
-    mask = local_mask(edit, request.mask, q, causal) if blocks and request.mask is not None else None
-    if plan.first_keys:
-        # The keys this mask shows start at each range's first key (packed documents): only those move.
-        firsts = (edit.insert(torch.ops.cp_passes.program_first_keys.default,
-                              (list(mask.leaves), mask.program, q, mask.key_positions, edit.layout.chunks),
-                              name="cp_first_keys")
-                  if isinstance(mask, MaskProgram) else
-                  edit.insert(first_keys, (mask, q, world, kind), name="cp_first_keys"))
-        move = functools.partial(move, firsts=firsts)
+def attention_cost(request: AttentionKV, layout, rank: int, local_len: int) -> Cost:
+    """What moving the attention's K and V (:func:`~.key_move.move_cost`) and its mask's metadata receives."""
+    return (move_cost(request.plan, layout, rank, local_len, request.row_bytes(local_len), request.itemsize,
+                      request.kv_label) + request.metadata_cost(layout.world))
+
+
+def rewrite_attention(edit, request: AttentionKV) -> None:
+    """Replace the attention's K/V with those its plan brings (:func:`~.key_move.move_keys`) and its mask with one
+    at this rank's global positions (the model's own mask, evaluated over the whole sequence, when it reads
+    metadata)."""
+    q, plan = edit.current(request.query), request.plan
+    halo = plan.move == Move.HALO
+    blocks = by_blocks(plan.reach, plan.move, request.dropout_p)
+    mask = local_mask(edit, request.mask, q, plan.reach.causal) if blocks and request.mask is not None else None
+    firsts = _first_keys(edit, mask, q) if plan.first_keys else None
+    suffix = "_halo" if halo else "_gathered"
+
+    def move(x: torch.fx.Node, name: str) -> torch.fx.Node:
+        return move_keys(edit, x, request.dim, plan, name + suffix, firsts=firsts, left_padding=request.left_padding)
+
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.together:
         # Sizes from the planned nodes: k and v may be nodes a transport made (no fake value yet).
@@ -109,49 +114,44 @@ def rewrite_attention(edit, request: AttentionKV, move: Callable[[torch.fx.Node,
     else:
         keys, values = move(k, "cp_k"), move(v, "cp_v")
     if blocks:
-        own = (k, v) if mask is None and request.keys.reach.causal and _exchanged(keys) else None
+        own = (k, v) if mask is None and plan.reach.causal and _exchanged(keys) else None
         _attend_blocks(edit, request, q, keys, values, mask, own)
-        return
-    if halo and request.mask is None and _no_dropout(request.dropout_p):
+    elif halo and request.mask is None and no_dropout(request.dropout_p):
         _attend_window(edit, request, q, keys, values)
-        return
+    else:
+        _attend_with_mask(edit, request, q, keys, values)
+
+
+def _first_keys(edit, mask, q: torch.fx.Node) -> torch.fx.Node:
+    """Each range's first key the mask shows (packed documents): only the keys from there move."""
+    if isinstance(mask, MaskProgram):
+        return edit.insert(torch.ops.cp_passes.program_first_keys.default,
+                           (list(mask.leaves), mask.program, q, mask.key_positions, edit.layout.chunks),
+                           name="cp_first_keys")
+    return edit.insert(first_keys, (mask, q, edit.world, edit.layout.kind), name="cp_first_keys")
+
+
+def _attend_with_mask(edit, request: AttentionKV, q, keys, values) -> None:
+    """SDPA as it is, over the keys brought, with a mask at this rank's rows and those keys: the model's own
+    (:func:`mask_at_keys`, or over the whole sequence and cut), the plan's band after a halo, or the causal mask
+    where a rank's visible keys are not only its own."""
+    node, plan, rank = request.node, request.plan, edit.rank
+    layout_args = (rank, edit.world, edit.layout.kind, plan.move.value, plan.reach.before, plan.reach.after)
+    mask = None
     if request.mask is not None:
         mask = mask_at_keys(edit, request, q)
         if mask is None:  # a mask the split cannot write down: over the whole sequence, then cut
             whole = global_mask(edit, request.mask)
-            mask = edit.insert(mask_block, (whole, q, rank, world, kind, window, halo, request.left_padding, causal,
-                                            ahead), name="cp_mask_block")
-    elif halo:
-        mask = edit.insert(causal_mask, (q, rank, world, kind, window, True, request.left_padding, ahead),
-                           name="cp_window_mask")
-    if causal and not halo:  # the keys a causal query can see came (prefix_gather)
-        if mask is None and (window or not edit.layout.first_is_local(rank)):
-            mask = edit.insert(causal_mask, (q, rank, world, kind, window, False), name="cp_causal_mask")
-    # Where the visible keys are only this rank's own, causal attention needs no mask.
+            mask = edit.insert(mask_block, (whole, q, *layout_args, request.left_padding), name="cp_mask_block")
+    elif plan.move == Move.HALO:
+        mask = edit.insert(reach_mask, (q, *layout_args, request.left_padding), name="cp_window_mask")
+    elif plan.reach.causal and (plan.reach.before is not None or not edit.layout.first_is_local(rank)):
+        # the causal prefix came; where the visible keys are only this rank's own, causal attention needs no mask
+        mask = edit.insert(reach_mask, (q, *layout_args), name="cp_causal_mask")
     node.args = (q, keys, values, mask, request.dropout_p)
-    node.kwargs = {"is_causal": mask is None and causal, "scale": request.scale,
+    node.kwargs = {"is_causal": mask is None and plan.reach.causal, "scale": request.scale,
                    "enable_gqa": request.enable_gqa}
     edit.changed(node)
-
-
-def blockwise(window, halo: bool, dropout_p) -> bool:
-    """Whether gathered attention runs as :func:`block_attention_op`: no window, no dropout."""
-    return not halo and window is None and _no_dropout(dropout_p)
-
-
-def _no_dropout(dropout_p) -> bool:
-    return dropout_p is None or (isinstance(dropout_p, (int, float)) and dropout_p == 0)
-
-
-def evaluated_locally(found: MetadataMask, window, halo: bool, dropout_p) -> bool:
-    """Whether a model-built mask is evaluated only at this rank's rows and the keys brought (:func:`local_mask`)
-    rather than over the whole sequence."""
-    return blockwise(window, halo, dropout_p) and not sized_by_data(found)
-
-
-def sized_by_data(found: MetadataMask) -> bool:
-    """Whether the mask's sizes depend on data (an indexer's top-k width): it is then inlined node by node."""
-    return any(free_unbacked_symbols(meta_val(n)) for n in found.nodes)
 
 
 def _exchanged(keys: torch.fx.Node) -> bool:
@@ -168,7 +168,7 @@ def _attend_blocks(edit, request: AttentionKV, q, keys, values, mask, own=None) 
     the gather started to send) the rank's queries attend to them first, in a call that does not wait for the
     gather, and the other ranks' keys are merged in after (:func:`~cp_passes.key_plan.own_keys_first`)."""
     node, rank = request.node, edit.rank
-    q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.keys.reach.causal, mask is not None)
+    q_units, k_units, kinds = attention_pieces(edit.layout, rank, request.plan.reach.causal, mask is not None)
     # Cast apart from the attention call, so that regather recomputes the casts of the gathered keys too and
     # the partitioner cannot keep a cast copy of them on some ranks only (a different backward schedule).
     cast = [(q, "q"), (keys, "k"), (values, "v")] + ([(own[0], "own_k"), (own[1], "own_v")] if own else [])
@@ -199,7 +199,7 @@ def _attend_window(edit, request: AttentionKV, q, keys, values) -> None:
                        for x, name in ((q, "q"), (keys, "k"), (values, "v")))
     scale = edit.insert(sdpa_scale, (q, request.scale), name="cp_attention_scale")
     both = edit.insert(torch.ops.cp_passes.window_attention.default,
-                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.keys.halo, request.keys.after,
+                       (q, keys, values, edit.rank, edit.world, edit.layout.kind, request.plan.halo, request.plan.after,
                         scale), name="cp_window_attention")
     out = edit.insert(operator.getitem, (both, 0), name="cp_attention_out")
     for made in (both, out):
@@ -254,13 +254,14 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     ranks add their counts (one all-reduce) and all fail together. Masks whose sizes depend on data take the
     whole-sequence path (:func:`global_mask`)."""
     kind = edit.layout.kind
+    moved = (Move.PREFIX.value, None, 0) if causal else (Move.EVERY_KEY.value, None, None)
     if sized_by_data(found):
-        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, None, False, 0,
-                                        causal), name="cp_mask_block")
+        return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, *moved),
+                           name="cp_mask_block")
     leaves = mask_leaves(edit, found)
     name, module = f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=True)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
-    brought = edit.insert(visible_key_positions, (q, edit.rank, edit.world, kind, causal), name="cp_key_positions")
+    brought = edit.insert(brought_positions, (q, edit.rank, edit.world, kind, *moved), name="cp_key_positions")
     split = split_mask(module)
     if split is None:
         mask = edit.call_module(name, module, leaves + [positions, brought])
@@ -271,24 +272,23 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
         return mask
     if split is None:
         transposed = edit.call_module(name, module, leaves + [brought, positions])
-        count = edit.insert(future_keys_allowed, (transposed, brought, positions), name="cp_mask_future_keys")
+        count = edit.insert(outside_band_counts, (transposed, brought, positions, None), name="cp_mask_future_keys")
     else:
         transposed = mask_terms(edit, name, terms, leaves + [brought, positions])
-        count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
-                            (list(transposed), program, brought, positions, None, 0), name="cp_mask_future_keys")
-    total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_violations")
-    edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_causal"),
-                                                   CAUSAL_VIOLATION), name="cp_mask_check")
+        count = edit.insert(torch.ops.cp_passes.outside_keys.default,
+                            (list(transposed), program, [len(transposed)], SHOWN, brought, positions, None, 0),
+                            name="cp_mask_future_keys")
+    fail_together(edit, count, (CAUSAL_VIOLATION,), "cp_mask_causal")
     return mask
 
 
 def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node | None:
     """For SDPA that keeps its mask (a window's halo, a window by gather, dropout): the model's mask at this rank's
     rows and the keys its plan brings, ``[.., L, keys]``, and the run-time check that it shows no key outside the
-    plan's reach, each rank its own queries against every key, a tile at a time (:func:`program_outside_keys_op`;
+    plan's reach, each rank its own queries against every key, a tile at a time (:func:`~.mask_program.outside_keys_op`;
     the ranks add their counts, so all fail together). Nothing ``[S, S]``. None where the mask's sizes depend on
     data or :func:`split_mask` cannot write it down (then :func:`global_mask`)."""
-    found, plan = request.mask, request.keys
+    found, plan = request.mask, request.plan
     if sized_by_data(found):
         return None
     module = mask_module(edit, found, picked=True)
@@ -297,27 +297,31 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
         return None
     terms, program = split
     rank, world, kind = edit.rank, edit.world, edit.layout.kind
-    halo, window, ahead, causal = plan.move == HALO, plan.reach.window, plan.after, plan.reach.causal
+    moved = (plan.move.value, plan.reach.before, plan.reach.after, request.left_padding)
     name, leaves = f"cp_mask_fn_{edit.origin.name}", mask_leaves(edit, found)
     positions = edit.insert(query_positions, (q, rank, world, kind), name="cp_query_positions")
-    keys = (edit.insert(brought_positions, (q, rank, world, kind, window, halo, request.left_padding, ahead),
-                        name="cp_key_positions") if causal or halo else
-            edit.insert(visible_key_positions, (q, rank, world, kind, False), name="cp_key_positions"))
+    keys = edit.insert(brought_positions, (q, rank, world, kind, *moved), name="cp_key_positions")
     evaluated = edit.insert(torch.clamp_min, (keys, 0), name="cp_key_positions_in_sequence")
     block = edit.call_module(name, module, leaves + [positions, evaluated])
-    mask = edit.insert(kept_keys, (block, keys, q, world, kind, window, halo, request.left_padding, ahead),
-                       name="cp_mask_block")
-    if causal or window is not None:
+    mask = edit.insert(kept_keys, (block, keys, q, world, kind, *moved), name="cp_mask_block")
+    if plan.reach != EVERY_KEY_REACH:
         every = edit.insert(sequence_positions, (q, world), name="cp_sequence_positions")
         check = mask_terms(edit, name, terms, leaves + [positions, every])
-        count = edit.insert(torch.ops.cp_passes.program_outside_keys.default,
-                            (list(check), program, positions, every, plan.reach.before, plan.reach.after or 0),
-                            name="cp_mask_outside_keys")
-        total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name),
-                            name="cp_mask_outside_total")
-        edit.insert(torch.ops.aten._assert_async.msg, (edit.insert(operator.eq, (total, 0), name="cp_mask_inside"),
-                                                       plan.message()), name="cp_mask_envelope_check")
+        count = edit.insert(torch.ops.cp_passes.outside_keys.default,
+                            (list(check), program, [len(check)], SHOWN, positions, every, plan.reach.before,
+                             plan.reach.after or 0), name="cp_mask_outside_keys")
+        fail_together(edit, count, (plan.message(),), "cp_mask_outside")
     return mask
+
+
+def fail_together(edit, count: torch.fx.Node, messages: tuple, name: str) -> None:
+    """Add the ranks' counts (``[2]``: :func:`~cp_passes.key_plan.outside_band_counts`) in one all-reduce and
+    fail on every rank alike where count ``i`` is not zero, with ``messages[i]``."""
+    total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name=f"{name}_total")
+    for i, message in enumerate(messages):
+        broken = edit.insert(operator.getitem, (total, i), name=f"{name}_count")
+        edit.insert(aten._assert_async.msg, (edit.insert(operator.eq, (broken, 0), name=f"{name}_none"), message),
+                    name=f"{name}_check")
 
 
 def mask_terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tuple:
@@ -328,12 +332,6 @@ def mask_terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tu
 
 
 CAUSAL_VIOLATION = outside(None)
-
-
-def future_keys_allowed(transposed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
-    """How many (query, key) pairs of ``transposed`` (``[.., queries, keys]``) the mask allows with the key
-    after the query."""
-    return (transposed & (key_pos[None, :] > query_pos[:, None])).sum()
 
 
 def mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:

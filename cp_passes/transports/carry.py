@@ -27,7 +27,7 @@ from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurre
 from ..kernels import value_axis as kernel_value_axis
 from ..layout import Layout
 from .base import Cost, Transport, register_transport
-from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
+from .gathers import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
 
 aten = torch.ops.aten
 

@@ -12,7 +12,7 @@ says which keys come: the ``window - 1`` rows before this rank's (a halo; for a 
 too) or the causal prefix (every position before the end of the rank's last range, only those moved).
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
 at run time: each rank its own queries against every key, a tile at a time where the masks split into
-per-position terms (:func:`hidden_outside_keys_op`); the ranks add their counts (one all-reduce), so all reach
+per-position terms (:func:`~.mask_program.outside_keys_op`); the ranks add their counts (one all-reduce), so all reach
 the same verdict and no rank goes on while another fails. Keys concatenated from positions and windows of them
 are cut in their first part (the positions); the windows come whole, and those masks are evaluated at the
 rank's rows and every key, then cut (:func:`cut_mask`). Masks whose query and key axes are not their last two
@@ -21,26 +21,21 @@ dims, or whose sizes depend on data, are evaluated over the whole sequence and c
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.fx
 
 from ..errors import node_ref
 from ..graph.analysis import INPUT_NAME, meta_val
-from ..key_plan import KeyPlan, outside
-from ..layout import CONTIGUOUS, KINDS, Layout
-from .attention import global_mask, mask_leaves, mask_module, mask_terms, sized_by_data
+from ..key_plan import EVERY_KEY_PLAN, KeyPlan, outside, outside_band_counts, sized_by_data
+from ..layout import KINDS, Layout
+from .attention import fail_together, global_mask, mask_leaves, mask_module, mask_terms
 from .base import Cost, Transport, register_transport
-from .gather import prefix_cost
-from .halo import halo_op, row_bytes  # noqa: F401  (halo_op registers cp_passes::halo)
-from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
-from .mask_program import evaluate, split_mask, tiles
-from .masks import MetadataMask, in_global_order, key_positions, own_segment
-from .prefix_exchange import insert_exchange, prefix_start
-from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
+from .halo import row_bytes
+from .key_move import RUNTIME, move_cost, move_keys
+from .mask_program import hidden_together, outside_keys_op, split_mask, steps_text  # noqa: F401  (registers)
+from .masks import MetadataMask, key_positions, own_segment
 
 aten = torch.ops.aten
 
@@ -154,33 +149,6 @@ def query_rows(global_mask: torch.Tensor, query_dim: int, rank: int, world: int,
     return global_mask.index_select(query_dim, Layout(world, kind).positions(rank, local, global_mask.device))
 
 
-def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
-    """The entries of ``mask`` that hide a key (see :class:`~cp_passes.match.key_cuts.Masking`)."""
-    if hides == "additive":
-        return mask <= torch.finfo(mask.dtype).min / 2
-    return mask if hides == "true" else ~mask
-
-
-def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> torch.Tensor:
-    """The keys that ``masks``, applied as the model applies them, leave at or below half of ``finfo.min``:
-    ``steps`` holds each one's ``(hides, fill, dtype)`` (:class:`~cp_passes.match.key_cuts.Masking`), the
-    one applied last first. The masks are replayed on a score of zero, first applied first, so a later
-    additive mask that lifts what an earlier one hid (``finfo.max`` added to ``finfo.min``) shows that key
-    again, where a union of what each hides would not. ``dims`` are each mask's ``(query, key)`` dims, moved
-    last; the other dims line up from the right, as the model's broadcasting does."""
-    value = None
-    for mask, (hides, fill, dtype), (q, k) in reversed(list(zip(masks, steps, dims))):
-        mask = mask.movedim((q, k), (-2, -1))
-        if value is None:
-            value = torch.zeros(1, dtype=dtype, device=mask.device)
-        if hides == "additive":
-            value = value + mask
-        else:
-            value = torch.where(hidden(mask, hides), torch.tensor(fill, dtype=value.dtype, device=mask.device), value)
-        value = value.to(dtype)
-    return value <= torch.finfo(value.dtype).min / 2
-
-
 EVERY_KEY_HIDDEN = ("cp_passes: the model's attention mask hides every key from some query, whose softmax then "
                     "spreads over every key on one device and over fewer under CP; let each query see a key "
                     "(itself), or set CPSpec(attention_keys='all')")
@@ -189,16 +157,9 @@ EVERY_KEY_HIDDEN = ("cp_passes: the model's attention mask hides every key from 
 
 def hidden_counts(masks: list[torch.Tensor], steps: tuple, dims: tuple, query_positions: torch.Tensor,
                   key_positions: torch.Tensor, before: int | None, after: int = 0) -> torch.Tensor:
-    """``[2]``: how many (query, key) pairs the masks together (:func:`hidden_together`) show outside the band
-    ``-after <= q - k <= before`` (``before`` None: every earlier key), and how many queries they hide every key
-    of that band from; the masks evaluated at the queries at ``query_positions`` and the keys at
-    ``key_positions``."""
-    shown = ~hidden_together(masks, steps, dims)
-    distance = query_positions[:, None] - key_positions[None, :]
-    inside = distance >= -after
-    if before is not None:
-        inside = inside & (distance <= before)
-    return torch.stack([(shown & ~inside).sum(), (~(shown & inside).any(-1)).sum()])
+    """:func:`~cp_passes.key_plan.outside_band_counts` of what the masks together (:func:`hidden_together`) show,
+    evaluated at the queries at ``query_positions`` and the keys at ``key_positions``."""
+    return outside_band_counts(~hidden_together(masks, steps, dims), query_positions, key_positions, before, after)
 
 
 def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
@@ -214,46 +175,6 @@ def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int
                            torch.arange(masks[0].shape[k], device=device), halo, after)
     torch._assert_async(counts[0] == 0, outside(halo, after))
     torch._assert_async(counts[1] == 0, EVERY_KEY_HIDDEN)
-
-
-def _steps_text(steps: tuple) -> str:
-    """``steps`` (:func:`hidden_together`) as text, for :func:`hidden_outside_keys_op`."""
-    return ";".join(f"{hides},{fill!r},{str(dtype).removeprefix('torch.')}" for hides, fill, dtype in steps)
-
-
-def _steps(text: str) -> tuple:
-    steps = []
-    for step in text.split(";"):
-        hides, fill, dtype = step.split(",")
-        steps.append((hides, None if fill == "None" else float(fill), None if dtype == "None" else getattr(torch, dtype)))
-    return tuple(steps)
-
-
-@torch.library.custom_op("cp_passes::hidden_outside_keys", mutates_args=())
-def hidden_outside_keys_op(leaves: list[torch.Tensor], programs: str, counts: list[int], steps: str,
-                           query_positions: torch.Tensor, key_positions: torch.Tensor, before: Optional[int],
-                           after: int) -> torch.Tensor:
-    """:func:`hidden_counts` of the masks ``programs`` describe (one per line, the one applied last first;
-    ``counts[i]`` of ``leaves`` each, :func:`~.mask_program.split_mask`'s terms), a tile of queries at a time:
-    nothing ``[queries, keys]`` is held whole."""
-    texts, replays = programs.split("\n"), _steps(steps)
-    groups, start = [], 0
-    for count in counts:
-        groups.append(leaves[start:start + count])
-        start += count
-    rows, total = query_positions.shape[0], key_positions.shape[0]
-    step, found = tiles(rows, total * len(texts)), torch.zeros(2, dtype=torch.int64, device=query_positions.device)
-    for first in range(0, rows, step):
-        part = slice(first, min(rows, first + step))
-        masks = [evaluate(text, group, part, slice(0, total)) for text, group in zip(texts, groups)]
-        found += hidden_counts(masks, replays, ((-2, -1),) * len(masks), query_positions[part], key_positions,
-                               before, after)
-    return found
-
-
-@hidden_outside_keys_op.register_fake
-def _(leaves, programs, counts, steps, query_positions, key_positions, before, after):
-    return query_positions.new_empty(2, dtype=torch.int64)
 
 
 def first_part_counts(masks: list[torch.Tensor], steps: tuple, query_positions: torch.Tensor, world: int,
@@ -348,8 +269,7 @@ class KeyGather(Transport):
     name = "key_gather"
     order = 35
     layouts = KINDS
-    runtime = (torch.ops.cp_passes.sequence_gather.default, prefix_start,
-               torch.ops.cp_passes.metadata_gather.default, torch.ops.cp_passes.halo.default)
+    runtime = RUNTIME
     gathers_keys = True
 
     def apply(self, edit, request) -> None:
@@ -379,27 +299,13 @@ class KeyGather(Transport):
             consumer.replace_input_with(operand, brought)
             edit.changed(consumer)
 
-    def _bring(self, edit, request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, name: str):
-        """The rows of ``source`` (the current node: a scan or positions may have made it global) that
-        ``keys`` asks for along ``request.dim``: a halo, the causal prefix of a gather, or a whole gather."""
-        source = edit.current(source)
-        if keys is not None and keys.plan.halo is not None:
-            return edit.insert(torch.ops.cp_passes.halo.default,
-                               (source, request.dim, keys.plan.halo, 0, edit.rank, edit.world, edit.group_name,
-                                edit.layout.kind) + ((keys.plan.after,) if keys.plan.after else ()), name=name)
-        if keys is not None:  # the causal prefix, in global order, as cut_mask picks the mask's keys
-            return insert_exchange(edit, source, request.dim, name)
-        brought = edit.insert(self._gather(request), (source, request.dim, edit.world, edit.group_name), name=name)
-        if edit.layout.kind != CONTIGUOUS:  # every key, in the mask's (global) order
-            brought = edit.insert(in_global_order, (brought, request.dim, edit.world, edit.layout.kind),
-                                  name=name + "_in_order")
-        return brought
-
     @staticmethod
-    def _gather(request: KeyOperand):
-        """Metadata moves without an autograd edge; activations with a reduce-scatter backward."""
-        packet = torch.ops.cp_passes.metadata_gather if request.metadata else torch.ops.cp_passes.sequence_gather
-        return packet.default
+    def _bring(edit, request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, name: str):
+        """The rows of ``source`` (the current node: a scan or positions may have made it global) that ``keys``
+        asks for along ``request.dim`` (:func:`~.key_move.move_keys`; every key in global order, as the masks read
+        them, metadata without autograd)."""
+        return move_keys(edit, edit.current(source), request.dim, EVERY_KEY_PLAN if keys is None else keys.plan, name,
+                         global_order=True, metadata=request.metadata)
 
     def _mask(self, edit, request: KeyMask) -> None:
         rows = self._rows(edit, request) if request.at_rows else self._whole(edit, request)
@@ -454,9 +360,9 @@ class KeyGather(Transport):
         if all(split is not None for split in splits):
             terms = [mask_terms(edit, name, split[0], leaves[id(found)] + [queries, every])
                      for split, (found, _, _) in zip(splits, request.checks)]
-            count = edit.insert(torch.ops.cp_passes.hidden_outside_keys.default,
+            count = edit.insert(torch.ops.cp_passes.outside_keys.default,
                                 ([t for part in terms for t in part], "\n".join(split[1] for split in splits),
-                                 [len(part) for part in terms], _steps_text(steps), queries, every, plan.halo,
+                                 [len(part) for part in terms], steps_text(steps), queries, every, plan.halo,
                                  plan.after), name="cp_mask_hidden")
         else:
             masks = [edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, every])
@@ -495,11 +401,7 @@ class KeyGather(Transport):
     @staticmethod
     def _fail_together(edit, count, plan) -> None:
         """Add the ranks' counts (:func:`hidden_counts`) and fail on every rank if any is not zero."""
-        total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name="cp_mask_hidden_total")
-        for i, message in enumerate((outside(plan.halo, plan.after), EVERY_KEY_HIDDEN)):
-            broken = edit.insert(operator.getitem, (total, i), name="cp_mask_hidden_count")
-            edit.insert(aten._assert_async.msg, (edit.insert(operator.eq, (broken, 0), name="cp_mask_hides"), message),
-                        name="cp_mask_hidden_check")
+        fail_together(edit, count, (outside(plan.halo, plan.after), EVERY_KEY_HIDDEN), "cp_mask_hidden")
 
     def _whole(self, edit, request: KeyMask) -> torch.fx.Node:
         """The mask over the whole sequence, then this rank's rows and the keys brought (:func:`cut_mask`)."""
@@ -531,19 +433,8 @@ class KeyGather(Transport):
     def _rows_cost(request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, layout, rank: int,
                    local_len: int) -> Cost:
         """What bringing ``keys`` of ``source`` (a part of a concatenation, or the whole operand) moves."""
-        row = row_bytes(source, local_len)
-        itemsize = meta_val(source).dtype.itemsize
-        if keys is not None and keys.plan.halo is not None:
-            send, recv, _ = layout.halo_counts(keys.plan.halo, rank, local_len, keys.plan.after)
-            rows = f"{keys.plan.halo} rows" + (f" before and {keys.plan.after} after" if keys.plan.after else "")
-            return Cost(f"all_to_all {rows}" + ("" if request.metadata else " | bw all_to_all"),
-                        sum(recv) * row // itemsize, sum(recv) * row, sum(recv) * row, sum(send) * row)
-        if keys is not None:
-            return prefix_cost(layout, rank, local_len, row, itemsize, "rows",
-                               "" if request.metadata else " | bw all_to_all")
-        moved = (layout.world - 1) * local_len * row
-        collective = "all_gather (no grad)" if request.metadata else "all_gather | bw reduce_scatter"
-        return Cost(collective, moved // itemsize, moved, moved, moved)
+        return move_cost(EVERY_KEY_PLAN if keys is None else keys.plan, layout, rank, local_len,
+                         row_bytes(source, local_len), meta_val(source).dtype.itemsize, metadata=request.metadata)
 
 
 KEY_GATHER = register_transport(KeyGather())

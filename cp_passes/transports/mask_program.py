@@ -22,6 +22,7 @@ import torch
 import torch.fx
 
 from ..graph.selection import FACTORIES
+from ..key_plan import outside_band_counts
 
 aten = torch.ops.aten
 
@@ -234,22 +235,74 @@ def _(leaves, program, query, key_positions, chunks):
     return query.new_empty(chunks, dtype=torch.int64)
 
 
-@torch.library.custom_op("cp_passes::program_outside_keys", mutates_args=())
-def program_outside_keys_op(leaves: list[torch.Tensor], program: str, query_positions: torch.Tensor,
-                            key_positions: torch.Tensor, before: Optional[int], after: int) -> torch.Tensor:
-    """How many (query, key) pairs the mask ``program`` describes allows outside the band ``-after <= q - k <=
-    before`` (``before`` None: any earlier key is inside), the queries at ``query_positions`` and the keys at
-    ``key_positions``, tile by tile."""
+def hidden(mask: torch.Tensor, hides: str) -> torch.Tensor:
+    """The entries of ``mask`` that hide a key (see :class:`~cp_passes.match.key_cuts.Masking`)."""
+    if hides == "additive":
+        return mask <= torch.finfo(mask.dtype).min / 2
+    return mask if hides == "true" else ~mask
+
+
+def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> torch.Tensor:
+    """The keys that ``masks``, applied as the model applies them, leave at or below half of ``finfo.min``:
+    ``steps`` holds each one's ``(hides, fill, dtype)`` (:class:`~cp_passes.match.key_cuts.Masking`), the
+    one applied last first. The masks are replayed on a score of zero, first applied first, so a later
+    additive mask that lifts what an earlier one hid (``finfo.max`` added to ``finfo.min``) shows that key
+    again, where a union of what each hides would not. ``dims`` are each mask's ``(query, key)`` dims, moved
+    last; the other dims line up from the right, as the model's broadcasting does."""
+    value = None
+    for mask, (hides, fill, dtype), (q, k) in reversed(list(zip(masks, steps, dims))):
+        mask = mask.movedim((q, k), (-2, -1))
+        if value is None:
+            value = torch.zeros(1, dtype=dtype, device=mask.device)
+        if hides == "additive":
+            value = value + mask
+        else:
+            value = torch.where(hidden(mask, hides), torch.tensor(fill, dtype=value.dtype, device=mask.device), value)
+        value = value.to(dtype)
+    return value <= torch.finfo(value.dtype).min / 2
+
+
+SHOWN = "shown"
+"""``steps`` of one boolean mask that shows a key where it is True (SDPA's)."""
+
+
+def steps_text(steps: tuple) -> str:
+    """``steps`` (:func:`hidden_together`) as text, for :func:`outside_keys_op`."""
+    return ";".join(f"{hides},{fill!r},{str(dtype).removeprefix('torch.')}" for hides, fill, dtype in steps)
+
+
+def _steps(text: str) -> tuple:
+    steps = []
+    for step in text.split(";"):
+        hides, fill, dtype = step.split(",")
+        steps.append((hides, None if fill == "None" else float(fill), None if dtype == "None" else getattr(torch, dtype)))
+    return tuple(steps)
+
+
+@torch.library.custom_op("cp_passes::outside_keys", mutates_args=())
+def outside_keys_op(leaves: list[torch.Tensor], programs: str, counts: list[int], steps: str,
+                    query_positions: torch.Tensor, key_positions: torch.Tensor, before: Optional[int],
+                    after: int) -> torch.Tensor:
+    """The one tiled count of what masks show outside a band: :func:`~cp_passes.key_plan.outside_band_counts` of
+    the masks ``programs`` describe (one per line, the one applied last first; ``counts[i]`` of ``leaves`` each,
+    :func:`split_mask`'s terms), combined as ``steps`` says (:func:`hidden_together`; :data:`SHOWN`: one boolean
+    mask, True where a query sees a key), a tile of queries at a time: nothing ``[queries, keys]`` is held
+    whole."""
+    texts = programs.split("\n")
+    groups, start = [], 0
+    for count in counts:
+        groups.append(leaves[start:start + count])
+        start += count
     rows, total = query_positions.shape[0], key_positions.shape[0]
-    step, count = tiles(rows, total), torch.zeros((), dtype=torch.int64, device=query_positions.device)
+    step, found = tiles(rows, total * len(texts)), torch.zeros(2, dtype=torch.int64, device=query_positions.device)
     for first in range(0, rows, step):
         part = slice(first, min(rows, first + step))
-        distance = query_positions[part, None] - key_positions[None, :]
-        outside = distance < -after if before is None else (distance < -after) | (distance > before)
-        count += (evaluate(program, leaves, part, slice(0, total)) & outside).sum()
-    return count
+        masks = [evaluate(text, group, part, slice(0, total)) for text, group in zip(texts, groups)]
+        shown = masks[0] if steps == SHOWN else ~hidden_together(masks, _steps(steps), ((-2, -1),) * len(masks))
+        found += outside_band_counts(shown, query_positions[part], key_positions, before, after)
+    return found
 
 
-@program_outside_keys_op.register_fake
-def _(leaves, program, query_positions, key_positions, before, after):
-    return query_positions.new_empty((), dtype=torch.int64)
+@outside_keys_op.register_fake
+def _(leaves, programs, counts, steps, query_positions, key_positions, before, after):
+    return query_positions.new_empty(2, dtype=torch.int64)

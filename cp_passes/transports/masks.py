@@ -12,26 +12,8 @@ import torch
 import torch.fx
 
 from ..graph.analysis import SHAPE_ONLY, meta_val, numel_hint
-from ..key_plan import band, outside
+from ..key_plan import Move, outside, outside_band_counts
 from ..layout import Layout
-from .collectives import all_gather
-
-
-@torch.library.custom_op("cp_passes::metadata_gather", mutates_args=())
-def metadata_gather_op(x: torch.Tensor, dim: int, world: int, group_name: str) -> torch.Tensor:
-    """All-gather sequence metadata (positions, doc ids) along ``dim``: no autograd edge."""
-    dim = dim % x.dim()
-    rows = x.movedim(dim, 0)
-    if rows.dtype == torch.bool:  # gloo and Inductor's CPU code both handle uint8, not bool (torch 2.13)
-        return all_gather(rows.to(torch.uint8), world, group_name).to(torch.bool).movedim(0, dim).contiguous()
-    return all_gather(rows, world, group_name).movedim(0, dim).contiguous()
-
-
-@metadata_gather_op.register_fake
-def _(x, dim, world, group_name):
-    shape = list(x.shape)
-    shape[dim % x.dim()] *= world
-    return x.new_empty(shape)
 
 
 @dataclass
@@ -96,35 +78,38 @@ def own_segment(local, world: int, kind: str, halo: int, device=None, left_paddi
     return layout.query_segments(local, device)[:, None] == keys[None, :]
 
 
-def brought_positions(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
-                      left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
-    """The global position of every key the transport brings; -1 for a zero row in front of a halo (and, as
-    ever, for a halo row outside the sequence)."""
-    return key_positions(query.shape[-2], rank, world, kind, window - 1 if halo else None, query.device,
-                         left_padding, after=ahead if halo else 0)
+def brought_positions(query: torch.Tensor, rank: int, world: int, kind: str, move: str, before: int | None,
+                      after: int | None = 0, left_padding: int = 0) -> torch.Tensor:
+    """The global position of every key ``move`` (a :class:`~cp_passes.key_plan.Move`) brings: for a halo of
+    ``before`` and ``after`` rows, ``[left_padding, before rows, the range, after rows]`` for each of the rank's
+    ranges (-1 for a zero row in front, negative before the sequence start); the causal prefix in global order;
+    every key in gather order."""
+    if move == Move.HALO:
+        return key_positions(query.shape[-2], rank, world, kind, before, query.device, left_padding, after=after)
+    return key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=move == Move.PREFIX)
 
 
-def check_envelope(visible: torch.Tensor, before: int | None, after: int = 0) -> None:
-    """Fail at run time unless ``visible`` (``[.., n, n]`` over the whole sequence, True: the query sees the
-    key) stays inside the envelope :func:`outside` names. Every rank checks the whole mask, so all reach the
-    same verdict and none is left waiting in a collective."""
-    kept = band(visible.shape[-1], None if before is None else before + 1, visible.device, after)
-    torch._assert_async((visible & ~kept).logical_not().all(), outside(before, after))
+def _own_range(query: torch.Tensor, world: int, kind: str, move: str, before: int | None, after: int | None,
+               left_padding: int) -> torch.Tensor | None:
+    """After a halo of several ranges, whether each key lies in its query's own range (:func:`own_segment`)."""
+    if move != Move.HALO:
+        return None
+    return own_segment(query.shape[-2], world, kind, before, query.device, left_padding, after)
 
 
-def causal_mask(query: torch.Tensor, rank: int, world: int, kind: str, window: int | None, halo: bool,
-                left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
-    """Boolean ``[local_len, keys]``: key at global position ``k`` is visible to the query at ``p`` iff
-    ``-ahead <= p - k`` (``< window`` for a sliding window) and ``k >= 0`` (a halo's left padding and rows
-    outside the sequence never are), and, after a halo, the key is in the query's own segment
-    (:func:`own_segment`). ``ahead`` > 0: a two-sided window."""
+def reach_mask(query: torch.Tensor, rank: int, world: int, kind: str, move: str, before: int | None,
+               after: int | None = 0, left_padding: int = 0) -> torch.Tensor:
+    """Boolean ``[local_len, keys]`` at the keys ``move`` brought: the key at global position ``k`` is visible to
+    the query at ``p`` iff ``-after <= p - k <= before`` (``before`` None: every earlier key), ``k >= 0`` (a
+    halo's left padding and rows outside the sequence never are), and, after a halo, the key is in the query's
+    own range (:func:`own_segment`)."""
     q_pos = Layout(world, kind).positions(rank, query.shape[-2], query.device)
-    k_pos = brought_positions(query, rank, world, kind, window, halo, left_padding, ahead)
+    k_pos = brought_positions(query, rank, world, kind, move, before, after, left_padding)
     # compared by broadcasting 1-D positions: booleans [local_len, keys], no int64 distance of that size
-    visible = (k_pos[None, :] <= (q_pos + ahead)[:, None]) & (k_pos >= 0)[None, :]
-    if window is not None:
-        visible = visible & (k_pos[None, :] > (q_pos - window)[:, None])
-    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
+    visible = (k_pos[None, :] <= (q_pos + (after or 0))[:, None]) & (k_pos >= 0)[None, :]
+    if before is not None:
+        visible = visible & (k_pos[None, :] >= (q_pos - before)[:, None])
+    own = _own_range(query, world, kind, move, before, after, left_padding)
     return visible if own is None else visible & own
 
 
@@ -133,24 +118,13 @@ def query_positions(query: torch.Tensor, rank: int, world: int, kind: str) -> to
     return Layout(world, kind).positions(rank, query.shape[-2], query.device)
 
 
-def visible_key_positions(query: torch.Tensor, rank: int, world: int, kind: str, causal: bool = True) -> torch.Tensor:
-    """The global positions of the keys a causal query on ``rank`` can see, in global order (every key's when not
-    ``causal``, in gather order)."""
-    return key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=causal)
-
-
-def in_global_order(gathered: torch.Tensor, dim: int, world: int, kind: str) -> torch.Tensor:
-    """A gather (rank order) in the order of global positions: what a mask over the whole sequence reads."""
-    return Layout(world, kind).unshard(gathered, dim % gathered.dim())
-
-
-def kept_keys(block: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, world: int, kind: str,
-              window: int | None, halo: bool, left_padding: int = 0, ahead: int = 0) -> torch.Tensor:
+def kept_keys(block: torch.Tensor, keys: torch.Tensor, query: torch.Tensor, world: int, kind: str, move: str,
+              before: int | None, after: int | None = 0, left_padding: int = 0) -> torch.Tensor:
     """A mask evaluated at this rank's rows and the keys brought (``keys``: their positions, evaluated at 0
     where negative), with the keys outside the sequence hidden and, after a halo, each query's keys kept to its
     own range (:func:`own_segment`)."""
     block = block & (keys >= 0)
-    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
+    own = _own_range(query, world, kind, move, before, after, left_padding)
     return block if own is None else block & own
 
 
@@ -159,21 +133,21 @@ def sequence_positions(query: torch.Tensor, world: int) -> torch.Tensor:
     return torch.arange(world * query.shape[-2], device=query.device)
 
 
-def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, window: int | None,
-               halo: bool, left_padding: int = 0, causal: bool = True, ahead: int = 0) -> torch.Tensor:
-    """This rank's rows of a mask evaluated over the whole sequence, cut to the keys its transport brings
-    (columns outside the sequence are False). Fails at run time if the model allows a key outside the
-    envelope the transport was planned for (causal, a causal window, or a two-sided window of ``window - 1``
-    earlier and ``ahead`` later keys; :func:`check_envelope`). Bidirectional with no window (every key brought):
-    nothing lies outside."""
-    if causal or window is not None:
-        check_envelope(global_mask, None if window is None else window - 1, ahead)
+def mask_block(global_mask: torch.Tensor, query: torch.Tensor, rank: int, world: int, kind: str, move: str,
+               before: int | None, after: int | None = 0, left_padding: int = 0) -> torch.Tensor:
+    """This rank's rows of a mask evaluated over the whole sequence, cut to the keys ``move`` brought (columns
+    outside the sequence are False). Fails at run time on every rank alike if the model allows a key outside
+    the reach ``-after <= i - j <= before`` the keys were planned for (:func:`outside_band_counts`); every key
+    brought: nothing lies outside."""
+    if before is not None or after is not None:
+        n = global_mask.shape[-1]
+        every = torch.arange(n, device=global_mask.device)
+        counts = outside_band_counts(global_mask.reshape(-1, n, n).any(0), every, every, before, after or 0)
+        torch._assert_async(counts[0] == 0, outside(before, after or 0))
     rows = global_mask.index_select(-2, Layout(world, kind).positions(rank, query.shape[-2], query.device))
-    k_pos = (brought_positions(query, rank, world, kind, window, halo, left_padding, ahead) if causal or halo
-             else key_positions(query.shape[-2], rank, world, kind, None, query.device, causal=False))
-    block = rows.index_select(-1, k_pos.clamp(min=0)) & (k_pos >= 0)
-    own = own_segment(query.shape[-2], world, kind, window - 1, query.device, left_padding, ahead) if halo else None
-    return block if own is None else block & own
+    k_pos = brought_positions(query, rank, world, kind, move, before, after, left_padding)
+    return kept_keys(rows.index_select(-1, k_pos.clamp(min=0)), k_pos, query, world, kind, move, before, after,
+                     left_padding)
 
 
 def first_keys(mask: torch.Tensor, query: torch.Tensor, world: int, kind: str) -> torch.Tensor:

@@ -1,4 +1,12 @@
-"""The causal key gather split in two, so that compute can run while the keys travel.
+"""The causal prefix: the keys a causal query on this rank can see, gathered from the ranks that hold them.
+
+:func:`prefix_gather_op` brings every position before the end of the rank's last range, in global order, in one
+``all_to_all`` of exactly the rows other ranks hold (its backward returns each row's gradient to its owner): the
+causal lower bound on every layout (a balanced rank's tail range sees all but the chunks after it). With packed
+documents' first keys (what a mask shows) only the positions from each range's first key move, and the op does
+the whole exchange at once (what moves depends on the data).
+
+Without first keys the gather is split in two, so that compute can run while the keys travel.
 
 ``prefix_pack`` takes this rank's rows that other ranks' causal queries can see (rows along dim 0, by receiver
 in rank order); a functional ``all_to_all`` sends them and returns before they arrive; ``wait_tensor`` waits;
@@ -20,8 +28,9 @@ import functools
 
 import torch
 
-from ..layout import Layout, chunk_len
-from .collectives import _wanted, piece_counts
+from ..layout import CONTIGUOUS, Layout, chunk_len
+from .base import Cost, gradient_by
+from .collectives import _wanted, all_gather, assemble, exchange, piece_counts, return_rows
 
 WAIT = torch.ops._c10d_functional.wait_tensor.default
 
@@ -30,10 +39,8 @@ WAIT = torch.ops._c10d_functional.wait_tensor.default
 def unit_plans(world: int, kind: str) -> tuple:
     """Every rank's visible-prefix pieces, ``(owner, owner's row, rows)``, for chunks of one row. Checked
     linear: the plans for chunks of two rows are these doubled."""
-    from .gather import _prefix_plans
-
     layout = Layout(world, kind)
-    one, two = _prefix_plans(world, kind, layout.chunks), _prefix_plans(world, kind, 2 * layout.chunks)
+    one, two = prefix_plans(world, kind, layout.chunks), prefix_plans(world, kind, 2 * layout.chunks)
     doubled = tuple(tuple(tuple((o, 2 * row, 2 * n) for o, row, n in seg) for seg in plan) for plan in one)
     assert doubled == two, "cp_passes internal error: prefix plans not linear in the chunk length"
     return one
@@ -205,3 +212,110 @@ def insert_exchange(edit, x, dim: int, name: str):
     started = edit.insert(prefix_start, (x, dim, *args, edit.group_name), name=f"{name}_start")
     waited = edit.insert(WAIT, (started,), name=f"{name}_wait")
     return edit.insert(prefix_finish, (x, waited, dim, *args), name=name)
+
+
+@functools.lru_cache(maxsize=256)
+def prefix_plans(world: int, kind: str, local_len: int, firsts: tuple | None = None) -> tuple:
+    """Every rank's one segment: where the positions before the end of its last range are held. With
+    ``firsts`` (per rank, the first key each of its ranges' queries see: :func:`~.masks.first_keys`), only the
+    positions from each range's first key to its end are held by anyone; the others are zeros."""
+    layout = Layout(world, kind)
+    return tuple((tuple(_needed_sources(layout, r, local_len, None if firsts is None else firsts[r])),)
+                 for r in range(world))
+
+
+def _needed_sources(layout: Layout, rank: int, local_len: int, firsts: tuple | None) -> list:
+    """:meth:`Layout.sources` of rank ``rank``'s visible prefix, with ``(None, 0, rows)`` (zeros) for the
+    positions before no range's first key."""
+    prefix = layout.visible_prefix(rank, local_len)
+    if firsts is None:
+        return layout.sources(0, prefix, local_len)
+    pieces, at = [], 0
+    for first, stop in sorted(zip(firsts, (stop for _, stop in layout.ranges(rank, local_len)))):
+        first = max(first, at)
+        if first >= stop:
+            continue
+        if first > at:
+            pieces.append((None, 0, first - at))
+        pieces += layout.sources(first, stop, local_len)
+        at = stop
+    if at < prefix:
+        pieces.append((None, 0, prefix - at))
+    return pieces
+
+
+def _all_firsts(firsts: torch.Tensor | None, world: int, group_name: str) -> tuple | None:
+    """Every rank's :func:`~.masks.first_keys` (one small all-gather): what each rank sends depends on them."""
+    if firsts is None:
+        return None
+    table = all_gather(firsts.reshape(1, -1).to(torch.int64), world, group_name).tolist()
+    return tuple(tuple(row) for row in table)
+
+
+@torch.library.custom_op("cp_passes::prefix_gather", mutates_args=())
+def prefix_gather_op(x: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
+                     kind: str = CONTIGUOUS, firsts: torch.Tensor | None = None) -> torch.Tensor:
+    """The keys a causal query on this rank can see: every global position before the end of its last range, in
+    global order along ``dim`` (:meth:`Layout.visible_prefix` rows). Only the rows another rank holds move, in
+    one ``all_to_all``: the causal lower bound, on every layout. With ``firsts`` (:func:`~.masks.first_keys`: what a
+    mask shows, packed documents) only the positions from each range's first key move; the rows before are
+    zeros, which the mask hides."""
+    dim = dim % x.dim()
+    rows = x.movedim(dim, 0)
+    plans = prefix_plans(world, kind, rows.shape[0], _all_firsts(firsts, world, group_name))
+    received = exchange(rows, plans, rank, world, group_name)
+    pieces = assemble(rows, plans[rank][0], received, plans, rank)
+    return torch.cat(pieces).movedim(0, dim).contiguous()
+
+
+@prefix_gather_op.register_fake
+def _(x, dim, rank, world, group_name, kind=CONTIGUOUS, firsts=None):
+    shape = list(x.shape)
+    shape[dim % x.dim()] = Layout(world, kind).visible_prefix(rank, shape[dim % x.dim()])
+    return x.new_empty(shape)
+
+
+@torch.library.custom_op("cp_passes::prefix_gather_backward", mutates_args=())
+def prefix_gather_backward_op(grad: torch.Tensor, dim: int, rank: int, world: int, group_name: str,
+                              kind: str = CONTIGUOUS, firsts: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient of :func:`prefix_gather_op`: each row's gradient returns to the rank that holds the row."""
+    dim = dim % grad.dim()
+    rows = grad.movedim(dim, 0)
+    local_len = _local_len(Layout(world, kind), rank, rows.shape[0])
+    plans = prefix_plans(world, kind, local_len, _all_firsts(firsts, world, group_name))
+    out = rows.new_zeros((local_len, *rows.shape[1:]))
+    back, at = {q: [] for q in range(world)}, 0
+    for owner, row, n in plans[rank][0]:
+        if owner == rank:
+            out.narrow(0, row, n).add_(rows.narrow(0, at, n))
+        elif owner is not None:
+            back[owner].append((row, rows.narrow(0, at, n)))
+        at += n
+    return_rows(back, out, plans, rank, world, group_name)
+    return out.movedim(0, dim).contiguous()
+
+
+@prefix_gather_backward_op.register_fake
+def _(grad, dim, rank, world, group_name, kind=CONTIGUOUS, firsts=None):
+    shape = list(grad.shape)
+    shape[dim % grad.dim()] = _local_len(Layout(world, kind), rank, shape[dim % grad.dim()])
+    return grad.new_empty(shape)
+
+
+gradient_by(prefix_gather_op, prefix_gather_backward_op)
+
+
+def _local_len(layout: Layout, rank: int, prefix_len):
+    """The local length at which rank ``rank``'s visible prefix is ``prefix_len`` rows."""
+    return prefix_len // layout.prefix_chunks(rank) * layout.chunks
+
+
+def prefix_cost(layout: Layout, rank: int, local_len: int, row: int, itemsize: int, what: str,
+                backward: str = " | bw all_to_all", firsts: tuple | None = None, scope: str = "causal prefix") -> Cost:
+    """What :func:`prefix_gather_op` moves for rank ``rank`` (``row`` bytes a position): the rows of every
+    position before the end of its last range that another rank holds, the causal lower bound; with
+    ``firsts`` (every rank's :func:`~.masks.first_keys`, as the op all-gathers them), those from each range's
+    first key."""
+    send, recv, _ = piece_counts(prefix_plans(layout.world, layout.kind, local_len, firsts), rank, layout.world)
+    moved = sum(recv) * row
+    return Cost(f"all_to_all {what} ({scope}){backward}", moved // itemsize, moved, moved, sum(send) * row)

@@ -20,8 +20,8 @@ import torch.fx
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import KINDS, Layout, chunk_len
 from .base import Cost, Transport, register_transport
-from .gather import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
-from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .gathers import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
+from .gathers import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
 aten = torch.ops.aten
 

@@ -21,7 +21,7 @@ import torch.fx
 from ..graph.analysis import meta_val
 from ..layout import CONTIGUOUS, KINDS, Layout
 from .base import Cost, Transport, register_transport
-from .masks import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
+from .gathers import metadata_gather_op  # noqa: F401  (registers cp_passes::metadata_gather)
 
 aten = torch.ops.aten
 
