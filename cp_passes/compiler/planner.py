@@ -17,6 +17,7 @@ import torch.fx
 
 from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
+from ..graph.calls import INVOKE
 from ..match import match_graph
 from ..rules import VIEW_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.registry import ALWAYS, out_of_place, registered
@@ -24,7 +25,7 @@ from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum, Share
 from .keys import KeyState, plan_keys
-from .regions import INVOKE, InlineRegion
+from .regions import InlineRegion
 
 aten = torch.ops.aten
 
