@@ -20,11 +20,11 @@ from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..graph.calls import INVOKE
 from ..match import match_graph
 from ..rules import VIEW_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
+from ..rules.key_axis import KeyState, plan_keys
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.reductions import GlobalSum, Share
-from .keys import KeyState, plan_keys
 from .regions import InlineRegion
 
 aten = torch.ops.aten
