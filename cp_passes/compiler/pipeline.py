@@ -96,7 +96,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     plan.interleave_readers = record.interleave_readers = [
         line for _, part in plan.parts() for line in interleave_readers(part, spec)]
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
-    record.partial_outputs = plan.partial_outputs
+    record.partial_outputs = [partial.index for partial in plan.partial_outputs]
     position, done = {node.name: i for i, node in enumerate(aten_gm.graph.nodes)}, []
     with schema_once():
         for region in plan.regions:

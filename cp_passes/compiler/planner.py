@@ -54,13 +54,23 @@ class RewriteRecord(Cost):
                    source=source_line(node, code=False), module=module_path(node))
 
 
+@dataclass(frozen=True)
+class PartialOutput:
+    """An output of the compiled module that is this rank's share of a sum over the sequence."""
+
+    index: int
+    """Its position among the flattened outputs."""
+    value: torch.fx.Node
+    origin: torch.fx.Node
+    """The op that made the sum."""
+
+
 @dataclass
 class Plan:
     rewrites: list[tuple[torch.fx.Node, Rewrite, RewriteRecord]] = field(default_factory=list)
     """Each planned rewrite with its row in ``records``."""
-    partial_outputs: list[int] = field(default_factory=list)
-    partial_origins: list[torch.fx.Node] = field(default_factory=list)
-    """For each of ``partial_outputs``, the op that made the sum."""
+    partial_outputs: list[PartialOutput] = field(default_factory=list)
+    """The outputs that are per-rank partial sums, in output order."""
     records: list[RewriteRecord] = field(default_factory=list)
     claimed: frozenset = frozenset()
     """The nodes the matchers claimed: no transport rewires their inputs."""
@@ -69,10 +79,9 @@ class Plan:
     planner brings whole for them (along a key axis)."""
     keys: dict = field(default_factory=dict)
     """Each ``[q, k]`` block of attention written by hand -> its key dim (whole on every rank)."""
-    partial_values: list[torch.fx.Node] = field(default_factory=list)
-    """The node of each of ``partial_outputs``."""
     partial_sources: dict = field(default_factory=dict)
-    """Each partial sum -> every op whose sum over the sequence it adds (``partial_origins`` names the first)."""
+    """Each partial sum -> every op whose sum over the sequence it adds (a :class:`PartialOutput`'s ``origin``
+    names the first)."""
     interleave_readers: list[str] = field(default_factory=list)
     """What would tell interleaved documents from their packed row (:mod:`.interleave`): such a batch is refused."""
     regions: list = field(default_factory=list)
@@ -234,9 +243,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
-            plan.partial_outputs.append(i)
-            plan.partial_origins.append(origins[value])
-            plan.partial_values.append(value)
+            plan.partial_outputs.append(PartialOutput(i, value, origins[value]))
             share = Cost(collective="none (caller sums over ranks)")
             plan.records.append(RewriteRecord.of(
                 origins[value], "partial_sum", "none", share,
