@@ -12,7 +12,8 @@ import torch
 import torch.fx
 
 import cp_passes
-from cp_passes.compiler.schedule import WAIT, is_start, schedule_for_overlap
+from cp_passes.compiler.schedule import schedule_for_overlap
+from cp_passes.graph.calls import WAIT, is_start
 from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 

@@ -74,7 +74,7 @@ def sum_sources(plan: Plan, request: GlobalSum) -> frozenset:
 
 def partial_output_sources(plan: Plan) -> frozenset:
     """Every op whose sum over the sequence a partial output adds up."""
-    return frozenset().union(*(plan.partial_sources.get(o, frozenset({o})) for o in plan.partial_values))
+    return frozenset().union(*(plan.partial_sources.get(p.value, frozenset({p.value})) for p in plan.partial_outputs))
 
 
 def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:

@@ -18,6 +18,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, seq_dims, sequence_symbol
+from ..graph.calls import calls_by_subgraph, operands
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
@@ -28,8 +29,8 @@ from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards
 from .interleave import interleave_readers
 from .planner import Plan, RewriteRecord, plan_graph
-from .regions import InlineRegion, Region, calls_by_subgraph, constants_as_factories, flatten_nested, inline, \
-    masks_into_region, mismatch, name_placeholders, operands, schema_once
+from .regions import InlineRegion, Region, constants_as_factories, flatten_nested, inline, masks_into_region, \
+    mismatch, name_placeholders, schema_once
 
 
 @dataclass
@@ -95,7 +96,7 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     plan.interleave_readers = record.interleave_readers = [
         line for _, part in plan.parts() for line in interleave_readers(part, spec)]
     check_length_guards(torch._guards.detect_fake_mode(fakes).shape_env, sym, cp.size)
-    record.partial_outputs = plan.partial_outputs
+    record.partial_outputs = [partial.index for partial in plan.partial_outputs]
     position, done = {node.name: i for i, node in enumerate(aten_gm.graph.nodes)}, []
     with schema_once():
         for region in plan.regions:

@@ -3,7 +3,8 @@
 Planning visits every node before any rewrite, so a model is refused as a whole (every problem listed
 at once) or rewritten as a whole; a half-rewritten graph never reaches the compiler. The planner tracks
 each value's :class:`~cp_passes.rules.Value` (sharded along the sequence, a per-rank partial sum, or
-neither) and checks that every rewrite names a registered transport that supports the layout.
+neither) and checks that every rewrite names a registered transport that supports the layout. An op that reads
+a per-rank partial sum goes to :func:`~cp_passes.rules.partial.partial_rule` instead of its own rule.
 """
 
 from __future__ import annotations
@@ -11,20 +12,20 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 import torch.fx
 
 from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
+from ..graph.calls import INVOKE
 from ..match import match_graph
-from ..rules import VIEW_OPS, Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
+from ..rules import Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
+from ..rules.key_axis import KeyState, plan_keys
+from ..rules.partial import partial_rule, row_counts
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
-from ..transports.reductions import GlobalSum, Share
-from .keys import KeyState, plan_keys
-from .regions import INVOKE, InlineRegion
+from .regions import InlineRegion
 
 aten = torch.ops.aten
 
@@ -53,13 +54,23 @@ class RewriteRecord(Cost):
                    source=source_line(node, code=False), module=module_path(node))
 
 
+@dataclass(frozen=True)
+class PartialOutput:
+    """An output of the compiled module that is this rank's share of a sum over the sequence."""
+
+    index: int
+    """Its position among the flattened outputs."""
+    value: torch.fx.Node
+    origin: torch.fx.Node
+    """The op that made the sum."""
+
+
 @dataclass
 class Plan:
     rewrites: list[tuple[torch.fx.Node, Rewrite, RewriteRecord]] = field(default_factory=list)
     """Each planned rewrite with its row in ``records``."""
-    partial_outputs: list[int] = field(default_factory=list)
-    partial_origins: list[torch.fx.Node] = field(default_factory=list)
-    """For each of ``partial_outputs``, the op that made the sum."""
+    partial_outputs: list[PartialOutput] = field(default_factory=list)
+    """The outputs that are per-rank partial sums, in output order."""
     records: list[RewriteRecord] = field(default_factory=list)
     claimed: frozenset = frozenset()
     """The nodes the matchers claimed: no transport rewires their inputs."""
@@ -68,10 +79,9 @@ class Plan:
     planner brings whole for them (along a key axis)."""
     keys: dict = field(default_factory=dict)
     """Each ``[q, k]`` block of attention written by hand -> its key dim (whole on every rank)."""
-    partial_values: list[torch.fx.Node] = field(default_factory=list)
-    """The node of each of ``partial_outputs``."""
     partial_sources: dict = field(default_factory=dict)
-    """Each partial sum -> every op whose sum over the sequence it adds (``partial_origins`` names the first)."""
+    """Each partial sum -> every op whose sum over the sequence it adds (a :class:`PartialOutput`'s ``origin``
+    names the first)."""
     interleave_readers: list[str] = field(default_factory=list)
     """What would tell interleaved documents from their packed row (:mod:`.interleave`): such a batch is refused."""
     regions: list = field(default_factory=list)
@@ -80,91 +90,6 @@ class Plan:
     def parts(self) -> list:
         """``(region, plan)`` for this graph (region None) and each region."""
         return [(None, self)] + [(region, region.plan) for region in self.regions]
-
-
-_PARTIAL_LINEAR = {aten.neg, aten.clone, aten._to_copy, aten.to, aten.sum, aten.nansum, *VIEW_OPS}
-_CASTS = {aten._to_copy, aten.to, aten.type_as}
-_PARTIAL_METADATA = {aten._assert_tensor_metadata, aten.sym_size, aten.sym_numel, aten.sym_stride}
-"""Ops that read a partial sum's shape or dtype only."""
-
-
-def _linear_cast(ctx: RuleContext) -> bool:
-    """A cast that keeps sums: to a floating type, or from an integer to an integer at least as wide."""
-    source, out = meta_val(ctx.node.args[0]).dtype, meta_val(ctx.node).dtype
-    if out.is_floating_point or out.is_complex:
-        return True
-    return (not source.is_floating_point and not source.is_complex and source is not torch.bool
-            and out is not torch.bool and out.itemsize >= source.itemsize)
-
-
-def _argument_nodes(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """Every node ``node`` reads, once per argument that holds it (``all_input_nodes`` lists each once)."""
-    found: list[torch.fx.Node] = []
-    torch.fx.node.map_arg((node.args, node.kwargs), lambda a: found.append(a) or a)
-    return found
-
-
-def _partial_rule(ctx: RuleContext, origin: torch.fx.Node, lengths: tuple[str, ...] = ()) -> Value | Rewrite | None:
-    """A per-rank partial sum flows as it is through ops that are linear in it (as their first operand). Added to
-    values every rank holds whole, it stays a share and they enter as theirs (``1 / P``); an integer one is made
-    global instead. Any other op reads the global sum (all-reduced), and the row counts in ``lengths`` (arguments
-    computed from the local length, ``sum / x.shape[0]``) the global count."""
-    packet = (out_of_place(ctx.node.target) or ctx.node.target).overloadpacket  # add_ adds as add does
-    if packet in _PARTIAL_METADATA:
-        return None
-    tensors = ctx.tensor_inputs()
-    partial = [t for t in tensors if ctx.is_partial(t)]
-    others = [t for t in tensors if not ctx.is_partial(t)]
-    scalars = [a for a in ctx.node.args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
-    first = ctx.node.args[0] if ctx.node.args else None
-    reads = [a for a in _argument_nodes(ctx.node) if ctx.is_partial(a)]  # by argument: mul(p, p) reads p twice
-    ok = False
-    if packet in _PARTIAL_LINEAR:
-        ok = (reads == [first] and not any(ctx.is_seq(t) for t in others)
-              and (packet not in _CASTS or _linear_cast(ctx)))
-    elif packet is aten.mul:
-        ok = len(reads) == 1 and not any(ctx.is_seq(t) for t in others)
-    elif packet is aten.div:  # over a row count from the length (``lengths``) it needs the global count
-        ok = (not lengths and reads == [first] and not any(ctx.is_seq(t) for t in others)
-              and ctx.args.get("rounding_mode") is None)
-    elif packet in (aten.add, aten.sub):
-        ok = not others and not scalars
-    if ok:
-        return Value.PARTIAL
-    if any(ctx.is_seq(t) for t in others):
-        ctx.refuse(
-            f"its input is a per-rank partial sum over the sequence (from {op_name(origin)} at {source_line(origin)}); "
-            f"{op_name(ctx.node)} is not linear in it, so applying it before the ranks' sums are added is wrong",
-            "return the partial sum from the compiled module and add it up across ranks (dist.all_reduce) before "
-            "this op",
-        )
-    floating = any(meta_val(t).is_floating_point() or meta_val(t).is_complex() for t in partial)
-    if packet in (aten.add, aten.sub) and floating and not lengths:
-        whole = tuple(name for name in ("self", "other") if name in ctx.args and not ctx.is_partial(ctx.args[name]))
-        return Rewrite("share", "reductions", Share(ctx.node, whole), output=Value.PARTIAL,
-                       note=f"a value every rank holds added to a per-rank share ({', '.join(whole)}): its 1/P "
-                            f"enters, so the ranks' values still add up to the total")
-    what = "a sum over the sequence" + (" over a row count from the length" if lengths else "")
-    return Rewrite("global_sum", "reductions", GlobalSum(ctx.node, partial, origin, lengths),
-                   note=f"{what} read by a non-linear op: its global value (all-reduced; backward all-reduced)")
-
-
-def _row_counts(ctx: RuleContext) -> tuple[str, ...]:
-    """The divisor of ``partial / n`` when ``n`` is a row count from the local length (a multiple of it, as
-    ``x.shape[0]`` of rows merged from the batch and the sequence): each rank's ``n`` is its share of the global
-    count, so the division is made global. Empty for anything else."""
-    if ctx.node.target.overloadpacket is not aten.div or not ctx.is_partial(ctx.args.get("self")):
-        return ()
-    divisor = ctx.args.get("other")
-    if not isinstance(divisor, torch.fx.Node) or isinstance(meta_val(divisor), torch.Tensor) \
-            or not has_symbol(divisor, ctx.sym) or ctx.args.get("rounding_mode") is not None:
-        return ()
-    expr = getattr(meta_val(divisor), "node", None)
-    if expr is None:
-        return ()
-    count = expr.expr.replace(lambda e: type(e).__name__ == "ToFloat", lambda e: e.args[0])  # float(n) is n
-    ratio = sympy.simplify(count / ctx.sym)
-    return ("other",) if ratio.is_number and ratio > 0 else ()
 
 
 def _check_length_values(ctx: RuleContext) -> None:
@@ -318,9 +243,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
-            plan.partial_outputs.append(i)
-            plan.partial_origins.append(origins[value])
-            plan.partial_values.append(value)
+            plan.partial_outputs.append(PartialOutput(i, value, origins[value]))
             share = Cost(collective="none (caller sums over ranks)")
             plan.records.append(RewriteRecord.of(
                 origins[value], "partial_sum", "none", share,
@@ -383,7 +306,7 @@ def _plan_node(ctx: RuleContext, origins: dict):
             )
         return None
     ctx.args = bind_args(node)
-    counts = _row_counts(ctx)
+    counts = row_counts(ctx)
     if node.target.overloadpacket is not aten.arange and not counts:
         _check_length_values(ctx)
     mutates = node.target._schema.is_mutable and (seq_in or partial_in or ctx.is_seq(node))
@@ -391,7 +314,7 @@ def _plan_node(ctx: RuleContext, origins: dict):
     if mutates:
         _check_mutation(ctx, write_back=reordered and permutations.writes_back(ctx))
     if partial_in and not reordered:
-        return _partial_rule(ctx, origins[partial_in[0]], counts)
+        return partial_rule(ctx, origins[partial_in[0]], counts)
     if not seq_in and not ctx.is_seq(node) and node.target not in ALWAYS and not reordered:
         if node.target.overloadpacket is not aten.arange:
             _check_length_positions(ctx)

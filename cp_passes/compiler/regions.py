@@ -21,8 +21,7 @@ import torch.fx
 
 from ..errors import module_path
 from ..graph.analysis import INPUT_NAME, meta_val
-
-INVOKE = torch.ops.higher_order.invoke_subgraph
+from ..graph.calls import INVOKE, call_signature, calls_by_subgraph, operands
 
 
 class InlineRegion(Exception):
@@ -31,34 +30,6 @@ class InlineRegion(Exception):
     def __init__(self, name: str, why: str):
         super().__init__(f"{name}: {why}")
         self.name, self.why = name, why
-
-
-def calls_by_subgraph(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
-    """Each subgraph's name -> the ``invoke_subgraph`` nodes that call it, in graph order."""
-    found: dict[str, list[torch.fx.Node]] = {}
-    for node in gm.graph.find_nodes(op="call_function", target=INVOKE):
-        found.setdefault(node.args[0].target, []).append(node)
-    return found
-
-
-def operands(call: torch.fx.Node) -> tuple:
-    return call.args[2:]
-
-
-def _describe(value) -> str:
-    if isinstance(value, torch.fx.Node):
-        name = value.meta.get(INPUT_NAME) if value.op == "placeholder" else None
-        val = meta_val(value)
-        if isinstance(val, torch.Tensor):
-            return f"{val.dtype}{list(val.shape)} grad={val.requires_grad} input={name}"
-        return f"{type(val).__name__}({val}) input={name}"
-    return repr(value)
-
-
-def call_signature(call: torch.fx.Node) -> list[str]:
-    """What the subgraph's plan may depend on at this call: each operand's shape, dtype, whether it needs a
-    gradient, and which model input it is (a ``doc_ids`` placeholder reads differently from any tensor)."""
-    return [_describe(v) for v in operands(call)]
 
 
 def mismatch(calls: list[torch.fx.Node]) -> str | None:

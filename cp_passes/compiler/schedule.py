@@ -17,15 +17,9 @@ import heapq
 import torch
 import torch.fx
 
-WAIT = torch.ops._c10d_functional.wait_tensor.default
-_FUNCTIONAL = ("_c10d_functional", "_c10d_functional_autograd")
+from ..graph.calls import WAIT, is_start
+
 INPUT, START, COMPUTE, WAITS = -1, 0, 1, 2
-
-
-def is_start(node: torch.fx.Node) -> bool:
-    """A functional collective that returns before its data arrived (its ``wait_tensor`` waits)."""
-    return (node.op == "call_function" and getattr(node.target, "namespace", None) in _FUNCTIONAL
-            and node.target is not WAIT)
 
 
 def _barrier(node: torch.fx.Node) -> bool:

@@ -22,7 +22,7 @@ of ``probs @ v`` and no gradient. That holds when
 
 :func:`key_cuts` finds each such softmax with the blocks it reads and feeds and the masks that hide keys.
 Which keys the masks hide (causal, or a window) is read where the planner knows the length
-(:mod:`cp_passes.compiler.keys`), and checked at run time against the masks the model really computes.
+(:mod:`cp_passes.rules.key_axis`), and checked at run time against the masks the model really computes.
 """
 
 from __future__ import annotations

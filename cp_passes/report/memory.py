@@ -19,9 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..compiler.regions import operands
-from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
+from ..graph.calls import is_start, operands
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..compiler.schedule import is_start
 from ..graph.analysis import meta_val, numel_hint
+from ..graph.calls import WAIT, is_start
 from ..rules import VIEW_OPS
 
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
-_NOT_COMPUTE = {*(op.default for op in VIEW_OPS if hasattr(op, "default")), _WAIT}
+_NOT_COMPUTE = {*(op.default for op in VIEW_OPS if hasattr(op, "default")), WAIT}
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ def overlap(graphs: list[torch.fx.GraphModule], collectives: set) -> Overlap:
             if not functional:
                 blocking.add(str(node.target))
                 continue
-            waits = [u for u in node.users if u.target is _WAIT]
+            waits = [u for u in node.users if u.target is WAIT]
             end = min((order[w] for w in waits), default=order[node] + 1)
             if any(n.op == "call_function" and n.target not in _NOT_COMPUTE and n not in node.users
                    for n in nodes[order[node] + 1:end]):

@@ -22,7 +22,7 @@ import operator
 import torch
 import torch.fx
 
-from ..compiler.regions import call_signature, calls_by_subgraph, operands
+from ..graph.calls import call_signature, calls_by_subgraph, operands
 from .memory import Saved, module_of, region_call_of
 
 

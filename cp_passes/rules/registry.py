@@ -44,7 +44,8 @@ class Value(enum.Enum):
     SEQUENCE = "sequence"
     """Sharded along the sequence: this rank's positions (read from the shape: a dim sized by the symbol)."""
     PARTIAL = "partial"
-    """This rank's share of a sum over the sequence: the ranks' values add up to the single-device value."""
+    """This rank's share of a sum over the sequence: the ranks' values add up to the single-device value (the ops
+    it flows through as it is: :mod:`.partial`)."""
 
 
 ALWAYS: set = set()

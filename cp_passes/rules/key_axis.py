@@ -33,9 +33,9 @@ from ..match.blocks import RESHAPES, SCORES, TO_SOURCE, key_concat
 from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
-from ..rules import NO_RULE_FIX, Rewrite, RuleContext
 from ..key_plan import PROBE_MAX_LEN, KeyPlan, Move, Reach, mask_reach, read_reach
 from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
+from .registry import NO_RULE_FIX, Rewrite, RuleContext
 
 aten = torch.ops.aten
 
