@@ -15,7 +15,8 @@ import torch
 
 from ..errors import module_path, node_ref, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
-from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
+from ..match import (FailedMatch, MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document,
+                     same_size)
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, HALO, PROBE_MAX_LEN, KeyPlan, Reach, mask_reach,
                         probe_lengths, read_reach)
 from ..transports.attention import AttentionKV, evaluated_locally, sized_by_data
@@ -159,8 +160,8 @@ def sdpa_rule(ctx: RuleContext):
     declared = ctx.spec.attention_for(module_path(ctx.node))
     found_mask = ctx.matches.masks.get(ctx.node) if mask is not None else None
     metadata = found_mask if isinstance(found_mask, MetadataMask) else None
-    if isinstance(found_mask, str):
-        ctx.refuse(found_mask + "; masks are evaluated from positions and gathered metadata only",
+    if isinstance(found_mask, FailedMatch):
+        ctx.refuse(found_mask.reason + "; masks are evaluated from positions and gathered metadata only",
                    "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
                    "doc_ids), or pass is_causal=True")
     halo_allowed = ctx.spec.window_transport == "halo"
