@@ -38,16 +38,43 @@ def schedule_for_overlap(gm: torch.fx.GraphModule, collectives: set = frozenset(
             moved |= schedule_for_overlap(child, collectives)
     graph = gm.graph
     nodes = list(graph.nodes)
-    for n in nodes:
-        # After AOTAutograd nothing differentiates: the plain op, whose in-flight input Inductor keeps alive
-        # until the wait (it runs the autograd one as an opaque kernel and may reuse its input's buffer).
-        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional_autograd":
-            n.target = getattr(torch.ops._c10d_functional, n.target._schema.name.split("::")[1]).default
-            moved = True
+    moved |= _plain_collectives(nodes)
     if not any(is_start(n) for n in nodes):
         if moved:
             gm.recompile()
         return moved
+    after, waiting, chained = _dependencies(nodes, collectives)
+    order = _overlap_order(nodes, after, waiting, [n for n in chained if is_start(n)])
+    if order == nodes:
+        return moved
+    previous = None
+    for n in order:
+        if previous is not None:
+            previous.append(n)
+        previous = n
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _plain_collectives(nodes: list[torch.fx.Node]) -> bool:
+    """Replace each autograd functional collective by the plain op; returns whether there was one.
+
+    After AOTAutograd nothing differentiates: the plain op, whose in-flight input Inductor keeps alive until the
+    wait (it runs the autograd one as an opaque kernel and may reuse its input's buffer)."""
+    replaced = False
+    for n in nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional_autograd":
+            n.target = getattr(torch.ops._c10d_functional, n.target._schema.name.split("::")[1]).default
+            replaced = True
+    return replaced
+
+
+def _dependencies(nodes: list[torch.fx.Node], collectives: set) -> tuple[dict, dict, list]:
+    """The order's constraints as ``(after, waiting, chained)``: each node's successors, each node's count of
+    predecessors, and the collectives in graph order. A node comes after its inputs, each collective after the
+    previous one's wait, and a barrier (a mutation, a side effect, the output) between what precedes and follows
+    it."""
     index = {n: i for i, n in enumerate(nodes)}
     after: dict[torch.fx.Node, list[torch.fx.Node]] = {n: [] for n in nodes}
     waiting = {n: 0 for n in nodes}
@@ -74,29 +101,36 @@ def schedule_for_overlap(gm: torch.fx.GraphModule, collectives: set = frozenset(
                 if m not in n.all_input_nodes:
                     edge(m, n)
             barrier = n
+    return after, waiting, chained
 
-    starts = [n for n in chained if is_start(n)]
+
+def _feeding(start: torch.fx.Node | None, done: set) -> set:
+    """The nodes not yet scheduled (not in ``done``) that ``start`` needs: they run first, so that it starts
+    early."""
+    found, todo = set(), [start] if start is not None else []
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in done and a not in found:
+                found.add(a)
+                todo.append(a)
+    return found
+
+
+def _kind(n: torch.fx.Node, feeds: set) -> int:
+    """Which ready nodes run first: inputs, then starts and what the next start needs, then compute, then waits."""
+    if n.op == "placeholder":
+        return INPUT
+    if n.target is WAIT:  # even one the next start needs: whatever else is ready runs first
+        return WAITS
+    return START if is_start(n) or n in feeds else COMPUTE
+
+
+def _overlap_order(nodes: list[torch.fx.Node], after: dict, waiting: dict, starts: list) -> list[torch.fx.Node]:
+    """Kahn's algorithm over the constraints, ready nodes taken by :func:`_kind`, then by original position."""
+    index = {n: i for i, n in enumerate(nodes)}
     done: set = set()
-
-    def feeding(start) -> set:
-        """The nodes not yet scheduled that ``start`` needs: they run first, so that it starts early."""
-        found, todo = set(), [start] if start is not None else []
-        while todo:
-            for a in todo.pop().all_input_nodes:
-                if a not in done and a not in found:
-                    found.add(a)
-                    todo.append(a)
-        return found
-
-    def kind(n):
-        if n.op == "placeholder":
-            return INPUT
-        if n.target is WAIT:  # even one the next start needs: whatever else is ready runs first
-            return WAITS
-        return START if is_start(n) or n in feeds else COMPUTE
-
-    feeds = feeding(starts[0])
-    ready = [(kind(n), index[n], n) for n in nodes if not waiting[n]]
+    feeds = _feeding(starts[0], done)
+    ready = [(_kind(n, feeds), index[n], n) for n in nodes if not waiting[n]]
     heapq.heapify(ready)
     order, next_start = [], 0
     while ready:
@@ -105,21 +139,12 @@ def schedule_for_overlap(gm: torch.fx.GraphModule, collectives: set = frozenset(
         done.add(n)
         if next_start < len(starts) and n is starts[next_start]:
             next_start += 1
-            feeds = feeding(starts[next_start] if next_start < len(starts) else None)
-            ready = [(kind(m), index[m], m) for _, _, m in ready]
+            feeds = _feeding(starts[next_start] if next_start < len(starts) else None, done)
+            ready = [(_kind(m, feeds), index[m], m) for _, _, m in ready]
             heapq.heapify(ready)
         for m in after[n]:
             waiting[m] -= 1
             if not waiting[m]:
-                heapq.heappush(ready, (kind(m), index[m], m))
+                heapq.heappush(ready, (_kind(m, feeds), index[m], m))
     assert len(order) == len(nodes), "cp_passes internal error: the overlap schedule left nodes out"
-    if order == nodes:
-        return moved
-    previous = None
-    for n in order:
-        if previous is not None:
-            previous.append(n)
-        previous = n
-    graph.lint()
-    gm.recompile()
-    return True
+    return order

@@ -151,23 +151,57 @@ def pack(checked, packed_alignment: int = 1, pieces: int = 1) -> dict:
                          f"got packed_alignment={packed_alignment}")
     sources = None
     if packed_alignment > 1:
-        aligned = [_aligned(docs, packed_alignment) for docs in documents]
-        documents = [docs for docs, _ in aligned]
-        width = max(len(src) for _, src in aligned)
-        sources = torch.tensor([src + [-1] * (width - len(src)) for _, src in aligned])
-        for row, docs in enumerate(documents):
-            tail = width - (docs[-1].start + docs[-1].slot if docs else 0)
-            if tail:
-                documents[row] = docs + [Document(width - tail, 0, tail)]
-        seq_len = width
+        documents, sources, seq_len = _aligned_rows(documents, packed_alignment)
+    doc_ids, positions = _document_maps(documents, rows, seq_len)
+    valid = doc_ids != PAD_DOC_ID
+    out = _relaid(checked, positions, sources, seq_len)
+    spec = padding.spec
+    if not spec.position_keys:
+        raise ValueError(f"packing writes per-document positions under CPSpec.position_keys[0], but spec "
+                         f"{spec.name!r} has position_keys=(); name the key the model takes positions under")
+    (labels_key, shifted_key), position_key = spec.packed_labels, spec.position_keys[0]
+    out[spec.doc_key] = doc_ids
+    out.setdefault(position_key, positions)
+    if labels_key in checked.seq_keys and shifted_key not in out:
+        loss_mask = out["loss_mask"] if "loss_mask" in checked.seq_keys else None
+        out[shifted_key] = _shifted_labels(out[labels_key], doc_ids, valid, loss_mask, spec.ignore_index)
+    out["valid"] = valid
+    if pieces > 1:
+        _interleave(out, checked, documents, seq_len, pieces)
+    return out
+
+
+def _aligned_rows(documents: list[list[Document]], alignment: int) -> tuple[list[list[Document]], torch.Tensor, int]:
+    """Every row's documents moved to start at multiples of ``alignment`` (:func:`_aligned`), the rows padded to
+    the longest, each row's tail after its last document a document of length 0: the new documents, ``sources``
+    (``[rows, width]``: the old position each new one holds, -1 for padding) and the new row length ``width``."""
+    aligned = [_aligned(docs, alignment) for docs in documents]
+    documents = [docs for docs, _ in aligned]
+    width = max(len(src) for _, src in aligned)
+    sources = torch.tensor([src + [-1] * (width - len(src)) for _, src in aligned])
+    for row, docs in enumerate(documents):
+        tail = width - (docs[-1].start + docs[-1].slot if docs else 0)
+        if tail:
+            documents[row] = docs + [Document(width - tail, 0, tail)]
+    return documents, sources, width
+
+
+def _document_maps(documents: list[list[Document]], rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(doc_ids, positions)``, both ``[rows, seq_len]``: each position's document index (``PAD_DOC_ID`` on
+    padding) and its position within its document (0 on padding)."""
     doc_ids = torch.full((rows, seq_len), PAD_DOC_ID, dtype=torch.long)
     positions = torch.zeros((rows, seq_len), dtype=torch.long)
     for row, docs in enumerate(documents):
         for d, doc in enumerate(docs):
             doc_ids[row, doc.start:doc.start + doc.length] = d
             positions[row, doc.start:doc.start + doc.length] = torch.arange(doc.length)
-    valid = doc_ids != PAD_DOC_ID
+    return doc_ids, positions
 
+
+def _relaid(checked, positions: torch.Tensor, sources: torch.Tensor | None, seq_len: int) -> dict:
+    """The batch without its length keys: position keys replaced by ``positions``, and, where documents moved
+    (``sources``), every other sequence tensor re-laid with its padding value in the gaps."""
+    batch, rows, padding = checked.batch, checked.rows, checked.padding
     out = {}
     for key, value in batch.items():
         if key in LENGTH_KEYS:
@@ -181,38 +215,38 @@ def pack(checked, packed_alignment: int = 1, pieces: int = 1) -> dict:
                 mask = (sources >= 0).view(rows, -1, *[1] * (value.dim() - 2))
                 value = torch.where(mask, gathered, torch.full_like(gathered, padding.value(key, value)))
         out[key] = value
-    spec = padding.spec
-    if not spec.position_keys:
-        raise ValueError(f"packing writes per-document positions under CPSpec.position_keys[0], but spec "
-                         f"{spec.name!r} has position_keys=(); name the key the model takes positions under")
-    (labels_key, shifted_key), position_key = spec.packed_labels, spec.position_keys[0]
-    out[spec.doc_key] = doc_ids
-    out.setdefault(position_key, positions)
-    if labels_key in checked.seq_keys and shifted_key not in out:
-        ignore_index = spec.ignore_index
-        labels = out[labels_key]
-        nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
-        same_doc = torch.cat([doc_ids[:, 1:] == doc_ids[:, :-1], torch.zeros_like(valid[:, :1])], dim=1)
-        keep = same_doc & valid & torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
-        if "loss_mask" in checked.seq_keys:
-            lm = out["loss_mask"].bool()
-            keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
-        out[shifted_key] = torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
-    out["valid"] = valid
-    if pieces > 1:
-        for key in {*spec.label_keys, *spec.packed_labels} & set(out):  # padding rows: no target
-            out[key] = torch.where(valid, out[key], torch.full_like(out[key], spec.ignore_index))
-        order = torch.stack([interleaved_order(docs, seq_len, pieces) for docs in documents])
-        if any(not torch.equal(row, order[0]) for row in order[1:]):
-            raise ValueError("balance='documents' orders a row by its own documents, and these rows' documents "
-                             "differ in length: an op across the batch would then mix rows ordered differently. "
-                             "Pass one packed row per batch (or rows whose documents have the same lengths)")
-        for key, value in out.items():
-            if key in checked.seq_keys or key not in batch:
-                out[key] = value.gather(1, order.view(rows, -1, *[1] * (value.dim() - 2))
-                                        .expand(rows, seq_len, *value.shape[2:]))
-        out["order"] = order
     return out
+
+
+def _shifted_labels(labels: torch.Tensor, doc_ids: torch.Tensor, valid: torch.Tensor,
+                    loss_mask: torch.Tensor | None, ignore_index: int) -> torch.Tensor:
+    """Labels shifted by one inside each document: the next position's label where it is in the same document,
+    valid, and (with a ``loss_mask``) counted; ``ignore_index`` elsewhere."""
+    nxt = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], ignore_index)], dim=1)
+    same_doc = torch.cat([doc_ids[:, 1:] == doc_ids[:, :-1], torch.zeros_like(valid[:, :1])], dim=1)
+    keep = same_doc & valid & torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
+    if loss_mask is not None:
+        lm = loss_mask.bool()
+        keep &= torch.cat([lm[:, 1:], torch.zeros_like(lm[:, :1])], dim=1)
+    return torch.where(keep, nxt, torch.full_like(nxt, ignore_index))
+
+
+def _interleave(out: dict, checked, documents: list[list[Document]], seq_len: int, pieces: int) -> None:
+    """Reorder ``out``'s sequence tensors in place by :func:`interleaved_order` and add it as ``order``; labels
+    get ``ignore_index`` on padding rows first. Raises ValueError where rows' documents differ in length."""
+    batch, rows, spec, valid = checked.batch, checked.rows, checked.padding.spec, out["valid"]
+    for key in {*spec.label_keys, *spec.packed_labels} & set(out):  # padding rows: no target
+        out[key] = torch.where(valid, out[key], torch.full_like(out[key], spec.ignore_index))
+    order = torch.stack([interleaved_order(docs, seq_len, pieces) for docs in documents])
+    if any(not torch.equal(row, order[0]) for row in order[1:]):
+        raise ValueError("balance='documents' orders a row by its own documents, and these rows' documents "
+                         "differ in length: an op across the batch would then mix rows ordered differently. "
+                         "Pass one packed row per batch (or rows whose documents have the same lengths)")
+    for key, value in out.items():
+        if key in checked.seq_keys or key not in batch:
+            out[key] = value.gather(1, order.view(rows, -1, *[1] * (value.dim() - 2))
+                                    .expand(rows, seq_len, *value.shape[2:]))
+    out["order"] = order
 
 
 def interleaved_order(docs: list[Document], seq_len: int, pieces: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..transports.halo import ConvHalo
 from ..transports.masks import MetadataMask
 from .blocks import Blocks, match_blocks
 from .causal_conv import CONVS, match_causal_conv
+from .failed import FailedMatch
 from .head_repeat import HeadRepeat, match_head_repeat, same_size
 from .masks import NotPositional, PositionMask, evaluate_position_mask, may_carry_gradient, model_mask, one_document
 from .stencils import PADS, match_shifts, match_unfold_window
@@ -26,8 +27,8 @@ from .stencils import PADS, match_shifts, match_unfold_window
 aten = torch.ops.aten
 SDPA = aten.scaled_dot_product_attention.default
 
-__all__ = ["Blocks", "HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask", "evaluate_position_mask",
-           "match_graph", "one_document", "same_size"]
+__all__ = ["Blocks", "FailedMatch", "HeadRepeat", "Matches", "MetadataMask", "NotPositional", "PositionMask",
+           "evaluate_position_mask", "match_graph", "one_document", "same_size"]
 
 
 @dataclass
@@ -35,10 +36,11 @@ class Matches:
     claimed: set = field(default_factory=set)
     """Nodes no per-op rule sees."""
     convs: dict = field(default_factory=dict)
-    """Convolution (or window ``unfold``) node -> its causal form (:class:`ConvHalo`) or why it has none."""
+    """Convolution (or window ``unfold``) node -> its causal form (:class:`ConvHalo`) or why it has none
+    (:class:`FailedMatch`)."""
     masks: dict = field(default_factory=dict)
     """Attention node -> its model-built mask (:class:`MetadataMask`, :class:`PositionMask`) or why it cannot
-    be rebuilt per rank."""
+    be rebuilt per rank (:class:`FailedMatch`)."""
     head_repeats: dict = field(default_factory=dict)
     """A head-repeated K or V node -> the :class:`HeadRepeat` that made it."""
     shifts: dict = field(default_factory=dict)

@@ -15,6 +15,7 @@ import torch.fx
 from ..errors import node_ref
 from ..graph.analysis import INPUT_NAME, SHAPE_ONLY, hint, meta_val, seq_dims, seq_multiple, window
 from ..transports.masks import MetadataMask
+from .failed import FailedMatch
 
 aten = torch.ops.aten
 
@@ -75,7 +76,7 @@ def _own(mask: torch.fx.Node, masks: set) -> set[torch.fx.Node]:
 
 
 def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int = 1,
-               masks: set = frozenset()) -> MetadataMask | PositionMask | str:
+               masks: set = frozenset()) -> MetadataMask | PositionMask | FailedMatch:
     """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
 
     Its leaves are sharded integer inputs (doc ids, positions) and the lengths it reads. A mask no gradient
@@ -88,9 +89,9 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
     attention masks, whose inputs are computed for masks as well."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
     if mask in carry:
-        return (f"its mask {node_ref(mask)} carries a gradient back to what it is computed from (a learned or "
-                f"data-dependent bias, not a mask); masks without one (boolean, or from metadata or indices) "
-                f"are evaluated over the whole sequence")
+        return FailedMatch(f"its mask {node_ref(mask)} carries a gradient back to what it is computed from (a "
+                           f"learned or data-dependent bias, not a mask); masks without one (boolean, or from "
+                           f"metadata or indices) are evaluated over the whole sequence")
     own = _own(mask, masks)
     nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
@@ -103,7 +104,7 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
             if sym in val.node.expr.free_symbols and seq_multiple(val, sym) is not None:
                 size_leaves.append(n)
             elif sym in val.node.expr.free_symbols and n.op != "call_function":
-                return f"its mask uses the length expression {val}, which cp_passes cannot rescale"
+                return FailedMatch(f"its mask uses the length expression {val}, which cp_passes cannot rescale")
             else:  # arithmetic on lengths (``seq_len - 1``) is replayed on the global ones
                 stack.extend(n.all_input_nodes)
                 nodes.append(n)
@@ -117,15 +118,15 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
             tensor_leaves.append(n)  # an activation the model uses elsewhere, read here without its gradient
         elif n.op == "placeholder":
             if not tensor:
-                return f"its mask reads input {node_ref(n)}, which is not a tensor"
+                return FailedMatch(f"its mask reads input {node_ref(n)}, which is not a tensor")
             if len(dims) != 1 or seq_multiple(val.shape[dims[0]], sym) != 1:
-                return f"its mask reads input {node_ref(n)}, whose sequence axis is not one whole dim"
+                return FailedMatch(f"its mask reads input {node_ref(n)}, whose sequence axis is not one whole dim")
             tensor_leaves.append(n)
         elif n.op in ("call_function", "get_attr"):
             nodes.append(n)
             stack.extend(n.all_input_nodes)
         else:
-            return f"its mask reads {n.op} {node_ref(n)}"
+            return FailedMatch(f"its mask reads {n.op} {node_ref(n)}")
     order = {n: i for i, n in enumerate(mask.graph.nodes)}
     nodes.sort(key=order.__getitem__)
     size_leaves.sort(key=order.__getitem__)

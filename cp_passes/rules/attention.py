@@ -15,7 +15,8 @@ import torch
 
 from ..errors import module_path, node_ref, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
-from ..match import MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document, same_size
+from ..match import (FailedMatch, MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document,
+                     same_size)
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, PROBE_MAX_LEN, KeyPlan, Move, Reach, evaluated_at_rows,
                         mask_reach, probe_lengths, read_reach, sized_by_data)
 from ..transports.attention import AttentionKV
@@ -136,12 +137,8 @@ def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
     return bool(_allowed(_evaluate(ctx, found, _probe_length(ctx)), ctx).triu(1).any())
 
 
-@register_rule(aten.scaled_dot_product_attention)
-def sdpa_rule(ctx: RuleContext):
-    q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
-    mask, causal = ctx.arg("attn_mask"), bool(ctx.arg("is_causal"))
-    if not ctx.is_seq(k) and not ctx.is_seq(v):
-        return None  # attending to memory that is not sharded: nothing to move
+def _check_inputs(ctx: RuleContext, q, k, v) -> None:
+    """Refuse sharded keys with unsharded queries, and any input without the sequence on dim -2."""
     if not ctx.is_seq(q):
         ctx.refuse(
             "its keys are sharded along the sequence but its queries are not",
@@ -156,50 +153,72 @@ def sdpa_rule(ctx: RuleContext):
                 "lay attention inputs out as [batch, heads, seq, head_dim]",
             )
 
-    declared = ctx.spec.attention_for(module_path(ctx.node))
+
+def _metadata_reach(ctx: RuleContext, mask, metadata: MetadataMask, declared) -> Reach:
+    """The envelope (causal, the declared window, or a two-sided window) that plans the transport for a mask
+    built from metadata; the model's own mask, evaluated from gathered metadata, is checked against it at run
+    time."""
+    if meta_val(mask).dtype != torch.bool:
+        read = ", ".join(f"'{leaf.meta.get(INPUT_NAME, leaf.name)}'" for leaf in metadata.tensor_leaves)
+        ctx.refuse(
+            f"its mask ({meta_val(mask).dtype}, built at {source_line(mask, code=False)}) is "
+            f"additive and computed from {read}; cp_passes rebuilds a mask that reads data over the whole "
+            f"sequence only as a boolean (which keys each query sees), and an additive one may hold any bias",
+            "pass scaled_dot_product_attention a boolean mask (True = attend): for a causal additive mask of 0 "
+            "and finfo.min (Hugging Face's padding and causal masks), attn_mask=(additive_mask == 0), or build "
+            "it as (input_ids != pad_token_id)[:, None, None, :] & causal (an encoder's: without the "
+            "causal term)",
+        )
+    if declared or not document_sees_later_keys(ctx, metadata):
+        band = (Reach(declared.window - 1) if declared.window else None) if declared else \
+            banded_reach(ctx, lambda n: _one_document(ctx, metadata, n))
+        return band if band is not None and band.causal else CAUSAL_REACH
+    band = banded_reach(ctx, lambda n: _one_document(ctx, metadata, n, padding=True))
+    return band if band is not None and not band.causal else EVERY_KEY_REACH
+
+
+def _bidirectional_reach(ctx: RuleContext, found_mask: PositionMask, reach: Reach, declared,
+                         halo_allowed: bool) -> tuple[Reach, MetadataMask | None]:
+    """An encoder's mask from positions alone that lets queries see later keys: a two-sided band becomes a halo
+    from both sides and a mask made here; any other mask is evaluated at this rank's rows (the metadata mask
+    returned), ``reach`` (from ``is_causal``) kept and every key brought."""
+    if declared is not None:
+        said = f"window {declared.window}" if declared.window else "causal attention"
+        ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
+                   f"queries see later keys (bidirectional attention)",
+                   "remove the AttentionRule: a bidirectional mask is read from the model")
+    band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed else None
+    if band is None or band.causal:
+        return reach, MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
+    return band, None
+
+
+def _check_declared(ctx: RuleContext, declared, reach: Reach, found: str) -> None:
+    """Refuse a spec's AttentionRule that disagrees with what the model computes (``found``, in words)."""
+    if declared is not None and (declared.window != reach.window or not reach.causal):
+        said = f"window {declared.window}" if declared.window else "causal attention"
+        ctx.refuse(
+            f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
+            f"training would not match the single-device model",
+            "make the spec's AttentionRule agree with the model (or fix the model's mask)",
+        )
+
+
+def _attention_reach(ctx: RuleContext, mask, causal: bool, declared,
+                     halo_allowed: bool) -> tuple[Reach, MetadataMask | None]:
+    """Which keys each query reaches, from ``is_causal``, the model's mask (its matcher's reading) and the spec;
+    and the mask to evaluate from gathered metadata, if any."""
     found_mask = ctx.matches.masks.get(ctx.node) if mask is not None else None
-    metadata = found_mask if isinstance(found_mask, MetadataMask) else None
-    if isinstance(found_mask, str):
-        ctx.refuse(found_mask + "; masks are evaluated from positions and gathered metadata only",
+    if isinstance(found_mask, FailedMatch):
+        ctx.refuse(found_mask.reason + "; masks are evaluated from positions and gathered metadata only",
                    "build the mask from position ids or document ids passed as inputs (cp_passes.shard_batch makes "
                    "doc_ids), or pass is_causal=True")
-    halo_allowed = ctx.spec.window_transport == "halo"
     reach = CAUSAL_REACH if causal else EVERY_KEY_REACH
-    if metadata is not None:
-        # The envelope (causal, the declared window, or a two-sided window) plans the transport; the model's own
-        # mask, evaluated from gathered metadata, is checked against it at run time.
-        if meta_val(mask).dtype != torch.bool:
-            read = ", ".join(f"'{leaf.meta.get(INPUT_NAME, leaf.name)}'" for leaf in metadata.tensor_leaves)
-            ctx.refuse(
-                f"its mask ({meta_val(mask).dtype}, built at {source_line(mask, code=False)}) is "
-                f"additive and computed from {read}; cp_passes rebuilds a mask that reads data over the whole "
-                f"sequence only as a boolean (which keys each query sees), and an additive one may hold any bias",
-                "pass scaled_dot_product_attention a boolean mask (True = attend): for a causal additive mask of 0 "
-                "and finfo.min (Hugging Face's padding and causal masks), attn_mask=(additive_mask == 0), or build "
-                "it as (input_ids != pad_token_id)[:, None, None, :] & causal (an encoder's: without the "
-                "causal term)",
-            )
-        if declared or not document_sees_later_keys(ctx, metadata):
-            band = (Reach(declared.window - 1) if declared.window else None) if declared else \
-                banded_reach(ctx, lambda n: _one_document(ctx, metadata, n))
-            reach = band if band is not None and band.causal else CAUSAL_REACH
-        else:
-            band = banded_reach(ctx, lambda n: _one_document(ctx, metadata, n, padding=True))
-            reach = band if band is not None and not band.causal else EVERY_KEY_REACH
-    elif isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
-        # Bidirectional (an encoder's attention): a two-sided band becomes a halo from both sides and a mask made
-        # here; any other mask, a function of positions alone, is evaluated at this rank's rows, every key brought.
-        if declared is not None:
-            said = f"window {declared.window}" if declared.window else "causal attention"
-            ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
-                       f"queries see later keys (bidirectional attention)",
-                       "remove the AttentionRule: a bidirectional mask is read from the model")
-        band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed else None
-        if band is None or band.causal:
-            metadata = MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
-        else:
-            reach = band
-    elif isinstance(found_mask, PositionMask):
+    if isinstance(found_mask, MetadataMask):
+        return _metadata_reach(ctx, mask, found_mask, declared), found_mask
+    if isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
+        return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed)
+    if isinstance(found_mask, PositionMask):
         window = read_window(ctx, found_mask, declared.window if declared else None)
         reach = Reach(None if window is None else window - 1)
         found = f"a band mask of window {window}" if window else "a causal mask"
@@ -208,43 +227,72 @@ def sdpa_rule(ctx: RuleContext):
                    "build the mask from positions or sequence metadata, or pass is_causal=True")
     else:
         found = "is_causal=True (no window)" if causal else "full attention (no mask, not causal)"
-    if metadata is None and declared is not None and (declared.window != reach.window or not reach.causal):
-        said = f"window {declared.window}" if declared.window else "causal attention"
-        ctx.refuse(
-            f"the spec declares {said} for modules '{declared.modules}', but the model computes {found}; "
-            f"training would not match the single-device model",
-            "make the spec's AttentionRule agree with the model (or fix the model's mask)",
-        )
+    _check_declared(ctx, declared, reach, found)
+    return reach, None
 
-    gqa = bool(ctx.arg("enable_gqa"))
-    k_src, v_src, notes = k, v, []
+
+def _kv_before_head_repeat(ctx: RuleContext, k, v, gqa: bool, notes: list) -> tuple:
+    """``(K, V, enable_gqa)`` to move: where K and V come from head repeats by the same factor, the tensors before
+    them (attended with GQA; ``notes`` says so), else K and V as given."""
     kr, vr = ctx.matches.head_repeats.get(k), ctx.matches.head_repeats.get(v)
     if kr and vr and kr.n_rep == vr.n_rep and not gqa and same_size(meta_val(kr.small).shape[1],
                                                                     meta_val(vr.small).shape[1]):
-        k_src, v_src, gqa = kr.small, vr.small, True
         notes.append("K/V moved before the head repeat (enable_gqa)")
-    together = (
+        return kr.small, vr.small, True
+    return k, v, gqa
+
+
+def _gather_together(ctx: RuleContext, k_src, v_src) -> bool:
+    """Whether K and V travel as one tensor: the spec asks so, and they share a dtype and all but the last dim."""
+    return (
         ctx.spec.gather_kv_together
         and meta_val(k_src).dtype == meta_val(v_src).dtype
         and all(same_size(a, b) for a, b in zip(meta_val(k_src).shape[:-1], meta_val(v_src).shape[:-1]))
     )
+
+
+def _metadata_note(metadata: MetadataMask, reach: Reach, plan: KeyPlan, declared, dropout) -> str:
+    """The table's note on a mask built from metadata: what it reads, where it is evaluated, its envelope."""
+    names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in metadata.tensor_leaves) or "positions"
+    envelope = (f"window {reach.window} (spec)" if declared and declared.window else
+                f"{reach.describe()} read from the model's mask for one document" if reach.banded else
+                "causal envelope" if reach.causal else "bidirectional: every key")
+    where = ("at this rank's rows and the keys brought"
+             if evaluated_at_rows(metadata, plan.reach, plan.move, dropout) else
+             "over the whole sequence" if sized_by_data(metadata) else
+             "at this rank's rows and the keys brought where it is elementwise in per-position terms (else over "
+             "the whole sequence)")
+    return (f"the model's mask from {names}, evaluated {where}; {envelope}"
+            + (", checked at run time" if reach.causal or reach.banded else ""))
+
+
+def _rule_name(reach: Reach, metadata: MetadataMask | None) -> str:
+    return ("sdpa_bidirectional_window" if reach.banded and not reach.causal else
+            "sdpa_bidirectional" if metadata and not reach.causal else "sdpa_data_mask" if metadata else
+            "sdpa_window" if reach.banded else "sdpa_causal" if reach.causal else "sdpa_full")
+
+
+@register_rule(aten.scaled_dot_product_attention)
+def sdpa_rule(ctx: RuleContext):
+    q, k, v = ctx.arg("query"), ctx.arg("key"), ctx.arg("value")
+    mask, causal = ctx.arg("attn_mask"), bool(ctx.arg("is_causal"))
+    if not ctx.is_seq(k) and not ctx.is_seq(v):
+        return None  # attending to memory that is not sharded: nothing to move
+    _check_inputs(ctx, q, k, v)
+    declared = ctx.spec.attention_for(module_path(ctx.node))
+    halo_allowed = ctx.spec.window_transport == "halo"
+    reach, metadata = _attention_reach(ctx, mask, causal, declared, halo_allowed)
+
+    notes = []
+    k_src, v_src, gqa = _kv_before_head_repeat(ctx, k, v, bool(ctx.arg("enable_gqa")), notes)
+    together = _gather_together(ctx, k_src, v_src)
     dropout = ctx.arg("dropout_p")
     local = metadata is not None and evaluated_at_rows(metadata, reach, None, dropout)
     plan = KeyPlan.decide(reach, halo_allowed, first_keys=local)
     if reach.banded and plan.move != Move.HALO:
         notes.append("the spec asks for a gather")
     if metadata is not None:
-        names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in metadata.tensor_leaves) or "positions"
-        envelope = (f"window {reach.window} (spec)" if declared and declared.window else
-                    f"{reach.describe()} read from the model's mask for one document" if reach.banded else
-                    "causal envelope" if reach.causal else "bidirectional: every key")
-        where = ("at this rank's rows and the keys brought"
-                 if evaluated_at_rows(metadata, plan.reach, plan.move, dropout) else
-                 "over the whole sequence" if sized_by_data(metadata) else
-                 "at this rank's rows and the keys brought where it is elementwise in per-position terms (else over "
-                 "the whole sequence)")
-        notes.append(f"the model's mask from {names}, evaluated {where}; {envelope}"
-                     + (", checked at run time" if reach.causal or reach.banded else ""))
+        notes.append(_metadata_note(metadata, reach, plan, declared, dropout))
     elif reach.banded:
         notes.append(f"{reach.describe()} read from the model's mask")
     left_padding = declared.left_padding if declared is not None and plan.move == Move.HALO else 0
@@ -252,7 +300,5 @@ def sdpa_rule(ctx: RuleContext):
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, plan, together, gqa, dropout,
                           ctx.arg("scale"), metadata, notes, left_padding)
-    rule = ("sdpa_bidirectional_window" if reach.banded and not reach.causal else
-            "sdpa_bidirectional" if metadata and not reach.causal else "sdpa_data_mask" if metadata else
-            "sdpa_window" if reach.banded else "sdpa_causal" if reach.causal else "sdpa_full")
+    rule = _rule_name(reach, metadata)
     return Rewrite(rule, "halo" if plan.move == Move.HALO else "sequence_gather", request, note="; ".join(notes))

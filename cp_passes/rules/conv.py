@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import module_path
+from ..match import FailedMatch
 from ..transports.halo import ConvHalo
 from .registry import Rewrite, RuleContext, register_rule
 
@@ -17,7 +18,8 @@ aten = torch.ops.aten
 def conv_rule(ctx: RuleContext):
     if not ctx.is_seq(ctx.arg("input")):
         return None
-    match = ctx.matches.convs.get(ctx.node, f"{ctx.node.target} is not a 1-D convolution cp_passes reads")
+    match = ctx.matches.convs.get(ctx.node,
+                                  FailedMatch(f"{ctx.node.target} is not a 1-D convolution cp_passes reads"))
     declared = ctx.spec.conv_declared(module_path(ctx.node))
     if not isinstance(match, ConvHalo):
         said = (f"the spec declares modules '{declared}' causal, but the graph shows {match}" if declared

@@ -18,17 +18,13 @@ def _demo(args) -> int:
 
 
 def _explain(args) -> int:
-    import inspect
-
     import torch
-    from tabulate import tabulate
 
     from .dryrun import dry_run, fake_group
     from ..report.dump import write_dump
     from ..report.explain import format_bytes, format_record, wrap
     from ..report.memory import format_memory
     from ..report.overlap import format_overlap
-    from .models import EXAMPLES, built_in, factory_model, hf_model
     from ..spec import CPSpec, load_spec, resolve_spec
 
     world, seq_len = args.world_size, args.seq_len
@@ -37,39 +33,18 @@ def _explain(args) -> int:
     rank = world - 1 if args.rank is None else args.rank
     if not 0 <= rank < world:
         raise SystemExit(f"--rank {rank} is outside 0..{world - 1}")
-    dtype = getattr(torch, args.dtype)
-    if (args.model is None) == (args.hf_config is None):
-        raise SystemExit("give a MODEL (a built-in example or module:factory) or --hf-config, not both")
-    config, hf = None, args.hf_config is not None
-    if hf:
-        build, config, name = hf_model(args.hf_config, dtype)
-        description = f"transformers' {name}, {getattr(config, 'num_hidden_layers', '?')} layers, its config's defaults"
-    elif args.model in EXAMPLES:
-        name, (description, example) = args.model, EXAMPLES[args.model]
-        build = lambda: built_in(example, dtype)  # noqa: E731
-    elif ":" in args.model:
-        name, description, build = args.model, "built by the factory", factory_model(args.model, dtype)
-    else:
-        raise SystemExit(f"MODEL {args.model!r} is neither a built-in example ({', '.join(sorted(EXAMPLES))}) nor "
-                         f"module:factory; for a transformers model use --hf-config")
+    build, config, name, description = _explain_model(args, getattr(torch, args.dtype))
+    hf = args.hf_config is not None
     spec = load_spec(args.spec, config) if args.spec else resolve_spec(None, config) if hf else CPSpec()
     local = seq_len // world
     columns = sorted({0, 1, world // 4, world // 2, (3 * world) // 4, world - 1} if args.ranks is None
                      else set(args.ranks)) if world > 1 else [0]
 
-    def inputs(model):
-        """What a training step passes: tokens and labels, and with --packed what shard_batch's packing passes
-        (the doc-id map, where the model reads it, and per-document positions)."""
-        takes = inspect.signature(model.forward).parameters
-        kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
-        wanted = ["input_ids", "labels"] + (["doc_ids", "position_ids"] if args.packed else [])
-        return {key: ((args.batch, local), torch.long) for key in wanted if key in takes or (kwargs and key != "doc_ids")}
-
     print(f"cp_passes: planning {name} {'with each repeated block once ' if args.regions else ''}and partitioning "
           f"its backward on fake tensors...", file=sys.stderr, flush=True)
     with fake_group(world, rank) as group:
-        run = dry_run(build, inputs, spec, mesh=group, plan_ranks=[r for r in columns if r != rank], memory=True,
-                      regions=args.regions or None)
+        run = dry_run(build, _step_inputs(args, local), spec, mesh=group,
+                      plan_ranks=[r for r in columns if r != rank], memory=True, regions=args.regions or None)
     run.per_rank[rank] = run.record.records
     width = None if args.wide or not sys.stdout.isatty() else shutil.get_terminal_size().columns
     print("\n".join(wrap([
@@ -78,22 +53,8 @@ def _explain(args) -> int:
         f"{', packed documents' if args.packed else ''}, with labels (a training step); a dry run with "
         f"fake tensors and a fake process group (nothing allocated, no processes)"], width)) + "\n")
     print(format_record(run.record, width))
-    moved = [r for r in run.record.records if r.collective]
-    if moved and len(columns) > 1:
-        bound = " / lower bound" if width is None else ""
-        print("\n" + "\n".join(wrap([f"received{bound} per forward, by rank (--ranks to choose; the backward moves "
-                                     f"the same bytes back{'' if bound else '; the lower bound: --wide'}):"], width)))
-
-        def cell(records):
-            got = format_bytes(sum(r.bytes for r in records))
-            return got if width is not None else f"{got} / {format_bytes(sum(r.lower_bound_bytes for r in records))}"
-
-        fit = max(2, (width - 40) // 11) if width is not None else len(columns)
-        shown = columns if len(columns) <= fit else columns[:fit - 1] + columns[-1:]
-        rows = [[rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in shown]
-                for rec in moved]
-        rows.append(["total", ""] + [cell(run.per_rank[c]) for c in shown])
-        print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in shown]))
+    if any(r.collective for r in run.record.records) and len(columns) > 1:
+        _print_bytes_by_rank(run, columns, width)
     print()
     print("\n".join(wrap(format_memory(run.memory, rank, local, format_bytes), width)))
     print("\n".join(wrap([format_overlap(run.overlap, format_bytes)], width)))
@@ -101,6 +62,65 @@ def _explain(args) -> int:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
     return 0
+
+
+def _explain_model(args, dtype) -> tuple:
+    """``(build, config, name, description)`` of the model ``explain`` plans: a built-in example, a
+    ``module:factory``, or ``--hf-config`` (then ``config`` is its transformers config, else None)."""
+    from .models import EXAMPLES, built_in, factory_model, hf_model
+
+    if (args.model is None) == (args.hf_config is None):
+        raise SystemExit("give a MODEL (a built-in example or module:factory) or --hf-config, not both")
+    if args.hf_config is not None:
+        build, config, name = hf_model(args.hf_config, dtype)
+        description = f"transformers' {name}, {getattr(config, 'num_hidden_layers', '?')} layers, its config's defaults"
+        return build, config, name, description
+    if args.model in EXAMPLES:
+        name, (description, example) = args.model, EXAMPLES[args.model]
+        return (lambda: built_in(example, dtype)), None, name, description
+    if ":" in args.model:
+        return factory_model(args.model, dtype), None, args.model, "built by the factory"
+    raise SystemExit(f"MODEL {args.model!r} is neither a built-in example ({', '.join(sorted(EXAMPLES))}) nor "
+                     f"module:factory; for a transformers model use --hf-config")
+
+
+def _step_inputs(args, local: int):
+    """The dry run's inputs for a model: what a training step passes, tokens and labels, and with --packed what
+    shard_batch's packing passes (the doc-id map, where the model reads it, and per-document positions)."""
+    import inspect
+
+    import torch
+
+    def inputs(model):
+        takes = inspect.signature(model.forward).parameters
+        kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
+        wanted = ["input_ids", "labels"] + (["doc_ids", "position_ids"] if args.packed else [])
+        return {key: ((args.batch, local), torch.long) for key in wanted if key in takes or (kwargs and key != "doc_ids")}
+
+    return inputs
+
+
+def _print_bytes_by_rank(run, columns: list[int], width: int | None) -> None:
+    """The bytes each moving record receives per forward on the ranks ``columns`` (as many as ``width`` fits;
+    with no width, each against its lower bound)."""
+    from tabulate import tabulate
+
+    from ..report.explain import format_bytes, wrap
+
+    bound = " / lower bound" if width is None else ""
+    print("\n" + "\n".join(wrap([f"received{bound} per forward, by rank (--ranks to choose; the backward moves "
+                                 f"the same bytes back{'' if bound else '; the lower bound: --wide'}):"], width)))
+
+    def cell(records):
+        got = format_bytes(sum(r.bytes for r in records))
+        return got if width is not None else f"{got} / {format_bytes(sum(r.lower_bound_bytes for r in records))}"
+
+    fit = max(2, (width - 40) // 11) if width is not None else len(columns)
+    shown = columns if len(columns) <= fit else columns[:fit - 1] + columns[-1:]
+    rows = [[rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in shown]
+            for rec in run.record.records if rec.collective]
+    rows.append(["total", ""] + [cell(run.per_rank[c]) for c in shown])
+    print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in shown]))
 
 
 def _specs(args) -> int:
