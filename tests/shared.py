@@ -254,3 +254,21 @@ def envelope_violation(group, layout: list | None = None) -> str:
     return error_text(lambda: compiled(**packed_model_inputs(local, hf=False)))
 
 
+class MaskedBlock(torch.nn.Module):
+    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids (``[B, S]``) or from
+    positions (``[S]``); optionally also returning the sum of its output."""
+
+    def __init__(self, returns_sum: bool = False):
+        super().__init__()
+        self.qkv, self.returns_sum = torch.nn.Linear(8, 24), returns_sum
+
+    def forward(self, x, mask_or_ids):
+        if mask_or_ids.dim() == 1:  # positions: causal attention
+            mask_or_ids = mask_or_ids[:, None] >= mask_or_ids[None, :]
+        elif mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
+            pos = torch.arange(x.shape[1])
+            ids = mask_or_ids
+            mask_or_ids = ((pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_ids).transpose(1, 2).flatten(2)
+        return (out, out.sum()) if self.returns_sum else out

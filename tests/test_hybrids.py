@@ -12,7 +12,7 @@ import cp_passes
 import hybrid_models
 from cp_passes.kernels import decode_options, encode_options
 from hybrid_models import FAMILIES, build, reference, state_shape
-from test_parity import compare_valid
+from parity import compare_valid
 
 DEFAULT = {("bamba", 2)}
 """One Mamba-2 hybrid in the default run (the gated delta rule takes KDA's carry, which the Glm5Next default case
