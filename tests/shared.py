@@ -124,7 +124,8 @@ def _top_k_over_a_running_sum(x):
 def _both_ways_activation_mask(x):
     """SDPA with a boolean mask computed from activations that lets queries see later keys."""
     q, positive = x[:, None], x.sum(-1) > 0
-    return F.scaled_dot_product_attention(q, q, q, attn_mask=positive[:, None, :, None] & positive[:, None, None, :])[:, 0]
+    mask = positive[:, None, :, None] & positive[:, None, None, :]
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)[:, 0]
 
 
 def _prompt_unmasked_by_addition(x):
@@ -153,9 +154,11 @@ def _alibi_baddbmm(x):
 
 
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
-         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
+         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum,
+         "window_with_key_temperature": _window_with_key_temperature,
          "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
-         "both_ways_activation_mask": _both_ways_activation_mask, "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
+         "both_ways_activation_mask": _both_ways_activation_mask,
+         "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
          "alibi_baddbmm": _alibi_baddbmm}
 
 
@@ -181,7 +184,8 @@ def step_result(model, compiled, loss, out, layout) -> dict:
     """One step's results on this rank: loss, outputs, gradients, which rows are real, the rewrite table."""
     return {"loss": loss.detach(), "logits": out.detach(), "grads": param_grads(model), "valid": layout.valid,
             "positions": layout.positions,
-            "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes) for r in compiled.compile_records[-1].records]}
+            "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                        for r in compiled.compile_records[-1].records]}
 
 
 def small_parity(group, model, spec, seq_lens: list[int], batch=None) -> list[dict]:

@@ -388,8 +388,6 @@ def _mixer_parity(pool, parity_report, mix, layout, P=2):
 def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
     """Hugging Face 4.x's float padding-and-causal mask, computed in the model from input_ids (pad id 0, at
     random places in mixer batches), added to hand-written scores; and as SDPA's boolean mask == 0."""
-    
-
     seq_lens = [16, 12]
     per_rank = pool.run(ids_mask_parity, 2, sdpa=sdpa, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):

@@ -1,6 +1,7 @@
 """Step-5's public relative, transformers' Step3p7TextModel with model_specs/step5.py: sliding-window layers
-by halo, full-attention layers by gather, MoE layers with the experts as shipped (the spec runs their loop as grouped_mm). Parity on real
-gloo processes against one device, unpacked and packed; the untraceable experts loop refused with its fix."""
+by halo, full-attention layers by gather, MoE layers with the experts as shipped (the spec runs their loop as
+grouped_mm). Parity on real gloo processes against one device, unpacked and packed; the untraceable experts
+loop refused with its fix."""
 
 from unittest import mock
 

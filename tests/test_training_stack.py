@@ -104,7 +104,8 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
     for step, ref in enumerate(_dp_cp_reference(STEPS)):
         ranks = [r[step] for r in per_rank]
         assert {r["count"] for r in ranks} == {ref["count"]}
-        loss_err = max(_relative(sum(r["losses"][i] for r in ranks), ref_loss) for i, ref_loss in enumerate(ref["losses"]))
+        loss_err = max(_relative(sum(r["losses"][i] for r in ranks), ref_loss)
+                       for i, ref_loss in enumerate(ref["losses"]))
         assert loss_err <= OUT_TOL, f"step {step}: losses differ by {loss_err} (relative)"
         for rank, r in enumerate(ranks):  # the wrapper leaves every rank the whole step's gradient
             grad_err = max(_relative(r["grads"][n], g) for n, g in ref["grads"].items())
