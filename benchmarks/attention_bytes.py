@@ -51,7 +51,8 @@ def needed_keys(layout: Layout, rank: int, local: int, kind: str, window: int, s
 def packed_received(world: int, kind: str, local: int, starts: torch.Tensor, row: int) -> dict[int, int]:
     """Each rank's K/V bytes received per forward for packed documents: the gather's count from every rank's
     first keys, read by ``first_keys`` from the model's document mask (same document, causal)."""
-    config, inputs = ToyLlamaConfig(n_layers=1), {"input_ids": ((1, local), torch.long), "doc_ids": ((1, local), torch.long)}
+    config = ToyLlamaConfig(n_layers=1)
+    inputs = {"input_ids": ((1, local), torch.long), "doc_ids": ((1, local), torch.long)}
     with fake_group(world, world - 1) as group:
         run = dry_run(lambda: ToyLlama(config), inputs, CPSpec(layout=kind), mesh=group)
     planned = [r.collective for r in run.record.records if r.rule.startswith("sdpa")]

@@ -1,6 +1,7 @@
 """Bytes each rank receives for sliding-window attention and causal convolutions: halo against a gather of
-the causal prefix (``window_transport="gather"``), next to the lower bound. Counted from the rewritten graphs of a dry run (fake tensors, a
-fake process group), so any sequence length and world size plan in seconds on a laptop.
+the causal prefix (``window_transport="gather"``), next to the lower bound. Counted from the rewritten graphs
+of a dry run (fake tensors, a fake process group), so any sequence length and world size plan in seconds on a
+laptop.
 
     python benchmarks/halo_bytes.py                       # S = 32768, P = 8, window 1024, conv kernel 4
     python benchmarks/halo_bytes.py --seq-len 131072 --world-size 16 --window 4096

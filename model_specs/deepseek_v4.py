@@ -4,15 +4,25 @@ Its compressed attention groups the sequence into windows: heavily compressed at
 windows of ``compress_rates["heavily_compressed_attention"]`` (128) positions, compressed sparse attention
 (CSA) windows of ``compress_rates["compressed_sparse_attention"]`` (4), each paired with the previous window.
 Every shard must hold whole windows of both, so ``pad_multiple`` is their least common multiple, which
-``shard_batch`` pads to, and packed documents start at multiples of it. Everything else is read from the
-graph: the windows' positions become global, the CSA pairing a one-window halo, and each attention's keys
-(the raw positions and the compressed entries, concatenated) are brought part by part with its masks
-(sliding window, the HCA causal block rule, the CSA indexer's top-k) evaluated over the whole sequence.
+``shard_batch`` pads to, and packed documents start at multiples of it (``packed_alignment``). ``SPEC``'s 128
+suits the released rates; ``cp_compile(model, "deepseek_v4")`` reads the rates from ``model.config``
+(:func:`for_config`), and a config with others replaces them. Shard with the compiled module's spec,
+``shard_batch(batch, group, compiled.spec)``, or ``load_spec("deepseek_v4", config=model.config)``: the name
+alone gives ``SPEC``, for the released rates.
+
+Everything else is read from the graph. The windows' positions become global and the CSA pairing (a slice
+written at an offset into a fresh tensor) is a shift of one window. Each attention's key axis concatenates the
+raw positions and the compressed entries (``cat([kv, compressed], dim=2)``) and is brought part by part, each
+part gathered along its own axis and concatenated as on one device: the raw keys are cut by the masks' first
+part, the sliding window, to a halo of ``window - 1`` rows; every compressed entry comes (S/m rows, not cut to
+the causal prefix). The masks (the sliding window, the HCA causal block rule ``entry < (position + 1) // m``,
+the CSA indexer's top-k over the compressed entries, which reads activations in windows) are evaluated at this
+rank's query rows and every key, then cut to the keys brought and checked at run time to hide the rest (never
+``[S, S]``; the indexer's own scores are still computed for every query, ``[S, S/m]`` on every rank). An input
+a mask reads only the shape of (``compressed_kv.new_zeros(..)``) is not gathered.
+
 The MoE layers (routed and hash-routed) run on transformers' default experts implementation, grouped_mm,
 which cp_passes proves local to each rank.
-``cp_compile(model, "deepseek_v4")`` reads the rates from ``model.config`` (:func:`for_config`); shard with the
-compiled module's spec, ``shard_batch(batch, group, compiled.spec)``, or ``load_spec("deepseek_v4",
-config=model.config)``: the name alone gives ``SPEC``, for the released rates.
 """
 
 import math

@@ -2,7 +2,8 @@
 
 Its linear-attention layers run Kimi Delta Attention: a short causal convolution (read from the graph: a
 halo of kernel - 1 rows) and ``chunk_kimi_delta_attention``, a recurrence with a ``[K, V]`` state per head
-that the model calls as a Python function looping over chunks. The spec declares it: cp_passes captures each
+that the model calls as a Python function looping over chunks. The spec declares it (a ``Recurrence``
+without ``documents``: transformers' CPU fallback takes no ``cu_seqlens``): cp_passes captures each
 call as one op and hands the state on across ranks with the affine carry (one all-gather of every rank's
 ``[h | M]`` per layer, state-sized). On GPU the same module attribute dispatches to flash-linear-attention's
 ``chunk_kda`` when it is installed. Its indexed-attention layers need nothing declared: the indexer's

@@ -4,6 +4,7 @@ suite runs (a model one module alone builds lives in that module)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 import cp_passes
 from shared import packed_model_inputs, param_grads, toy_batch
@@ -200,3 +201,27 @@ def step3p7_text(moe: bool = True) -> dict:
         mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
         pad_token_id=0, use_cache=False)
+
+
+def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
+    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative): linear-attention (KDA) layers (short
+    causal convs, the KDA recurrence) and indexed-attention layers (MLA over the keys a top-k indexer picks
+    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, a dense MLP
+    first and MoE layers after it (4 experts, top 2, transformers' default grouped_mm)."""
+    from transformers import Glm5NextTextConfig, Glm5NextTextModel
+
+    config = Glm5NextTextConfig(**glm5_next_text(layer_types))
+    torch.manual_seed(seed)
+    return Glm5NextTextModel(config).float()
+
+
+def deepseek_v4_spec() -> cp_passes.CPSpec:
+    """model_specs/deepseek_v4.py read for the tiny config's rates (windows of 2 and 4: whole windows of 4)."""
+    return cp_passes.load_spec("deepseek_v4", config=hf_deepseek_v4().config)
+
+
+def deepseek_v4_loss(model, batch: dict, positions: bool = True):
+    """The summed cross entropy of the model's logits against labels shifted inside each document; without
+    ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
+    out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
+    return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits

@@ -1,6 +1,7 @@
 """State-space and linear-attention hybrids as transformers ships them (Mamba-2's chunked scan, the gated delta
 rule, Kimi Delta Attention), BLOOM's and MPT's ALiBi, and learned position tables sliced to the sequence length,
-compiled with spec=None: the shipped spec, if any, is picked by the config's model_type. The parity task the worker pool runs for them is ``pool.run(hybrid_models.parity, ...)``."""
+compiled with spec=None: the shipped spec, if any, is picked by the config's model_type. The parity task the
+worker pool runs for them is ``pool.run(hybrid_models.parity, ...)``."""
 
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ def kimi_linear():
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     return KimiLinearForCausalLM(KimiLinearConfig(
-        **TINY, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2, moe_intermediate_size=32, num_local_experts=4,
-        num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=8, linear_num_heads=2, linear_conv_kernel_dim=4,
+        **TINY, num_attention_heads=2, num_key_value_heads=2, intermediate_size=64, num_hidden_layers=2,
+        moe_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, kv_lora_rank=16,
+        q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=8, linear_num_heads=2,
+        linear_conv_kernel_dim=4,
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]))
 
 
@@ -166,7 +168,8 @@ def table(variant: str):
     return PositionTable(variant)
 
 
-OTHERS = {"bloom": bloom, "gpt2": gpt2, "mpt": mpt, **{f"table_{v}": (lambda v=v: table(v)) for v in PositionTable.VARIANTS}}
+OTHERS = {"bloom": bloom, "gpt2": gpt2, "mpt": mpt,
+          **{f"table_{v}": (lambda v=v: table(v)) for v in PositionTable.VARIANTS}}
 """Models without a recurrence that run the same parity task."""
 
 

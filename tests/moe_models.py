@@ -81,7 +81,8 @@ def parity(group, family: str, seq_lens: list[int], aux: bool = False, documents
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
                         "aux_loss": out.aux_loss.detach() if aux else None, "valid": layout.valid,
                         "positions": layout.positions,
-                        "records": [(r.rule, r.transport, r.bytes, r.source) for r in compiled.compile_records[-1].records]})
+                        "records": [(r.rule, r.transport, r.bytes, r.source)
+                                    for r in compiled.compile_records[-1].records]})
     return results
 
 

@@ -124,7 +124,8 @@ def _top_k_over_a_running_sum(x):
 def _both_ways_activation_mask(x):
     """SDPA with a boolean mask computed from activations that lets queries see later keys."""
     q, positive = x[:, None], x.sum(-1) > 0
-    return F.scaled_dot_product_attention(q, q, q, attn_mask=positive[:, None, :, None] & positive[:, None, None, :])[:, 0]
+    mask = positive[:, None, :, None] & positive[:, None, None, :]
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=mask)[:, 0]
 
 
 def _prompt_unmasked_by_addition(x):
@@ -153,9 +154,11 @@ def _alibi_baddbmm(x):
 
 
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
-         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum, "window_with_key_temperature": _window_with_key_temperature,
+         "sdpa_over_a_running_sum": _sdpa_over_a_running_sum,
+         "window_with_key_temperature": _window_with_key_temperature,
          "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
-         "both_ways_activation_mask": _both_ways_activation_mask, "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
+         "both_ways_activation_mask": _both_ways_activation_mask,
+         "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
          "alibi_baddbmm": _alibi_baddbmm}
 
 
@@ -181,7 +184,8 @@ def step_result(model, compiled, loss, out, layout) -> dict:
     """One step's results on this rank: loss, outputs, gradients, which rows are real, the rewrite table."""
     return {"loss": loss.detach(), "logits": out.detach(), "grads": param_grads(model), "valid": layout.valid,
             "positions": layout.positions,
-            "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes) for r in compiled.compile_records[-1].records]}
+            "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes)
+                        for r in compiled.compile_records[-1].records]}
 
 
 def small_parity(group, model, spec, seq_lens: list[int], batch=None) -> list[dict]:
@@ -254,3 +258,21 @@ def envelope_violation(group, layout: list | None = None) -> str:
     return error_text(lambda: compiled(**packed_model_inputs(local, hf=False)))
 
 
+class MaskedBlock(torch.nn.Module):
+    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids (``[B, S]``) or from
+    positions (``[S]``); optionally also returning the sum of its output."""
+
+    def __init__(self, returns_sum: bool = False):
+        super().__init__()
+        self.qkv, self.returns_sum = torch.nn.Linear(8, 24), returns_sum
+
+    def forward(self, x, mask_or_ids):
+        if mask_or_ids.dim() == 1:  # positions: causal attention
+            mask_or_ids = mask_or_ids[:, None] >= mask_or_ids[None, :]
+        elif mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
+            pos = torch.arange(x.shape[1])
+            ids = mask_or_ids
+            mask_or_ids = ((pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :]))[:, None]
+        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_ids).transpose(1, 2).flatten(2)
+        return (out, out.sum()) if self.returns_sum else out

@@ -86,6 +86,7 @@ class Scaled(torch.nn.Module):
         return self.toy(input_ids) * self.factor
 
 HANG_S = 240
+OUTSIDE_THE_PREFIX = "the model's attention mask lets a query see a key outside the causal prefix in this batch"
 WORLDS = [2, pytest.param(4, marks=pytest.mark.full)]
 
 
@@ -152,7 +153,7 @@ def test_a_mask_from_activations_that_shows_later_keys_fails_on_every_rank(pool)
     activations at this rank's rows; SDPA then brings the causal prefix, and this mask lets queries see later
     keys. Each rank counts the later keys its transposed block allows; the all-reduced count stops every rank."""
     for error in pool.run(mixer_error, 2, timeout=HANG_S, mix="both_ways_activation_mask", seq_len=8):
-        assert "the model's attention mask lets a query see a key outside the causal prefix in this batch" in error, error
+        assert OUTSIDE_THE_PREFIX in error, error
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -162,7 +163,7 @@ def test_a_later_key_only_the_last_rank_holds_fails_on_every_rank(pool, world):
     before them); only the last rank finds the later key, and the all-reduced count stops every rank. Without
     the token the same model runs."""
     for error in pool.run(marked_key_error, world, timeout=HANG_S, seq_len=16, at=15):
-        assert "the model's attention mask lets a query see a key outside the causal prefix in this batch" in error, error
+        assert OUTSIDE_THE_PREFIX in error, error
     assert pool.run(marked_key_error, world, timeout=HANG_S, seq_len=16, at=None) == ["no error"] * world
 
 

@@ -13,7 +13,7 @@ import torch.nn as nn
 import cp_passes
 import hybrid_models
 from hybrid_models import batch, build, reference
-from test_parity import compare_valid
+from parity import compare_valid
 
 
 @pytest.mark.parametrize("P,seq_lens", [(2, [11]), pytest.param(2, [16], marks=pytest.mark.full),

@@ -3,76 +3,22 @@ model_specs/deepseek_v4.py): windows of positions pooled into compressed entries
 raw keys, with a sliding-window mask, the causal block rule and a top-k indexer. Parity on real gloo
 processes against one device, unpacked and packed; what each rank receives per layer on the fake group."""
 
-from unittest import mock
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError
-from cp_passes.data.batch import shard_for_rank
-from cp_passes.layout import resolve_layout
 from cp_passes.tools.dryrun import dry_run
-from family_models import deepseek_v4_batch, hf_deepseek_v4
+from family_models import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
+from parity import GRAD_RTOL, compare, deepseek_v4_cut_floor, deepseek_v4_reference
 from shared import step_result
-from test_parity import GRAD_RTOL, _compare, split_floor
 
-
-def deepseek_v4_spec() -> cp_passes.CPSpec:
-    """model_specs/deepseek_v4.py read for the tiny config's rates (windows of 2 and 4: whole windows of 4)."""
-    return cp_passes.load_spec("deepseek_v4", config=hf_deepseek_v4().config)
-
-
-def deepseek_v4_loss(model, batch: dict, positions: bool = True):
-    """The summed cross entropy of the model's logits against labels shifted inside each document; without
-    ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
-    out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
-    return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
 
 PACKED = [[3, 17, 4], [8, 8, 8]]
 """Aligned to windows of 4: row 0's documents start at 0, 4 and 24 (32 positions after padding), so at
 P = 4 (8 a rank) the second spans ranks 0, 1 and 2 and the third starts at rank 3's first position; row 1's
 start at every shard boundary."""
-
-
-def _reference(P: int, documents, layers: int = 3):
-    """One device on the global batch as shard_batch lays it out for ``P`` ranks (the same padding)."""
-    model = hf_deepseek_v4(layers=layers)
-    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P), 0, 1, deepseek_v4_spec(), pad_multiple=8 * P)
-    loss, logits = deepseek_v4_loss(model, batch)
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    return batch, loss.detach(), logits.detach(), grads
-
-
-def _cut_floor(P: int, batch: dict, grads: dict, layers: int = 3) -> float:
-    """The model's one-device floor (:func:`split_floor`) cut as the spec's layout cuts it (balanced: 2P
-    chunks): each chunk's queries attend only to the keys cp_passes brings them (the ``window - 1`` raw keys
-    before it, its own, every compressed entry), and the gradient is summed from each rank's loss."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as ds
-
-    eager = ds.eager_attention_forward
-    layout = resolve_layout(deepseek_v4_spec(), P)[0]
-
-    def cut(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        length, halo = query.shape[2], module.config.sliding_window - 1
-        local, outs = length // (P * layout.chunks), []
-        for start in range(0, length, local):
-            keys = torch.cat([torch.arange(max(start - halo, 0), start + local), torch.arange(length, key.shape[2])])
-            rows = attention_mask[:, :, start:start + local][..., keys]
-            outs.append(eager(module, query[:, :, start:start + local], key[:, :, keys], value[:, :, keys], rows,
-                              scaling, dropout, **kwargs)[0])
-        return torch.cat(outs, 1), None
-
-    model = hf_deepseek_v4(layers=layers)
-    with mock.patch.object(ds, "eager_attention_forward", cut):
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-    local = logits.shape[1] // P
-    rows = [layout.positions(r, local) for r in range(P)]
-    losses = [F.cross_entropy(logits[:, pos].flatten(0, 1), batch["shift_labels"][:, pos].flatten(), reduction="sum")
-              for pos in rows]
-    return split_floor(model, losses, grads)
 
 
 CASES = [(2, PACKED, True), pytest.param(2, None, False, marks=pytest.mark.full),
@@ -92,7 +38,7 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, posit
     the masks (copied whole, over the global length)."""
     seq_len = 8 * P
     per_rank = pool.run(deepseek_v4_parity, P, documents=documents, seq_len=seq_len, positions=positions)
-    batch, loss, logits, grads = _reference(P, documents)
+    batch, loss, logits, grads = deepseek_v4_reference(P, documents)
     name = (f"hf-DeepseekV4ForCausalLM-{'packed' if documents else 'unpacked'}"
             f"{'' if positions else '-no-position_ids'}-aot_eager")
     if documents:
@@ -100,8 +46,8 @@ def test_deepseek_v4_matches_one_device(pool, parity_report, P, documents, posit
         for r in per_rank:  # every position is compared, the padding between documents too
             r["valid"] = torch.ones_like(r["valid"])
     # At P = 1 the cut is no cut; the model's sensitivity to rounding is read from a cut in two.
-    tolerance = max(GRAD_RTOL, 2 * _cut_floor(max(P, 2), batch, grads))
-    _compare(f"{name} (grad tol {tolerance:.1e})", per_rank, loss, logits, grads, logits.shape[1], parity_report,
+    tolerance = max(GRAD_RTOL, 2 * deepseek_v4_cut_floor(max(P, 2), batch, grads))
+    compare(f"{name} (grad tol {tolerance:.1e})", per_rank, loss, logits, grads, logits.shape[1], parity_report,
              grad_rtol=tolerance)
     rules = [rec[0] for rec in per_rank[0]["records"]]
     assert rules.count("shift_stencil") == 2 and rules.count("key_operand") == 6, rules
@@ -114,10 +60,10 @@ def test_deepseek_v4_as_regions_matches_one_device(pool, parity_report, P, posit
     ``position_ids``: the model builds its masks (and without them its positions, from ``arange``) once and
     hands them to every layer; they are computed inside each region, which is planned once for its two calls."""
     per_rank = pool.run(deepseek_v4_parity, P, seq_len=8 * P, positions=positions, regions=True)
-    batch, loss, logits, grads = _reference(P, None, layers=6)
-    tolerance = max(GRAD_RTOL, 2 * _cut_floor(P, batch, grads, layers=6))
+    batch, loss, logits, grads = deepseek_v4_reference(P, None, layers=6)
+    tolerance = max(GRAD_RTOL, 2 * deepseek_v4_cut_floor(P, batch, grads, layers=6))
     name = f"hf-DeepseekV4ForCausalLM-regions{'' if positions else '-no-position_ids'}-aot_eager"
-    _compare(f"{name} (grad tol {tolerance:.1e})", per_rank,
+    compare(f"{name} (grad tol {tolerance:.1e})", per_rank,
              loss, logits, grads, logits.shape[1], parity_report, grad_rtol=tolerance)
     history = per_rank[0]["history"]
     assert sum(label.endswith("are computed inside it") for label in history) == 3, history

@@ -9,8 +9,8 @@ import pytest
 import cp_passes
 import encoder_models
 from encoder_models import ToyEncoder, batch, build, reference, toy_batch, toy_reference
+from parity import GRAD_RTOL, OUT_TOL, compare_valid
 from shared import in_global_order
-from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
 
 CASES = [(2, "sdpa", True, "auto", [11])] + [
     pytest.param(*case, marks=pytest.mark.full) for case in (

@@ -104,9 +104,9 @@ def table_positions_and_band(x, doc):  # positions sliced from a longer table, f
 
 
 ATTENTIONS = {f.__name__: f for f in (causal_from_zeros, causal_documents_fill, window_heads_4d, two_sided_band,
-                                      window_documents, alibi_slopes, window_with_bias, later_across_documents, document_five_hidden,
-                                      document_seven_seen, rotary_and_window, rotary_and_packed_positions,
-                                      table_positions_and_band)}
+                                      window_documents, alibi_slopes, window_with_bias, later_across_documents,
+                                      document_five_hidden, document_seven_seen, rotary_and_window,
+                                      rotary_and_packed_positions, table_positions_and_band)}
 
 
 class Attend(nn.Module):

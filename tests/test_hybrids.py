@@ -12,7 +12,7 @@ import cp_passes
 import hybrid_models
 from cp_passes.kernels import decode_options, encode_options
 from hybrid_models import FAMILIES, build, reference, state_shape
-from test_parity import compare_valid
+from parity import compare_valid
 
 DEFAULT = {("bamba", 2)}
 """One Mamba-2 hybrid in the default run (the gated delta rule takes KDA's carry, which the Glm5Next default case
@@ -60,7 +60,8 @@ def test_the_shipped_spec_is_picked_by_model_type_and_explain_names_it(group):
     model = build("mamba2")
     compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
     assert compiled.spec.name == "mamba2" and compiled.spec.recurrences
-    assert "spec 'mamba2' (model_specs/mamba2.py, picked by model_type 'mamba2')" in cp_passes.explain(compiled, print_table=False)
+    explained = cp_passes.explain(compiled, print_table=False)
+    assert "spec 'mamba2' (model_specs/mamba2.py, picked by model_type 'mamba2')" in explained
     given = cp_passes.cp_compile(model, cp_passes.CPSpec(), mesh=group, backend="aot_eager", verbose=False)
     assert given.spec.recurrences == () and "spec 'default' (given)" in cp_passes.explain(given, print_table=False)
     llama = cp_passes.cp_compile(torch.nn.Linear(2, 2), mesh=group, backend="aot_eager", verbose=False)

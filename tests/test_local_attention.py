@@ -296,7 +296,8 @@ def test_a_mask_broadcast_over_queries_is_read_for_every_row():
     q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64) for _ in range(3))
     keys = torch.tensor([True, False, True, True])
     out, _ = block_attention_op(q, k, v, keys[None, :], [0, 4], [0, 4], [FULL], 8 ** -0.5)
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :]), rtol=0, atol=1e-12)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=keys[None, :])
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("world,kind,length,before,after,left_padding", [

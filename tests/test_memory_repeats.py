@@ -18,7 +18,7 @@ import cp_passes.tools.dryrun
 from cp_passes.report.memory import saved_activation_bytes
 from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
-from tests.test_regions import Block
+from shared import MaskedBlock
 
 INPUTS = {"input_ids": ((2, 16), torch.int64)}
 
@@ -30,7 +30,7 @@ class Pair(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.inner, self.scale = Block(), nn.Parameter(torch.ones(8))
+        self.inner, self.scale = MaskedBlock(), nn.Parameter(torch.ones(8))
 
     def forward(self, x, y, pos):
         return self.inner(x, pos) + y, x * self.scale
@@ -43,7 +43,7 @@ class Chain(nn.Module):
         super().__init__()
         self.kind = kind
         self.embed = nn.Embedding(32, 8)
-        self.blocks = nn.ModuleList((Pair() if kind == "pair" else Block()) for _ in range(6))
+        self.blocks = nn.ModuleList((Pair() if kind == "pair" else MaskedBlock()) for _ in range(6))
         if kind == "shared":
             for block in self.blocks[1:]:
                 block.qkv = self.blocks[0].qkv

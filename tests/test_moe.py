@@ -7,8 +7,9 @@ import torch
 
 import moe_models
 from moe_models import HandMoE, reference
+from parity import (GRAD_RTOL, OUT_TOL, compare, compare_valid, deepseek_v4_cut_floor, deepseek_v4_reference,
+                    glm5_next_split_floor)
 from shared import in_global_order, toy_batch
-from test_parity import GRAD_RTOL, OUT_TOL, compare_valid
 
 
 def _compare(name, family, ranks, seq_len, report, aux=False, documents=None):
@@ -166,11 +167,9 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
     """Glm5NextTextModel with a full and a shared indexer (the second layer reuses the first's top-k), pools of
     8 or 16 keys, MoE layers: the indexers' top-k masks are evaluated over the whole sequence for both
     attentions, 32 positions a rank. The gradient tolerance is the family's: twice the one-device floor of
-    computing as CP does (the KDA layer's affine carry and block attention, test_recurrence._split_floor)."""
+    computing as CP does (the KDA layer's affine carry and block attention, parity.glm5_next_split_floor)."""
     from family_models import glm5_next_batch
     from moe_models import glm5_next
-    from test_parity import _compare as compare
-    from test_recurrence import _split_floor
 
     seq_len = 32 * P
     per_rank = pool.run(moe_models.glm5_next_parity, P, kpool=kpool, seq_len=seq_len)
@@ -179,7 +178,8 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
     loss = out.pow(2).sum()
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    tolerance = max(GRAD_RTOL, 2 * _split_floor(P, glm5_next_batch(seq_len), None, build=lambda: glm5_next(kpool)))
+    floor = glm5_next_split_floor(P, glm5_next_batch(seq_len), None, build=lambda: glm5_next(kpool))
+    tolerance = max(GRAD_RTOL, 2 * floor)
     compare(f"hf-Glm5NextTextModel-shared-indexer-kpool{kpool}-moe (grad tol {tolerance:.1e})", per_rank,
             loss.detach(), out.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
 
@@ -188,11 +188,9 @@ def test_glm5_next_shared_indexer_and_moe_match_one_device(pool, parity_report, 
 def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
     """DeepseekV4ForCausalLM with output_router_logits=True: its load-balancing loss over the routed layers
     joins the loss; loss, aux_loss and gradients match one device, within the family's tolerance (twice the
-    one-device floor of cutting its loss as CP does, test_compressed_attention._cut_floor)."""
+    one-device floor of cutting its loss as CP does, parity.deepseek_v4_cut_floor)."""
     from family_models import deepseek_v4_batch
     from moe_models import deepseek_v4
-    from test_compressed_attention import _cut_floor, _reference
-    from test_parity import _compare as compare
 
     seq_len = 8 * P
     per_rank = pool.run(moe_models.deepseek_v4_aux_parity, P, seq_len=seq_len)
@@ -201,8 +199,9 @@ def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
     ref = model(**batch, labels=batch["shift_labels"])
     ref.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    floor_batch, _, _, floor_grads = _reference(P, None)  # the model without its router loss, cut as CP cuts it
-    tolerance = max(GRAD_RTOL, 2 * _cut_floor(P, floor_batch, floor_grads))
+    # the model without its router loss, cut as CP cuts it
+    floor_batch, _, _, floor_grads = deepseek_v4_reference(P, None)
+    tolerance = max(GRAD_RTOL, 2 * deepseek_v4_cut_floor(P, floor_batch, floor_grads))
     compare(f"hf-DeepseekV4ForCausalLM-router-aux (grad tol {tolerance:.1e})", per_rank, ref.loss.detach(),
             ref.logits.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
     for r in per_rank:

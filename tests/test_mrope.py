@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.data.batch import shard_for_rank
+from parity import GRAD_RTOL, blockwise_sdpa, compare, split_floor
 from shared import step_result
-from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
 
 MROPE_SPEC = cp_passes.CPSpec(name="qwen2_vl_text", sequence_dims=(("position_ids", -1),))
@@ -110,7 +110,7 @@ def _reference(P: int):
 def test_qwen2_vl_text_with_mrope_positions_matches_one_device(pool, parity_report, P):
     per_rank = pool.run(mrope_parity, P, seq_len=16, image=IMAGE)
     loss, out, grads, tolerance = _reference(P)
-    _compare(f"hf-Qwen2VLTextModel-mrope-aot_eager (grad tol {tolerance:.1e})", per_rank, loss, out, grads, 16,
+    compare(f"hf-Qwen2VLTextModel-mrope-aot_eager (grad tol {tolerance:.1e})", per_rank, loss, out, grads, 16,
              parity_report, grad_rtol=tolerance)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert rules == [("sdpa_causal", "sequence_gather")] * 2, rules

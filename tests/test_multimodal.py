@@ -9,8 +9,8 @@ import cp_passes
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
 from family_models import INKLING2_TEXT, glm5_next_text, inkling2_weights, step3p7_text
+from parity import compare
 from shared import step_result
-from test_parity import _compare
 
 
 IMAGE_TOKEN = 127
@@ -166,7 +166,7 @@ def test_vision_language_model_with_images_across_ranks_matches_one_device(pool,
     out.loss.backward()
     grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     assert any(n.startswith(("model.vision", "model.visual")) for n in grads)
-    _compare(f"hf-{type(reference).__name__}-images-aot_eager", per_rank, out.loss.detach(), out.logits.detach(),
+    compare(f"hf-{type(reference).__name__}-images-aot_eager", per_rank, out.loss.detach(), out.logits.detach(),
              grads, 16, parity_report)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert ("masked_scatter_splice", "splice") in rules, rules
@@ -182,7 +182,7 @@ def test_a_count_check_that_measures_the_masked_embeddings_sees_the_global_count
     loss, logits = model(**measured_splice_batch())
     loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters()}
-    _compare("MeasuredSplice-aot_eager", per_rank, loss.detach(), logits.detach(), grads, 16, parity_report)
+    compare("MeasuredSplice-aot_eager", per_rank, loss.detach(), logits.detach(), grads, 16, parity_report)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert ("masked_count", "reductions") in rules and ("masked_scatter_splice", "splice") in rules, rules
 

@@ -29,7 +29,8 @@ def make_batch(seq_len, layout, with_positions):
     g = torch.Generator().manual_seed(seq_len * 31 + width)
     ids = torch.randint(0, 50, (rows, seq_len), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone(),
-             "seq_lens": torch.full((rows, width), UNUSED_SLOT), "seq_lens_padded": torch.full((rows, width), UNUSED_SLOT)}
+             "seq_lens": torch.full((rows, width), UNUSED_SLOT),
+             "seq_lens_padded": torch.full((rows, width), UNUSED_SLOT)}
     for r, docs in enumerate(layout):
         for d, (slot, length) in enumerate(docs):
             batch["seq_lens"][r, d], batch["seq_lens_padded"][r, d] = length, slot

@@ -7,17 +7,16 @@ divide P are padded by shard_batch (labels padded with the ignore index), and on
 are compared.
 """
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import cp_passes
 from cp_passes.layout import Layout
-from family_models import HF_MODELS, hf_batch, hf_parity
+from family_models import hf_parity
+from parity import compare, hf_reference, toy_reference
 from shared import (Mixer, additive_mask_from_ids, in_global_order, mixer_batch, param_grads, small_parity, toy_batch,
-                    toy_model, toy_parity)
+                    toy_parity)
 
 
 class RunningScans(torch.nn.Module):
@@ -134,106 +133,6 @@ class RunningExtremes(torch.nn.Module):
         return (input_ids.to(torch.uint8).cummin(1), (input_ids % 3 == 0).cummax(1), (input_ids % 3 == 0).cummin(1),
                 input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
 
-OUT_TOL = 1e-5
-GRAD_RTOL = 1e-5
-CANCELLED = 1e-4
-"""A gradient that cancels to less than this fraction of the model's largest gradient entry (DeepSeek V4's
-hc_head.hc_scale: 3.3e-6 against 4.9) is compared on that floor: its rounding is the model's, not its own
-(measured at P = 4, packed, grouped-mm experts: 7.5e-10 of the largest entry, 1.1e-3 of its own)."""
-
-
-def _compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, grad_rtol=GRAD_RTOL):
-    logits = in_global_order(results_by_rank, "logits")
-    valid = in_global_order(results_by_rank, "valid")
-    assert valid.shape[1] >= seq_len and bool(valid[:, :seq_len].all()) and not bool(valid[:, seq_len:].any())
-    out_err = (logits[:, :seq_len] - ref_logits).abs().max().item()
-    loss = sum(r["loss"] for r in results_by_rank)
-    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
-    grad_err = 0.0
-    assert set(results_by_rank[0]["grads"]) == set(ref_grads)
-    worst = ""
-    floor = CANCELLED * max(g.abs().max().item() for g in ref_grads.values())
-    for pname, ref in ref_grads.items():
-        total = sum(r["grads"][pname] for r in results_by_rank)
-        err = ((total - ref).abs().max() / max(ref.abs().max().item(), floor)).item()
-        err = math.inf if math.isnan(err) else err  # max() would skip a NaN
-        if err > grad_err or not worst:
-            grad_err, worst = err, pname
-    report.append((name, len(results_by_rank), seq_len, out_err, loss_err, grad_err))
-    assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
-    assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
-    assert grad_err <= grad_rtol, f"{name}: gradients differ by {grad_err} (relative, {worst})"
-
-
-def compare_valid(name, ranks, reference, seq_len, report, aux=False):
-    """Every rank's result (``logits``, ``loss``, ``grads``, ``aux_loss`` with ``aux``) against the single-device
-    ``reference`` ``(output, gradients, valid positions)`` on the valid positions of a length-``seq_len`` batch
-    (a packed one's documents)."""
-    ref, ref_grads, valid = reference
-    logits = in_global_order(ranks, "logits")[:, :seq_len]
-    out_err = (logits - ref.logits.detach())[valid].abs().max().item()
-    loss = sum(r["loss"] for r in ranks)
-    loss_err = abs(loss.item() - ref.loss.item()) / abs(ref.loss.item())
-    errs = {n: ((sum(r["grads"][n] for r in ranks) - g).abs().max() / g.abs().max()).item()
-            for n, g in ref_grads.items()}
-    assert set(ranks[0]["grads"]) == set(ref_grads)
-    grad_err = math.inf if any(map(math.isnan, errs.values())) else max(errs.values())
-    report.append((name, len(ranks), seq_len, out_err, loss_err, grad_err))
-    assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
-    assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
-    assert grad_err <= GRAD_RTOL, f"{name}: gradients differ by {grad_err} ({max(errs, key=errs.get)})"
-    if aux:
-        for r in ranks:  # every rank holds the global router loss
-            assert abs(r["aux_loss"].item() - ref.aux_loss.item()) <= OUT_TOL * abs(ref.aux_loss.item())
-
-
-def split_floor(model, losses, grads) -> float:
-    """How far one device's own gradients move (relative to each parameter's largest entry, the largest over
-    parameters) when they are summed from the per-block ``losses`` of ``model``'s forward, as CP sums each
-    rank's gradients (the forward attending per block as CP does): the same math, rounded differently. No CP
-    run can be expected closer. Rounding moves every gradient by a rounding error of the model's gradient
-    scale (a bug would move one by more); one that cancels to a small total (a hyper-connection's scale)
-    moves by that much relative to itself."""
-    named = [(n, p) for n, p in model.named_parameters() if n in grads]
-    parts = [torch.autograd.grad(loss, [p for _, p in named], retain_graph=True, allow_unused=True) for loss in losses]
-    largest = max(g.abs().max().item() for g in grads.values())
-    floor = 0.0
-    for i, (name, p) in enumerate(named):
-        total = sum(part[i] if part[i] is not None else torch.zeros_like(p) for part in parts)
-        moved = (total - grads[name]).abs().max().item()
-        assert moved < 1e-5 * largest, f"the split one-device run moves {name}'s gradient by {moved}: a bug there"
-        floor = max(floor, moved / grads[name].abs().max().item())
-    return floor
-
-
-def blockwise_sdpa(P: int):
-    """SDPA as CP runs it on one device: each of P query blocks attends to the keys up to its own last one
-    only (for :func:`split_floor`)."""
-    sdpa = F.scaled_dot_product_attention
-
-    def cut(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        local, outs = q.shape[-2] // P, []
-        for start in range(0, q.shape[-2], local):
-            end = start + local
-            mask = (attn_mask[..., start:end, :end] if attn_mask is not None else
-                    torch.ones(local, end, dtype=torch.bool).tril(start) if is_causal else None)
-            outs.append(sdpa(q[..., start:end, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
-                             dropout_p=dropout_p, scale=scale, enable_gqa=enable_gqa))
-        return torch.cat(outs, -2)
-
-    return cut
-
-
-def _toy_reference(config, seq_len, pass_positions):
-    model = toy_model(**config)
-    batch = toy_batch(seq_len)
-    if not pass_positions:
-        batch.pop("position_ids")
-    loss, logits = model(**batch)
-    loss.backward()
-    return loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
 TOY_CASES = [
     # (P, backend, kv_repeat, global lengths, position_ids passed?)
     (1, "aot_eager", "expand", [16, 13], False),
@@ -252,8 +151,8 @@ def test_toy_llama_parity(pool, parity_report, P, backend, kv_repeat, seq_lens, 
     per_rank = pool.run(toy_parity, P, backend=backend, config=config, seq_lens=seq_lens,
                         pass_positions=pass_positions)
     for i, seq_len in enumerate(seq_lens):
-        ref = _toy_reference(config, seq_len, pass_positions)
-        _compare(f"toy-{kv_repeat}-{backend}", [r[i] for r in per_rank], *ref, seq_len, parity_report)
+        ref = toy_reference(config, seq_len, pass_positions)
+        compare(f"toy-{kv_repeat}-{backend}", [r[i] for r in per_rank], *ref, seq_len, parity_report)
     # aot_eager: one graph for every length (the sequence dim is symbolic). Inductor lowers the first graph for
     # its length alone, as torch.compile does, and the next length compiles once more, for every length.
     assert per_rank[0][-1]["compiles"] == ([True, False][:len(seq_lens)] if backend == "inductor" else [False])
@@ -288,7 +187,7 @@ def test_saved_keys_parity(pool, parity_report, P, backend):
     per_rank = pool.run(toy_parity, P, backend=backend, config={}, seq_lens=seq_lens, pass_positions=False,
                         spec={"gathered_keys": "save"})
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"ToyLlama-saved-keys-{backend}", [r[i] for r in per_rank], *_toy_reference({}, seq_len, False),
+        compare(f"ToyLlama-saved-keys-{backend}", [r[i] for r in per_rank], *toy_reference({}, seq_len, False),
                  seq_len, parity_report)
 
 
@@ -303,7 +202,7 @@ def test_halo_parity(pool, parity_report, P, backend, config, seq_lens):
     per_rank = pool.run(toy_parity, P, backend=backend, config=config, seq_lens=seq_lens, pass_positions=False)
     name = "toy-" + ",".join(f"{k}={v}" for k, v in config.items()) + f"-{backend}"
     for i, seq_len in enumerate(seq_lens):
-        _compare(name, [r[i] for r in per_rank], *_toy_reference(config, seq_len, False), seq_len, parity_report)
+        compare(name, [r[i] for r in per_rank], *toy_reference(config, seq_len, False), seq_len, parity_report)
     rules = {rec[0] for rec in per_rank[-1][-1]["records"]}
     assert ("sdpa_window" in rules) == ("window" in config)
     assert any(r.startswith("causal_conv_") for r in rules)
@@ -324,22 +223,9 @@ def test_contiguous_layout_parity(pool, parity_report, P, config):
     per_rank = pool.run(toy_parity, P, backend="aot_eager", config=config, seq_lens=seq_lens,
                         pass_positions=False, spec={"layout": "contiguous"})
     for i, seq_len in enumerate(seq_lens):
-        _compare("toy-contiguous-" + ",".join(f"{k}={v}" for k, v in config.items()), [r[i] for r in per_rank],
-                 *_toy_reference(config, seq_len, False), seq_len, parity_report)
+        compare("toy-contiguous-" + ",".join(f"{k}={v}" for k, v in config.items()), [r[i] for r in per_rank],
+                 *toy_reference(config, seq_len, False), seq_len, parity_report)
         assert per_rank[0][i]["positions"].tolist() == list(range(per_rank[0][i]["positions"].numel()))
-
-
-def _hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama"):
-    model = HF_MODELS[family]()
-    if labels_in_model:
-        out = model(**hf_batch(seq_len, labels_in_model=True))
-        out.loss.backward()
-        return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-    batch = hf_batch(seq_len)
-    count = (batch["shift_labels"] != -100).sum()
-    out = model(**batch, labels=batch["shift_labels"], **({} if mean_loss else {"num_items_in_batch": count}))
-    out.loss.backward()
-    return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 # (P, backend, lengths, mean_loss): mean_loss leaves out num_items_in_batch, so the model averages
@@ -355,7 +241,7 @@ def test_hf_llama_parity(pool, parity_report, P, backend, seq_lens, mean_loss):
     per_rank = pool.run(hf_parity, P, backend=backend, seq_lens=seq_lens, mean_loss=mean_loss)
     name = f"hf-LlamaForCausalLM{'-meanloss' if mean_loss else ''}-{backend}"
     for i, seq_len in enumerate(seq_lens):
-        _compare(name, [r[i] for r in per_rank], *_hf_reference(seq_len, mean_loss), seq_len, parity_report)
+        compare(name, [r[i] for r in per_rank], *hf_reference(seq_len, mean_loss), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 13], marks=pytest.mark.full)])
@@ -364,8 +250,8 @@ def test_hf_llama_labels_shifted_in_the_model_parity(pool, parity_report, P, seq
     rank's first label: a shift of +1) and averages over the valid targets (a global mean)."""
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True)
     for i, seq_len in enumerate(seq_lens):
-        _compare("hf-LlamaForCausalLM-labels=-aot_eager", [r[i] for r in per_rank],
-                 *_hf_reference(seq_len, False, labels_in_model=True), seq_len, parity_report)
+        compare("hf-LlamaForCausalLM-labels=-aot_eager", [r[i] for r in per_rank],
+                 *hf_reference(seq_len, False, labels_in_model=True), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P,seq_lens", [(2, [16, 11]), pytest.param(4, [16, 11, 6], marks=pytest.mark.full)])
@@ -377,8 +263,8 @@ def test_hf_gemma2_eager_attention_parity(pool, parity_report, P, seq_lens):
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
                         family="gemma2")
     for i, seq_len in enumerate(seq_lens):
-        _compare("hf-Gemma2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
-                 *_hf_reference(seq_len, False, labels_in_model=True, family="gemma2"), seq_len, parity_report)
+        compare("hf-Gemma2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
+                 *hf_reference(seq_len, False, labels_in_model=True, family="gemma2"), seq_len, parity_report)
     rules = [rec[0] for rec in per_rank[0][-1]["records"]]
     assert rules.count("key_operand") == 4 and rules.count("key_mask") == 2  # K, V per layer; two masks
     row = 2 * 2 * 16 * 4  # a position of K or V before the head repeat: batch 2, 2 KV heads, head_dim 16, fp32
@@ -398,8 +284,8 @@ def test_hf_inkling2_parity(pool, parity_report, P, seq_lens):
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, labels_in_model=True,
                         family="inkling2")
     for i, seq_len in enumerate(seq_lens):
-        _compare("hf-Inkling2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
-                 *_hf_reference(seq_len, False, labels_in_model=True, family="inkling2"), seq_len, parity_report)
+        compare("hf-Inkling2ForCausalLM-eager-labels=-aot_eager", [r[i] for r in per_rank],
+                 *hf_reference(seq_len, False, labels_in_model=True, family="inkling2"), seq_len, parity_report)
     rules = [rec[0] for rec in per_rank[0][-1]["records"]]
     assert rules.count("causal_window_unfold") == 2 and rules.count("key_operand") == 4
 
@@ -444,7 +330,7 @@ def test_running_ops_over_activations_parity(pool, parity_report, P, backend, se
     position's row (shift), the prepended row at the first position."""
     per_rank = pool.run(scan_parity, P, backend=backend, seq_lens=seq_lens, model="running_scans")
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"running-scans-{backend}", [r[i] for r in per_rank], *_scan_reference("running_scans", seq_len),
+        compare(f"running-scans-{backend}", [r[i] for r in per_rank], *_scan_reference("running_scans", seq_len),
                  seq_len, parity_report)
     rules = {rule for rule, _ in per_rank[0][0]["records"]}
     scans = {f"{op}_scan" for op in ("cumsum", "cumprod", "logcumsumexp", "cummax", "cummin")}
@@ -457,7 +343,7 @@ def test_an_arange_and_a_cumsum_shared_by_activations_and_a_doc_mask_parity(pool
     seq_lens = [16, 11]
     per_rank = pool.run(scan_parity, 2, backend="aot_eager", seq_lens=seq_lens, model="shared_mask_inputs")
     for i, seq_len in enumerate(seq_lens):
-        _compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank],
+        compare("shared-arange-cumsum-doc-mask-aot_eager", [r[i] for r in per_rank],
                  *_scan_reference("shared_mask_inputs", seq_len), seq_len, parity_report)
     assert {"arange_positions", "cumsum_scan", "sdpa_data_mask"} <= {rule for rule, _ in per_rank[0][0]["records"]}
 
@@ -494,7 +380,7 @@ def _mixer_parity(pool, parity_report, mix, layout, P=2):
         loss, out = model(**mixer_batch(seq_len))
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        _compare(f"mixer-{mix}-aot_eager", [r[i] for r in per_rank], loss.detach(), out.detach(), grads, seq_len,
+        compare(f"mixer-{mix}-aot_eager", [r[i] for r in per_rank], loss.detach(), out.detach(), grads, seq_len,
                  parity_report)
 
 
@@ -502,8 +388,6 @@ def _mixer_parity(pool, parity_report, mix, layout, P=2):
 def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
     """Hugging Face 4.x's float padding-and-causal mask, computed in the model from input_ids (pad id 0, at
     random places in mixer batches), added to hand-written scores; and as SDPA's boolean mask == 0."""
-    
-
     seq_lens = [16, 12]
     per_rank = pool.run(ids_mask_parity, 2, sdpa=sdpa, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
@@ -514,7 +398,7 @@ def test_additive_mask_from_token_ids_parity(pool, parity_report, sdpa):
         loss, out = model(**batch)
         loss.backward()
         grads = {n: p.grad for n, p in model.named_parameters()}
-        _compare(f"ids-mask-{'sdpa' if sdpa else 'scores'}-aot_eager", [r[i] for r in per_rank], loss.detach(),
+        compare(f"ids-mask-{'sdpa' if sdpa else 'scores'}-aot_eager", [r[i] for r in per_rank], loss.detach(),
                  out.detach(), grads, seq_len, parity_report)
 
 

@@ -13,9 +13,9 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
 from cp_passes.layout import resolve_layout
-from family_models import KDA_LAYERS, glm5_next_batch, glm5_next_text
+from family_models import KDA_LAYERS, glm5_next_batch, hf_glm5_next
+from parity import GRAD_RTOL, compare, glm5_next_split_floor
 from shared import mixer_batch, small_parity, step_result
-from test_parity import GRAD_RTOL, _compare
 
 
 KDA_KERNEL = "transformers.models.glm5_next.modeling_glm5_next:chunk_kimi_delta_attention"
@@ -106,18 +106,6 @@ GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
 """Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
 
 
-def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
-    """A tiny Glm5Next text model (GLM-5.3-Flash's public relative): linear-attention (KDA) layers (short
-    causal convs, the KDA recurrence) and indexed-attention layers (MLA over the keys a top-k indexer picks
-    from pools of 4, plus the open pool's tail: 11 of the causal keys at most), hyper-connections, a dense MLP
-    first and MoE layers after it (4 experts, top 2, transformers' default grouped_mm)."""
-    from transformers import Glm5NextTextConfig, Glm5NextTextModel
-
-    config = Glm5NextTextConfig(**glm5_next_text(layer_types))
-    torch.manual_seed(seed)
-    return Glm5NextTextModel(config).float()
-
-
 def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
     """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
     model = hf_glm5_next(layer_types=tuple(layer_types))
@@ -150,8 +138,9 @@ def _delta_rule_reference(seq_len):
 
 
 # P = 4 by default: at P = 2 the second rank starts from h alone and M (and the fold's order) go unchecked.
-CASES = [(4, "affine"), pytest.param(1, "affine", marks=pytest.mark.full), pytest.param(2, "affine", marks=pytest.mark.full),
-         pytest.param(2, "sequential", marks=pytest.mark.full), pytest.param(4, "sequential", marks=pytest.mark.full)]
+CASES = [(4, "affine"), pytest.param(1, "affine", marks=pytest.mark.full),
+         pytest.param(2, "affine", marks=pytest.mark.full), pytest.param(2, "sequential", marks=pytest.mark.full),
+         pytest.param(4, "sequential", marks=pytest.mark.full)]
 
 
 @pytest.mark.parametrize("P,form", CASES)
@@ -163,7 +152,7 @@ def test_delta_rule_state_crosses_ranks(pool, parity_report, P, form):
     seq_lens = [16, 12]
     per_rank = pool.run(recurrence_parity, P, form=form, seq_lens=seq_lens)
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"delta-rule-{form}-aot_eager", [r[i] for r in per_rank], *_delta_rule_reference(seq_len), seq_len,
+        compare(f"delta-rule-{form}-aot_eager", [r[i] for r in per_rank], *_delta_rule_reference(seq_len), seq_len,
                  parity_report)
     for rank, results in enumerate(per_rank):
         (carry,) = [rec for rec in results[0]["records"] if rec[1] == "carry"]
@@ -171,84 +160,11 @@ def test_delta_rule_state_crosses_ranks(pool, parity_report, P, form):
         assert carry == (f"carry_{form}", "carry", moved, STATE if rank else 0), carry
 
 
-def _blocked_sdpa(P: int, sdpa):
-    """SDPA as CP computes it: each of P query chunks attends to the keys before its end in P key pieces
-    (``cp_passes::block_attention``, merged by logsumexp); a boolean mask is cut the same way."""
-    from cp_passes.key_plan import CAUSAL, FULL
-    from cp_passes.transports.block_attention import block_attention_op
-
-    def blocked(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.dim() != 4 or (attn_mask is not None and attn_mask.dtype != torch.bool) or q.shape[-2] % P:
-            return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                        enable_gqa=enable_gqa)
-        local = q.shape[-2] // P
-        outs = []
-        for r in range(P):
-            rows, keys = slice(r * local, (r + 1) * local), (r + 1) * local
-            mask = None if attn_mask is None else attn_mask[..., rows, :keys]
-            bounds = [j * local for j in range(r + 2)] if mask is not None else [0, r * local, keys][r == 0:]
-            kinds = [FULL] * (r + 1) if mask is not None else [FULL, CAUSAL][r == 0:]
-            outs.append(block_attention_op(q[..., rows, :], k[..., :keys, :], v[..., :keys, :], mask, [0, local],
-                                           bounds, kinds, q.shape[-1] ** -0.5 if scale is None else scale)[0])
-        return torch.cat(outs, -2)
-
-    return blocked
-
-
-def _split_floor(P: int, batch: dict, layer_types, build=None) -> float:
-    """How far one device's own gradients move (relative, the largest over parameters) when it computes as CP
-    does, on the batch the check compares: its KDA kernel as the affine carry (each of P parts from zero and
-    from [0 | I] on values extended by K zero columns, the maps folded, each part run again from its state),
-    its attention as block attention (P query chunks, each over P key pieces merged by logsumexp), or both.
-    The same math, rounded differently; each is one sample of the rounding noise of a gradient that cancels
-    (at P = 4 the three move the indexed layer's hyper-connection scale by 2.1e-4, 7.9e-4 and 2.2e-4 of its
-    size), so the largest of them is the floor. No CP run can be expected closer. ``build`` makes the model
-    (default: :func:`hf_glm5_next` with ``layer_types``)."""
-    from transformers.models.glm5_next import modeling_glm5_next as glm
-
-    kernel, sdpa = glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention
-
-    def affine(query, key, value, g, beta, initial_state=None, output_final_state=False, **kwargs):
-        local, (n_k, n_v) = query.shape[1] // P, (key.shape[-1], value.shape[-1])
-        parts = [[x[:, r * local:(r + 1) * local] for x in (query, key, value, g, beta)] for r in range(P)]
-        batch = (value.shape[0], value.shape[2])
-        start = torch.cat([torch.zeros(*batch, n_k, n_v), torch.eye(n_k).expand(*batch, n_k, n_k)], -1)
-        maps = [kernel(q, k, torch.cat([v, v.new_zeros(*v.shape[:-1], n_k)], -1), gr, b, initial_state=start,
-                       output_final_state=True, **kwargs)[1] for q, k, v, gr, b in parts]
-        outs, state = [], torch.zeros(*batch, n_k, n_v)
-        for part, hm in zip(parts, maps):
-            outs.append(kernel(*part, initial_state=state, output_final_state=True, **kwargs)[0])
-            state = hm[..., n_v:] @ state + hm[..., :n_v]
-        return torch.cat(outs, 1), state
-
-    blocked = _blocked_sdpa(P, sdpa)
-    grads = []
-    for fn, attention in ((kernel, sdpa), (affine, sdpa), (kernel, blocked), (affine, blocked)):
-        glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention = fn, attention
-        try:
-            model = build() if build is not None else hf_glm5_next(layer_types=layer_types)
-            model(**batch).last_hidden_state.pow(2).sum().backward()
-        finally:
-            glm.chunk_kimi_delta_attention, torch.nn.functional.scaled_dot_product_attention = kernel, sdpa
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    largest = max(g.abs().max().item() for g in grads[0].values())
-    floor = 0.0
-    for variant in grads[1:]:
-        for name, g in grads[0].items():
-            moved = (variant[name] - g).abs().max().item()
-            # Rounding moves every gradient by a rounding error of the model's gradient scale (a bug there would
-            # move it by more, and hide one here); one that cancels to a small total (a hyper-connection's
-            # scale) moves by that much relative to itself.
-            assert moved < 1e-5 * largest, f"the one-device split run moves {name}'s gradient by {moved}: a bug there"
-            floor = max(floor, moved / g.abs().max().item())
-    return floor
-
-
 def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     """One device on ``batch`` against this step's results on every rank. The gradient tolerance is the larger
-    of the suite's and twice the model's one-device floor (:func:`_split_floor`): computing as CP does moves
-    the indexed layer's hyper-connection scale gradient, which cancels to a small total, by up to 7.9e-4 of
-    its size. (In fp64, where only the KDA fallback's own fp32 rounding remains, CP at P = 4 differs from one
+    of the suite's and twice the model's one-device floor (:func:`parity.glm5_next_split_floor`): computing as
+    CP does moves the indexed layer's hyper-connection scale gradient, which cancels to a small total, by up to
+    7.9e-4 of its size. (In fp64, where only the KDA fallback's own fp32 rounding remains, CP at P = 4 differs from one
     device by 3.80e-4, and one device computing as CP does by 3.76e-4.) Every KDA layer's short conv goes by
     halo and its recurrence by the affine carry; the indexed layer receives the other ranks' rows of what its
     indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and the earlier
@@ -260,8 +176,8 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     seq_len = out.shape[1]
     # At P = 1 the split is no split; the model's sensitivity to rounding is read from a split in two.
-    tolerance = max(GRAD_RTOL, 2 * _split_floor(max(P, 2), batch, GLM5_LAYERS))
-    _compare(f"{name} (grad tol {tolerance:.1e})", results_by_rank, loss.detach(), out.detach(), grads, seq_len,
+    tolerance = max(GRAD_RTOL, 2 * glm5_next_split_floor(max(P, 2), batch, GLM5_LAYERS))
+    compare(f"{name} (grad tol {tolerance:.1e})", results_by_rank, loss.detach(), out.detach(), grads, seq_len,
              parity_report, grad_rtol=tolerance)
     rules = [rec[0] for rec in results_by_rank[0]["records"]]
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
@@ -306,7 +222,8 @@ def _packed_reference(lengths: list[int]):
     batch = packed_scan_batch(lengths)
     loss, out = model(**batch)
     with torch.no_grad():
-        alone = [model(batch["input_ids"][:, a:b])[1] for a, b in zip(batch["cu_seqlens"][:-1], batch["cu_seqlens"][1:])]
+        bounds = batch["cu_seqlens"]
+        alone = [model(batch["input_ids"][:, a:b])[1] for a, b in zip(bounds[:-1], bounds[1:])]
     torch.testing.assert_close(out.detach(), torch.cat(alone, 1), rtol=1e-6, atol=1e-6)
     loss.backward()
     return loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters()}
@@ -326,7 +243,7 @@ def test_packed_documents_restart_the_state_across_ranks(pool, parity_report, P,
     documents = [[3, 9, 4], [8, 5, 3]]
     per_rank = pool.run(packed_scan_parity, P, form=form, documents=documents)
     for i, lengths in enumerate(documents):
-        _compare(f"packed-gated-scan-{form}-aot_eager", [r[i] for r in per_rank], *_packed_reference(lengths),
+        compare(f"packed-gated-scan-{form}-aot_eager", [r[i] for r in per_rank], *_packed_reference(lengths),
                  sum(lengths), parity_report)
     state = 2 * 8 * 8 * 4  # batch 1, 2 heads, K = V = 8, fp32
     for rank, results in enumerate(per_rank):

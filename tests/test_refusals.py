@@ -290,7 +290,8 @@ def test_a_mask_a_gradient_flows_through_is_refused(group):
     evaluated from gathered values without their autograd edges (a boolean one, or indices, can)."""
     def mix(x):
         q, total = x[:, None], x.sum(-1)
-        return F.scaled_dot_product_attention(q, q, q, attn_mask=total[:, None, :, None] - total[:, None, None, :])[:, 0]
+        bias = total[:, None, :, None] - total[:, None, None, :]
+        return F.scaled_dot_product_attention(q, q, q, attn_mask=bias)[:, 0]
 
     err = refusal(group, mix)
     assert "carries a gradient back to what it is computed from" in err.problems[0].reason

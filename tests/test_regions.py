@@ -14,6 +14,7 @@ from torch import nn
 import cp_passes
 from cp_passes.tools.dryrun import dry_run
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from shared import MaskedBlock
 
 MIXED = ToyLlamaConfig(n_layers=4, window=5, conv_kernel=(0, 3, 0, 3))
 """Sliding-window attention on packed documents in every block, a causal convolution in every other one: two
@@ -37,26 +38,6 @@ def test_each_kind_of_block_is_planned_once_with_the_flat_table(fake_group):
     assert len(planned) == 2 and not _inlined(regions), [label for label, _ in regions.record.history]
 
 
-class Block(nn.Module):
-    """Attention under a mask it is given (``[S, S]``), or that it builds from document ids (``[B, S]``) or from
-    positions (``[S]``); optionally also returning the sum of its output."""
-
-    def __init__(self, returns_sum: bool = False):
-        super().__init__()
-        self.qkv, self.returns_sum = nn.Linear(8, 24), returns_sum
-
-    def forward(self, x, mask_or_ids):
-        if mask_or_ids.dim() == 1:  # positions: causal attention
-            mask_or_ids = mask_or_ids[:, None] >= mask_or_ids[None, :]
-        elif mask_or_ids.dtype != torch.bool:  # document ids: causal attention within each document
-            pos = torch.arange(x.shape[1])
-            ids = mask_or_ids
-            mask_or_ids = ((pos[:, None] >= pos[None, :]) & (ids[:, :, None] == ids[:, None, :]))[:, None]
-        q, k, v = self.qkv(x).view(x.shape[0], x.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
-        out = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask_or_ids).transpose(1, 2).flatten(2)
-        return (out, out.sum()) if self.returns_sum else out
-
-
 class Stack(nn.Module):
     """Two blocks given a causal ``[S, S]`` mask built outside them from positions (``"outside"``: for each block;
     ``"outside_once"``: one for both), from positions and document ids (``"outside_documents"``) or from
@@ -67,7 +48,7 @@ class Stack(nn.Module):
         super().__init__()
         self.kind = kind
         self.embed = nn.Embedding(32, 8)
-        self.blocks = nn.ModuleList(Block(returns_sum=kind == "sum") for _ in range(2))
+        self.blocks = nn.ModuleList(MaskedBlock(returns_sum=kind == "sum") for _ in range(2))
 
     def forward(self, input_ids, doc_ids):
         x, total = self.embed(input_ids), 0

@@ -1,6 +1,7 @@
 """Step-5's public relative, transformers' Step3p7TextModel with model_specs/step5.py: sliding-window layers
-by halo, full-attention layers by gather, MoE layers with the experts as shipped (the spec runs their loop as grouped_mm). Parity on real
-gloo processes against one device, unpacked and packed; the untraceable experts loop refused with its fix."""
+by halo, full-attention layers by gather, MoE layers with the experts as shipped (the spec runs their loop as
+grouped_mm). Parity on real gloo processes against one device, unpacked and packed; the untraceable experts
+loop refused with its fix."""
 
 from unittest import mock
 
@@ -13,8 +14,8 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
 from family_models import step3p7_text
+from parity import GRAD_RTOL, blockwise_sdpa, compare, split_floor
 from shared import step_result
-from test_parity import GRAD_RTOL, _compare, blockwise_sdpa, split_floor
 
 
 def hf_step3p7(seed: int = 0, moe: bool = True):
@@ -82,7 +83,7 @@ def test_step3p7_with_moe_matches_one_device(pool, parity_report, P, documents):
         assert batch["doc_ids"][0].tolist() == [0] * 3 + [1] * 9 + [2] * 4, batch["doc_ids"]
     # At P = 1 the cut is no cut; the model's sensitivity to rounding is read from a cut in two.
     tolerance = max(GRAD_RTOL, 2 * _cut_floor(max(P, 2), batch, grads))
-    _compare(f"{name} (grad tol {tolerance:.1e})", per_rank, loss, out, grads, out.shape[1], parity_report,
+    compare(f"{name} (grad tol {tolerance:.1e})", per_rank, loss, out, grads, out.shape[1], parity_report,
              grad_rtol=tolerance)
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert rules == [("sdpa_data_mask", "halo"), ("sdpa_data_mask", "sequence_gather")] * 2, rules

@@ -189,7 +189,8 @@ def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_group):
         return [(r.bytes, r.lower_bound_bytes, r.sent_bytes) for r in record.records if r.rule == "sdpa_window"]
 
     assert moved(padded) == moved(plain) and len(moved(plain)) == 2
-    halos = re.findall(r'"f32\[2, 2, (\S+) \+ (\d+), 32\]" = torch\.ops\.cp_passes\.halo\.default\(\w+, 2, (\d+), (\d+),',
+    halos = re.findall(r'"f32\[2, 2, (\S+) \+ (\d+), 32\]" = '
+                       r'torch\.ops\.cp_passes\.halo\.default\(\w+, 2, (\d+), (\d+),',
                        padded.aot_graphs["forward"])
     assert [h[1:] for h in halos] == [("7", "4", "3")] * 2, halos
     assert all("3 zero rows in front of the halo" in r.note for r in padded.records if r.rule == "sdpa_window")
@@ -437,7 +438,8 @@ class _PaddedDocuments(torch.nn.Module):
     def forward(self, input_ids, doc_ids):
         x = self.embed(input_ids)[:, None]
         pos = torch.arange(input_ids.shape[1])
-        mask = (pos[:, None] >= pos[None, :]) & (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids != -1)[:, None, :]
+        same_document = doc_ids[:, :, None] == doc_ids[:, None, :]
+        mask = (pos[:, None] >= pos[None, :]) & same_document & (doc_ids != -1)[:, None, :]
         return F.scaled_dot_product_attention(x, x, x, attn_mask=mask[:, None]).square().sum()
 
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 import cp_passes
 from family_models import hf_parity
+from parity import GRAD_RTOL, OUT_TOL, compare, hf_reference, toy_reference
 from shared import error_text, in_global_order, toy_batch, toy_model, toy_parity
-from test_parity import GRAD_RTOL, OUT_TOL, _compare, _hf_reference, _toy_reference
 
 
 def dp_cp_micro_batches(step: int, seq_lens: list[int], dp: int, replica: int | None = None) -> list[dict]:
@@ -48,8 +48,8 @@ def test_checkpointed_blocks_parity(pool, parity_report, P, backend):
     per_rank = pool.run(toy_parity, P, backend=backend, config=CHECKPOINTED, seq_lens=seq_lens,
                         pass_positions=False)
     for i, seq_len in enumerate(seq_lens):
-        _compare(f"ToyLlama-checkpointed-{backend}", [r[i] for r in per_rank],
-                 *_toy_reference(CHECKPOINTED, seq_len, False), seq_len, parity_report)
+        compare(f"ToyLlama-checkpointed-{backend}", [r[i] for r in per_rank],
+                 *toy_reference(CHECKPOINTED, seq_len, False), seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P", [2, pytest.param(4, marks=pytest.mark.full)])
@@ -59,7 +59,7 @@ def test_hf_activation_checkpointing_parity(pool, parity_report, P):
     seq_lens = [16, 11]
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, checkpointing=True)
     for i, seq_len in enumerate(seq_lens):
-        _compare("hf-LlamaForCausalLM-checkpointed", [r[i] for r in per_rank], *_hf_reference(seq_len, False),
+        compare("hf-LlamaForCausalLM-checkpointed", [r[i] for r in per_rank], *hf_reference(seq_len, False),
                  seq_len, parity_report)
 
 
@@ -104,7 +104,8 @@ def test_data_parallel_over_cp_with_accumulation_parity(pool, parity_report, wra
     for step, ref in enumerate(_dp_cp_reference(STEPS)):
         ranks = [r[step] for r in per_rank]
         assert {r["count"] for r in ranks} == {ref["count"]}
-        loss_err = max(_relative(sum(r["losses"][i] for r in ranks), ref_loss) for i, ref_loss in enumerate(ref["losses"]))
+        loss_err = max(_relative(sum(r["losses"][i] for r in ranks), ref_loss)
+                       for i, ref_loss in enumerate(ref["losses"]))
         assert loss_err <= OUT_TOL, f"step {step}: losses differ by {loss_err} (relative)"
         for rank, r in enumerate(ranks):  # the wrapper leaves every rank the whole step's gradient
             grad_err = max(_relative(r["grads"][n], g) for n, g in ref["grads"].items())

@@ -10,8 +10,8 @@ import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import Layout
+from parity import GRAD_RTOL, OUT_TOL
 from shared import in_global_order, mixer_batch, small_parity, step_result
-from test_parity import GRAD_RTOL, OUT_TOL
 
 
 class Compressor(torch.nn.Module):
