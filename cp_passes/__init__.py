@@ -19,6 +19,6 @@ from .transports import Cost, Transport, register_transport
 __all__ = [
     "AttentionRule", "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Cost", "Layout", "Recurrence", "Rewrite",
     "RuleContext", "ShardLayout", "Transport", "Value", "all_reduce_gradients", "available_specs", "cp_compile",
-    "explain", "gather_halo", "gather_sequence", "global_loss", "global_token_count", "load_spec", "positionwise", "register_rule",
-    "register_transport", "shard_batch", "sum_gradients",
+    "explain", "gather_halo", "gather_sequence", "global_loss", "global_token_count", "load_spec", "positionwise",
+    "register_rule", "register_transport", "shard_batch", "sum_gradients",
 ]

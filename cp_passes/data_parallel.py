@@ -121,7 +121,8 @@ def check_wrappers(module: torch.nn.Module, model: torch.nn.Module, cp_group: di
     inner = [name for name, sub in model.named_modules() if isinstance(sub, FSDPModule)]
     if inner:
         raise ValueError(
-            f"fully_shard was applied to modules inside the CP model ({', '.join(repr(n or '<root>') for n in inner[:3])}"
+            f"fully_shard was applied to modules inside the CP model "
+            f"({', '.join(repr(n or '<root>') for n in inner[:3])}"
             f"{', ...' if len(inner) > 3 else ''}): its hooks run outside any graph, so the model would not compile "
             f"as one graph. Apply fully_shard to the module cp_compile returns instead"
         )

@@ -2,7 +2,7 @@
 
 Every question of the form "which keys does this attention's query see, and how do they come" is answered
 here, for every attention alike. SDPA's rule (:mod:`cp_passes.rules.attention`) and hand-written attention's
-planner (:mod:`cp_passes.compiler.keys`) both read the model's masks with one probe (:func:`read_reach`, on
+planner (:mod:`cp_passes.rules.key_axis`) both read the model's masks with one probe (:func:`read_reach`, on
 :func:`mask_reach`) into a :class:`Reach`, and decide one :class:`KeyPlan`; the transports move (a halo, the
 causal prefix of a gather, every key), count and check exactly what it says, with one run-time message
 (:func:`outside`), and causal attention over gathered keys computes the block kinds of :func:`attention_pieces`.

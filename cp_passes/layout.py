@@ -173,7 +173,8 @@ class Layout:
         over its own rows (it holds the sequence's first positions and sees nothing else)."""
         return rank == 0 and self.chunks == 1
 
-    def halo_sources(self, halo: int, rank: int, local_len: int, after: int = 0) -> list[list[tuple[int | None, int, int]]]:
+    def halo_sources(self, halo: int, rank: int, local_len: int,
+                     after: int = 0) -> list[list[tuple[int | None, int, int]]]:
         """For each of rank ``rank``'s ranges, where the ``halo`` positions before it (then the ``after``
         positions after it: a two-sided halo) are held (:meth:`sources` pieces: owner ``None`` outside the
         sequence, owner ``rank`` for rows it holds itself). ``local_len`` is concrete."""

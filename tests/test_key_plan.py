@@ -115,7 +115,7 @@ def _plans(fake_group, monkeypatch, model, spec) -> list[KeyPlan]:
 
         def apply(edit, request, original=original):
             plan = getattr(request, "plan", None)  # SDPA's K and V
-            keys = getattr(request, "keys", None)  # an operand or mask of attention written by hand
+            keys = getattr(request, "brought", None)  # an operand or mask of attention written by hand
             if plan is not None or keys is not None:
                 seen.append(plan if plan is not None else keys.plan)
             return original(edit, request)

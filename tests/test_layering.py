@@ -11,7 +11,6 @@ import ast
 import collections
 import pathlib
 
-import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "cp_passes"
 
@@ -141,14 +140,6 @@ def _cycles() -> list[list[str]]:
     return components
 
 
-KNOWN_CYCLES = [
-    {"cp_passes.transports.attention", "cp_passes.transports.gather", "cp_passes.transports.prefix_exchange"},
-]
-"""Function-local imports among the transports, being removed with the rewrite of the shared K/V side. Once they
-are gone, ``test_no_import_cycles`` passes, which its strict xfail reports as a failure: remove the mark and this
-list then."""
-
-
 def _cycle_report(components: list[list[str]]) -> str:
     lines = []
     for component in components:
@@ -159,13 +150,6 @@ def _cycle_report(components: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def test_no_import_cycles_outside_the_known_one():
-    others = [c for c in _cycles() if set(c) not in KNOWN_CYCLES]
-    assert not others, "import cycles between modules:\n" + _cycle_report(others)
-
-
-@pytest.mark.xfail(strict=True, reason="transports/gather.py -> attention.py -> prefix_exchange.py -> gather.py "
-                                       "through function-local imports: removed with the transports' rewrite")
 def test_no_import_cycles():
     components = _cycles()
     assert not components, "import cycles between modules:\n" + _cycle_report(components)

@@ -11,18 +11,8 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-CP_PASSES_LEFT = 30
-"""Violations left under cp_passes/ when the check was added (issue 51: all line-too-long; the package is
-being edited elsewhere, so they are fixed there). The case is an expected failure until they are gone."""
-
-
-@pytest.mark.parametrize("folder", [
-    pytest.param("cp_passes", marks=pytest.mark.xfail(
-        strict=True, reason=f"{CP_PASSES_LEFT} long lines left under cp_passes/ (issue 51); drop this mark once "
-                            "`ruff check cp_passes` passes")),
-    "model_specs", "tests", "benchmarks", "examples"])
+@pytest.mark.parametrize("folder", ["cp_passes", "model_specs", "tests", "benchmarks", "examples"])
 def test_ruff_check_passes(folder):
-    pytest.importorskip("ruff")
     done = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", folder], cwd=ROOT,
                           capture_output=True, text=True)
     assert done.returncode == 0, f"ruff check {folder} exited {done.returncode}:\n{done.stdout}{done.stderr}"

@@ -65,7 +65,8 @@ class CPBackend:
             record.history.append(("captured (dynamo)", gm.print_readable(print_output=False)))
             regions = inline_checkpoints(gm)
             if regions:
-                record.history.append((f"checkpointed regions inlined ({regions})", gm.print_readable(print_output=False)))
+                record.history.append((f"checkpointed regions inlined ({regions})",
+                                       gm.print_readable(print_output=False)))
             aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
@@ -392,7 +393,8 @@ def cp_compile(model: torch.nn.Module, spec: CPSpec | str | None = None, *, mesh
 
     ``spec`` is a :class:`CPSpec`, the name of a spec in ``model_specs/``, or ``None``: the shipped spec for the
     model's ``config.model_type`` when there is one (``explain`` names it), else the defaults of a plain causal
-    LM (``CPSpec()`` asks for those whatever the model). ``backend="aot_eager"`` runs the same rewritten graph without Inductor.
+    LM (``CPSpec()`` asks for those whatever the model). ``backend="aot_eager"`` runs the same rewritten graph
+    without Inductor.
     ``dump_dir`` receives every graph and the rewrite table. ``explain`` prints the rewrite table to stderr
     when a graph compiles: ``True`` on every rank, or a collection of ranks; ``None`` reads the environment
     variable ``CP_PASSES_EXPLAIN`` (``1``/``all``, or ranks such as ``0,3``). ``regions=True`` compiles each

@@ -120,7 +120,8 @@ def _check_length_positions(ctx: RuleContext) -> None:
     rank would compute it from its own length. Along the sharded axis the op's rule decides (a slice that keeps
     the whole length is fine, and the planner brings a key axis whole)."""
     src, dim = ctx.args.get("self"), ctx.args.get("dim")
-    if isinstance(src, torch.fx.Node) and isinstance(dim, int) and dim % max(ctx.ndim(src), 1) in seq_dims(src, ctx.sym):
+    if (isinstance(src, torch.fx.Node) and isinstance(dim, int)
+            and dim % max(ctx.ndim(src), 1) in seq_dims(src, ctx.sym)):
         return  # along a sequence or key axis: the op's rule decides
     if ctx.node.target is torch.ops.aten.slice.Tensor and table_start(ctx, src, dim % ctx.ndim(src)) is not None:
         return  # a table sliced to the sequence length: its rule reads this rank's rows of it
@@ -234,7 +235,8 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     problems.extend(_check_block_uses(gm, sym, refused | matches.claimed, matches.blocks.keys))
     (output,) = gm.graph.find_nodes(op="output")
     problems.extend(Problem.at(n, f"the compiled module returns {node_ref(n)}, which holds this rank's rows in the "
-                                  f"order of {op_name(orders[n][0].sort if isinstance(orders[n], tuple) else orders[n].sort)} "
+                                  f"order of "
+                                  f"{op_name(orders[n][0].sort if isinstance(orders[n], tuple) else orders[n].sort)} "
                                   f"(or its indices or counts): each rank orders only its own rows",
                                permutations.UNDO_FIX)
                     for n in permutations.returned(output, orders))

@@ -209,7 +209,8 @@ class Region:
 
     def rows(self) -> list:
         """The plan's rows of the rewrite table once per call, each under its call's module (``layers.5.attn``)."""
-        return [dataclasses.replace(row, node=f"{call.name}.{row.node}", module=module_at_call(call, self.calls[0], row.module))
+        return [dataclasses.replace(row, node=f"{call.name}.{row.node}",
+                                    module=module_at_call(call, self.calls[0], row.module))
                 for call in self.calls for row in self.plan.records]
 
 

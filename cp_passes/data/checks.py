@@ -86,7 +86,8 @@ def check_batch(batch: dict, spec: CPSpec, mask_keys: tuple[str, ...]) -> Checke
                          f"positions, but spec {spec.name!r} puts the sequence elsewhere for "
                          f"{moved or 'every input'}")
     padding = Padding(spec, MASK_KEYS + tuple(mask_keys), packed)
-    found = spec.length_input([(k, v) for k, v in batch.items() if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS],
+    found = spec.length_input([(k, v) for k, v in batch.items()
+                               if isinstance(v, torch.Tensor) and k not in LENGTH_KEYS],
                               any_rank_tokens=True)
     if found is None:
         raise ValueError(f"shard_batch found no tensor with a sequence dim among {list(batch)}")

@@ -46,8 +46,9 @@ _COPIES = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default, aten.clon
 """Ops that move or cast a block's entries without combining them."""
 _ZERO_KEEPING = _COPIES | RESHAPES | {aten.dropout.default, aten.mul.Tensor, aten.mul.Scalar, aten.div.Scalar}
 """After the softmax: ops under which a zero probability stays zero (``div.Tensor`` by a block is not one)."""
-_COLUMNWISE = _COPIES | RESHAPES | {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarOther,
-                         aten.where.ScalarSelf, aten.where.Scalar, aten.cat.default, aten.gather.default}
+_COLUMNWISE = _COPIES | RESHAPES | {aten.masked_fill.Scalar, aten.masked_fill.Tensor, aten.where.self,
+                                    aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+                                    aten.cat.default, aten.gather.default}
 """Before the softmax, besides pointwise ops: ops whose output column for a key reads that key's column only
 (``gather`` and ``cat`` with the conditions :func:`_columnwise` checks; a reshape is a block only where it
 keeps the key columns, :data:`~cp_passes.match.blocks.RESHAPES`)."""

@@ -70,7 +70,8 @@ def _own(mask: torch.fx.Node, masks: set) -> set[torch.fx.Node]:
                                               for u in n.users):
             own.add(n)
         elif n.target is aten._assert_scalar.default or (
-                isinstance(meta_val(n), (torch.SymInt, torch.SymBool)) and n.users and all(u in checks for u in n.users)):
+                isinstance(meta_val(n), (torch.SymInt, torch.SymBool)) and n.users
+                and all(u in checks for u in n.users)):
             checks.add(n)  # a size check (torch._check on a top-k width): no value of its own
     return own
 

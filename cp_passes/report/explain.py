@@ -94,7 +94,8 @@ def _memory(record) -> list[str]:
     if not record.saved:
         return []
     kept = [s for s in record.saved if not s.primal]
-    return [f"saved for backward on this rank (AOTAutograd's partition): {format_bytes(saved_activation_bytes(record.saved))}"
+    return [f"saved for backward on this rank (AOTAutograd's partition): "
+            f"{format_bytes(saved_activation_bytes(record.saved))}"
             f" in {len(kept)} tensors, besides the inputs and parameters the backward reads"]
 
 

@@ -245,8 +245,8 @@ def format_memory(estimate: MemoryEstimate, rank: int, local_len: int, fmt, grou
         lines.append(f"    {path:<32} {fmt(size):>10} in {n} tensors")
     if len(table) > groups:
         lines.append(f"    {'(the rest)':<32} {fmt(sum(g[2] for g in table[groups:])):>10}")
-    lines.append(f"  largest collective buffer  {fmt(estimate.collective.bytes)} ({estimate.collective.what or 'none'}): "
-                 f"held while it is used")
+    lines.append(f"  largest collective buffer  {fmt(estimate.collective.bytes)} "
+                 f"({estimate.collective.what or 'none'}): held while it is used")
     single = estimate.single_quadratic
     lines.append(f"  largest [sequence x sequence] tensor  {fmt(estimate.quadratic.bytes)} "
                  f"({estimate.quadratic.what or 'none'}); one device: {fmt(single.bytes)} ({single.what or 'none'})")

@@ -34,7 +34,7 @@ from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..key_plan import PROBE_MAX_LEN, KeyPlan, Move, Reach, mask_reach, read_reach
-from ..transports.keys import KeyMask, KeyOperand, KeyRange, KeySize, hidden_together
+from ..transports.keys import KeyMask, KeyOperand, BroughtKeys, KeySize, hidden_together
 from .registry import NO_RULE_FIX, Rewrite, RuleContext
 
 aten = torch.ops.aten
@@ -49,7 +49,7 @@ input and index, cat's inputs, have the output's rank)."""
 @dataclass
 class KeyState:
     """What the planner has decided about hand-written attention's key axis so far, node by node: one request
-    per operand or mask, one :class:`KeyRange` per softmax."""
+    per operand or mask, one :class:`BroughtKeys` per softmax."""
 
     operands: dict = field(default_factory=dict)
     """``(operand node, its dim, keys)`` -> its :class:`KeyOperand` request (one transport, however many blocks read
@@ -59,7 +59,7 @@ class KeyState:
     cuts: dict | None = None
     """Block node -> its :class:`KeyCut` (found on the first call)."""
     ranges: dict = field(default_factory=dict)
-    """Softmax -> ``(KeyRange or None, why)``."""
+    """Softmax -> ``(BroughtKeys or None, why)``."""
     later: dict = field(default_factory=dict)
     """Softmax -> whether a query may read a later key (its masks show no causal window)."""
     probes: dict = field(default_factory=dict)
@@ -133,7 +133,7 @@ def _side_operand(cut: KeyCut, blocks, sym) -> torch.fx.Node | None:
     return None
 
 
-def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | None, str]:
+def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[BroughtKeys | None, str]:
     """The keys ``cut``'s masks let a query see at the compile-time length (and about half of it), or None
     and why every key."""
     concat = _concat(ctx, cut)
@@ -145,15 +145,15 @@ def _read_keys(ctx: RuleContext, cut: KeyCut, probes: dict) -> tuple[KeyRange | 
     halo = ctx.spec.window_transport == "halo" and side is None
     plan = KeyPlan.decide(reach, halo)
     if plan.move == Move.HALO:
-        return KeyRange(plan, masking, first), f"{reach.describe()} read from the model's mask"
+        return BroughtKeys(plan, masking, first), f"{reach.describe()} read from the model's mask"
     if not reach.causal:
         return None, reach.describe() + (f"; {node_ref(side)} is read on the key axis besides K and V"
                                          if side is not None else ", by gather as the spec asks")
     if side is not None:
-        return KeyRange(plan, masking, first), (f"{reach.describe()}; {node_ref(side)} is read on the key axis "
+        return BroughtKeys(plan, masking, first), (f"{reach.describe()}; {node_ref(side)} is read on the key axis "
                                                 f"besides K and V, so the prefix of a gather rather than a halo "
                                                 f"with zero rows")
-    return KeyRange(plan, masking, first), ("causal, read from the model's mask" if reach.before is None
+    return BroughtKeys(plan, masking, first), ("causal, read from the model's mask" if reach.before is None
                                             else f"{reach.describe()}, by gather as the spec asks")
 
 
@@ -233,7 +233,7 @@ def _probe_window(ctx: RuleContext, cut: KeyCut, length: int, concat: torch.fx.N
     return sides
 
 
-def _keys_for(ctx: RuleContext, state: KeyState, node: torch.fx.Node) -> tuple[KeyRange | None, str]:
+def _keys_for(ctx: RuleContext, state: KeyState, node: torch.fx.Node) -> tuple[BroughtKeys | None, str]:
     if state.cuts is None:
         state.cuts = key_cuts(ctx.matches.blocks)
     cut = state.cuts.get(node)
@@ -276,8 +276,8 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
                        f"cp_passes makes its key axis whole",
                        "size attention scores from the query and key tensors' own shapes (expand_as, or no size)")
         if reshape is not None and reshape[1]:
-            rewrites.append((node, Rewrite("key_size", "key_gather", KeySize(node, blocks.keys[node]),
-                                           note=f"{node_ref(node)} sized -1 on its key axis, which cp_passes makes whole")))
+            note = f"{node_ref(node)} sized -1 on its key axis, which cp_passes makes whole"
+            rewrites.append((node, Rewrite("key_size", "key_gather", KeySize(node, blocks.keys[node]), note=note)))
     landings = _landings(ctx)
     masks = [x for x in ctx.tensor_inputs() if x in blocks.masks]
     if not landings and not masks:
@@ -291,20 +291,20 @@ def plan_keys(ctx: RuleContext, state: KeyState) -> list[tuple[torch.fx.Node, Re
             concat = source in blocks.concats
             behind = key_concat(operand, dim, ctx.sym, ctx.spec.pad_multiple)
             if behind is not None and behind is not source:
-                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(behind)}), and cp_passes would "
-                           f"bring {node_ref(source)} instead, whose rows interleave the ranks' parts",
+                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(behind)}), and cp_passes "
+                           f"would bring {node_ref(source)} instead, whose rows interleave the ranks' parts",
                            "read the concatenated keys through transposes and a head repeat on dim 1 only")
             if keys is not None and concat and not keys.first_part:
-                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(source)}), but cp_passes read "
-                           f"its masks as {keys.describe()} over the whole key axis", NO_RULE_FIX)
+                ctx.refuse(f"its keys concatenate positions and windows of them ({node_ref(source)}), but cp_passes "
+                           f"read its masks as {keys.describe()} over the whole key axis", NO_RULE_FIX)
             if keys is not None and keys.first_part and not concat:
-                ctx.refuse(f"its key axis concatenates positions and windows of them, but {node_ref(source)} is not that "
-                           f"concatenation (a value concatenated on its own, say), which cp_passes would have to cut "
-                           f"part by part as well", "concatenate once and read the result as both K and V (as "
+                ctx.refuse(f"its key axis concatenates positions and windows of them, but {node_ref(source)} is not "
+                           f"that concatenation (a value concatenated on its own, say), which cp_passes would have to "
+                           f"cut part by part as well", "concatenate once and read the result as both K and V (as "
                            "DeepSeek V4 does)")
             later = _reads_later(ctx, state, node) if keys is None else keys.plan.after > 0
-            request = state.operands[(operand, dim, keys)] = KeyOperand(operand, source, gather_dim, steps, keys=keys,
-                                                                        reads_later=later, concat=concat)
+            request = KeyOperand(operand, source, gather_dim, steps, brought=keys, reads_later=later, concat=concat)
+            state.operands[(operand, dim, keys)] = request
             brings = keys.describe() if keys is not None else "every key"
             note = f"{request.describe()}, brought to the key axis at {node_ref(node, code=False)}: {brings} ({why})"
             rewrites.append((node, Rewrite("key_operand", "key_gather", request, note=note)))

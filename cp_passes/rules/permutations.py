@@ -15,9 +15,9 @@ undone. The planner tracks an :class:`Order` for each value that carries one:
 
 Rows return to sequence order by ``rows[inverse]`` or by scattering them through the index
 (``out.index_add_(0, perm // k, rows)``, ``out[perm] = rows``). Rows a boolean mask picks (``x[mask]``,
-``selected``: an unbacked number of them) pass through row-wise ops only until ``out[mask] = rows``. Anything else that meets an ordered value is
-refused: a reordered row combined with a row in sequence order, a reordered value returned, a count read as
-a number, a transport that moves rows by position.
+``selected``: an unbacked number of them) pass through row-wise ops only until ``out[mask] = rows``. Anything
+else that meets an ordered value is refused: a reordered row combined with a row in sequence order, a reordered
+value returned, a count read as a number, a transport that moves rows by position.
 """
 
 from __future__ import annotations
@@ -356,7 +356,8 @@ def _rowwise(ctx: RuleContext, ordered: dict):
         return _refuse_use(ctx, ordered, "it combines rows reordered by two different sorts")
     plain = [t for t in ctx.seq_inputs() if t not in ordered]
     if plain:
-        ctx.refuse(f"it combines rows that {_describe(next(iter(ordered.values())))} reordered with {node_ref(plain[0])}, "
+        ctx.refuse(f"it combines rows that {_describe(next(iter(ordered.values())))} reordered with "
+                   f"{node_ref(plain[0])}, "
                    f"rows in sequence order: on each rank the sort orders only its own rows, so the pairs differ "
                    f"from one device's", UNDO_FIX)
     if any(ctx.is_partial(t) for t in ctx.tensor_inputs()):
@@ -380,8 +381,9 @@ def _carries_rows(ctx: RuleContext) -> bool:
 
 
 def _kind_words(ordered: dict) -> str:
-    words = {"selected": "rows a boolean mask picked", "index": "a sort's indices", "inverse": "a sort's inverse", "counts": "per-group counts of this "
-             "rank's rows", "offsets": "per-group offsets of this rank's rows", "numbers": "local row numbers"}
+    words = {"selected": "rows a boolean mask picked", "index": "a sort's indices", "inverse": "a sort's inverse",
+             "counts": "per-group counts of this rank's rows", "offsets": "per-group offsets of this rank's rows",
+             "numbers": "local row numbers"}
     return " and ".join(sorted({words.get(o.kind, "reordered rows") for o in ordered.values()}))
 
 

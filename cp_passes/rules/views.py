@@ -315,7 +315,8 @@ def _recurrence_declaration(kernel: tuple) -> str:
                 f"config's model_type, or pass spec={shipped!r}")
     params = list(signature.parameters.values()) if signature is not None else []
     names = [p.name for p in params]
-    required = [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    required = [p.name for p in params
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                 and p.annotation not in (int, float, bool, "int", "float", "bool")]
     candidates = f"those of {', '.join(map(repr, required))} that" if required else "its arguments that"
     extra = ""

@@ -95,7 +95,8 @@ def _step_inputs(args, local: int):
         takes = inspect.signature(model.forward).parameters
         kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in takes.values())
         wanted = ["input_ids", "labels"] + (["doc_ids", "position_ids"] if args.packed else [])
-        return {key: ((args.batch, local), torch.long) for key in wanted if key in takes or (kwargs and key != "doc_ids")}
+        return {key: ((args.batch, local), torch.long) for key in wanted
+                if key in takes or (kwargs and key != "doc_ids")}
 
     return inputs
 
@@ -208,8 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "is not a terminal); in a terminal the tables fit its width")
     explain.set_defaults(run=_explain)
     specs = sub.add_parser("specs", help="list the model specs shipped in model_specs/",
-                           description="Print every spec in model_specs/, the transformers model types cp_compile(model) "
-                                       "picks it for, and its fields.")
+                           description="Print every spec in model_specs/, the transformers model types "
+                                       "cp_compile(model) picks it for, and its fields.")
     specs.set_defaults(run=_specs)
     return parser
 

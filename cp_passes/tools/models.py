@@ -68,8 +68,10 @@ class Attention(nn.Module):
         n_rep = cfg.n_heads // cfg.n_kv_heads
         gqa = cfg.kv_repeat == "sdpa" and n_rep > 1
         if cfg.kv_repeat == "expand" and n_rep > 1:
-            k = k[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim).reshape(b, cfg.n_heads, s, self.head_dim)
-            v = v[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim).reshape(b, cfg.n_heads, s, self.head_dim)
+            k = (k[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim)
+                 .reshape(b, cfg.n_heads, s, self.head_dim))
+            v = (v[:, :, None].expand(b, cfg.n_kv_heads, n_rep, s, self.head_dim)
+                 .reshape(b, cfg.n_heads, s, self.head_dim))
         elif cfg.kv_repeat == "repeat_interleave" and n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         if cfg.window is None and doc_ids is None:

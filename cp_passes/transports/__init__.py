@@ -16,6 +16,6 @@ from .scan import SCAN
 from .shift import SHIFT
 from .splice import SPLICE
 
-__all__ = ["CARRY", "Cost", "EAGER", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER", "SHIFT",
-           "SPLICE", "TRANSPORTS", "Transport", "collective_ops", "in_order", "register_transport",
+__all__ = ["CARRY", "Cost", "EAGER", "HALO", "KEY_GATHER", "POSITIONS", "REDUCTIONS", "SCAN", "SEQUENCE_GATHER",
+           "SHIFT", "SPLICE", "TRANSPORTS", "Transport", "collective_ops", "in_order", "register_transport",
            "unregister_transport"]

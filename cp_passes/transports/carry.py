@@ -3,9 +3,9 @@
 The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.kernels`). Two algorithms, as
 the spec's :class:`~cp_passes.spec.Recurrence` chooses:
 
-- ``affine``: a shard's final state is ``M @ S0 + h`` (``S0 @ M + h`` for a ``[..., V, K]`` state). Every rank runs the kernel once more on its shard
-  with values extended by K zero columns from the state ``[0 | I]``, which returns ``[h | M]``; one
-  all-gather of those (backward: a reduce-scatter); each rank folds its predecessors'
+- ``affine``: a shard's final state is ``M @ S0 + h`` (``S0 @ M + h`` for a ``[..., V, K]`` state). Every rank
+  runs the kernel once more on its shard with values extended by K zero columns from the state ``[0 | I]``,
+  which returns ``[h | M]``; one all-gather of those (backward: a reduce-scatter); each rank folds its predecessors'
   ``S <- M_q @ S + h_q`` and runs the kernel from the true ``S0``. Ranks work in parallel.
 - ``sequential``: P - 1 rounds; in each, every rank runs from its predecessor's final state of the round
   before (one all-gather of final states per round); after round r - 1 rank r's state is exact.

@@ -13,7 +13,7 @@ import torch
 from ..layout import KINDS
 from .attention import AttentionKV, attention_cost, rewrite_attention
 from .base import Cost, Transport, register_transport
-from .key_move import RUNTIME
+from .key_move import runtime as key_movers_runtime
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
 
 
@@ -21,8 +21,11 @@ class SequenceGather(Transport):
     name = "sequence_gather"
     order = 30
     layouts = KINDS
-    runtime = RUNTIME + (torch.ops.cp_passes.global_sum.default,)
     gathers_keys = True
+
+    @property
+    def runtime(self) -> tuple:
+        return key_movers_runtime() + (torch.ops.cp_passes.global_sum.default,)
 
     def apply(self, edit, request: AttentionKV) -> None:
         rewrite_attention(edit, request)

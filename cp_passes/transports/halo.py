@@ -20,7 +20,7 @@ from ..layout import KINDS, chunk_len
 from .attention import AttentionKV, attention_cost, rewrite_attention
 from .base import Cost, Transport, register_transport
 from .halo_exchange import halo_op  # noqa: F401  (registers cp_passes::halo)
-from .key_move import RUNTIME
+from .key_move import runtime as key_movers_runtime
 
 aten = torch.ops.aten
 
@@ -57,7 +57,10 @@ class Halo(Transport):
     name = "halo"
     order = 20
     layouts = KINDS
-    runtime = RUNTIME
+
+    @property
+    def runtime(self) -> tuple:
+        return key_movers_runtime()
 
     def apply(self, edit, request: ConvHalo | AttentionKV) -> None:
         if isinstance(request, AttentionKV):

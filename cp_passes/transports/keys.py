@@ -7,7 +7,7 @@ smallest (before a GQA head repeat and any transposes), then the ops between are
 a mask is evaluated at this rank's query rows and the keys brought only, its inputs picked there
 (:func:`~cp_passes.transports.attention.mask_module`), from gathered metadata.
 
-Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`KeyRange`
+Where the model's masks hide keys from a softmax (:mod:`cp_passes.match.key_cuts`), a :class:`BroughtKeys`
 says which keys come: the ``window - 1`` rows before this rank's (a halo; for a two-sided window the rows after
 too) or the causal prefix (every position before the end of the rank's last range, only those moved).
 Every operand and mask of that attention is cut to those keys, and the masks that hide the rest are checked
@@ -33,7 +33,7 @@ from ..layout import KINDS, Layout
 from .attention import fail_together, global_mask, mask_leaves, mask_module, mask_terms
 from .base import Cost, Transport, register_transport
 from .halo import row_bytes
-from .key_move import RUNTIME, move_cost, move_keys
+from .key_move import move_cost, move_keys, runtime as key_movers_runtime
 from .mask_program import hidden_together, outside_keys_op, split_mask, steps_text  # noqa: F401  (registers)
 from .masks import MetadataMask, key_positions, own_segment
 
@@ -41,7 +41,7 @@ aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
-class KeyRange:
+class BroughtKeys:
     """The keys a cut attention brings, as its :class:`~cp_passes.key_plan.KeyPlan` says: a halo (``plan.halo``
     rows before each of this rank's ranges, ``plan.after`` after) or the causal prefix of a gather. ``masking``
     hides every other key (:class:`~cp_passes.match.key_cuts.Masking`), which the run-time check confirms."""
@@ -66,7 +66,7 @@ class KeyOperand:
     dim: int
     steps: list
     consumers: list[torch.fx.Node] = field(default_factory=list)
-    keys: KeyRange | None = None
+    brought: BroughtKeys | None = None
     """The keys to bring; None: every key."""
     reads_later: bool = False
     """A query may read a later key (no mask shows causal attention): end padding is visible to it."""
@@ -91,7 +91,7 @@ class KeyMask:
     mask: MetadataMask
     query_dim: int
     key_dim: int
-    keys: KeyRange | None = None
+    brought: BroughtKeys | None = None
     """The keys to cut the mask to; None: every key."""
     checks: tuple = ()
     """``(mask, (hides, fill, dtype), (query dim, key dim))`` of every mask that hides keys outside ``keys``, the
@@ -111,8 +111,8 @@ class KeyMask:
     def describe(self) -> str:
         names = ", ".join(leaf.meta.get(INPUT_NAME, leaf.name) for leaf in self.mask.tensor_leaves) or "positions"
         where = "at this rank's rows and the keys brought" if self.at_rows else "over the whole sequence"
-        cut = (f", cut to {self.keys.describe()}" + (" and checked to hide every other key" if self.checks else "")
-               if self.keys else "")
+        cut = (f", cut to {self.brought.describe()}" + (" and checked to hide every other key" if self.checks else "")
+               if self.brought else "")
         return f"the model's mask from {names}, evaluated {where}{cut}"
 
 
@@ -230,7 +230,7 @@ def hide_outside(cut: torch.Tensor, brought: torch.Tensor, local, rank: int, wor
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
              halo: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
              first_part: bool, after: int = 0, corner: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`KeyRange`
+    """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`BroughtKeys`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
     before the sequence start (a halo's zeros), or in another of the rank's ranges' halos (a row two ranges
     share counts once), takes the hiding value (``fill``: how this mask hides keys) or, for a mask that
@@ -269,8 +269,11 @@ class KeyGather(Transport):
     name = "key_gather"
     order = 35
     layouts = KINDS
-    runtime = RUNTIME
     gathers_keys = True
+
+    @property
+    def runtime(self) -> tuple:
+        return key_movers_runtime()
 
     def apply(self, edit, request) -> None:
         if isinstance(request, KeyMask):
@@ -283,11 +286,11 @@ class KeyGather(Transport):
             return None
         name = f"cp_{request.source.name}_keys"
         if request.concat:  # positions and windows of them: each part along its own axis, then joined
-            parts = [self._bring(edit, request, part, request.keys if i == 0 else None, f"{name}_part")
+            parts = [self._bring(edit, request, part, request.brought if i == 0 else None, f"{name}_part")
                      for i, part in enumerate(request.source.args[0])]
             brought = edit.insert(aten.cat.default, (parts, request.dim), name=name)
         else:
-            brought = self._bring(edit, request, request.source, request.keys, name)
+            brought = self._bring(edit, request, request.source, request.brought, name)
         for step in request.steps:
             if isinstance(step, int):
                 brought = edit.insert(aten.repeat_interleave.self_int, (brought, step, 1),
@@ -300,7 +303,7 @@ class KeyGather(Transport):
             edit.changed(consumer)
 
     @staticmethod
-    def _bring(edit, request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, name: str):
+    def _bring(edit, request: KeyOperand, source: torch.fx.Node, keys: BroughtKeys | None, name: str):
         """The rows of ``source`` (the current node: a scan or positions may have made it global) that ``keys``
         asks for along ``request.dim`` (:func:`~.key_move.move_keys`; every key in global order, as the masks read
         them, metadata without autograd)."""
@@ -316,7 +319,7 @@ class KeyGather(Transport):
     def _rows(self, edit, request: KeyMask) -> torch.fx.Node:
         """The mask at this rank's query rows and the keys brought, its inputs picked there: ``[.., L, keys]``,
         nothing ``[S, S]``; with :meth:`_check` where it hides keys the cut leaves out."""
-        found, keys, rank, world, kind = request.mask, request.keys, edit.rank, edit.world, edit.layout.kind
+        found, keys, rank, world, kind = request.mask, request.brought, edit.rank, edit.world, edit.layout.kind
         halo, after = (keys.plan.halo, keys.plan.after) if keys is not None else (None, 0)
         device = meta_val(found.mask).device
         source, dim = length_source(found, request.query_dim)
@@ -334,10 +337,11 @@ class KeyGather(Transport):
         rows = edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, evaluated])
         if halo is not None:
             fill = next((m.hides for m in keys.masking if m.mask is found.mask), None)
-            corner = None if fill is not None else edit.call_module(
-                name, modules[id(found)], leaves[id(found)] + [edit.insert(first_query, (device,), name="cp_first_query"),
-                                                               edit.insert(last_key, (length, world, device),
-                                                                           name="cp_last_key")])
+            corner = None
+            if fill is None:  # a mask that hides none: its value at query 0 and the last key
+                first = edit.insert(first_query, (device,), name="cp_first_query")
+                last = edit.insert(last_key, (length, world, device), name="cp_last_key")
+                corner = edit.call_module(name, modules[id(found)], leaves[id(found)] + [first, last])
             rows = edit.insert(hide_outside, (rows, brought, length, rank, world, kind, halo, after, fill, corner),
                                name="cp_mask_keys")
         if request.checks:
@@ -349,7 +353,7 @@ class KeyGather(Transport):
         """Each rank counts, for its own queries against every key, what the masks show outside the keys brought
         and the queries they hide every key from (:func:`hidden_counts`; a tile at a time where every mask splits
         into per-position terms, else ``[.., L, S]`` in the graph); the ranks add the counts and all fail alike."""
-        plan, world, name = request.keys.plan, edit.world, f"cp_mask_fn_{edit.origin.name}"
+        plan, world, name = request.brought.plan, edit.world, f"cp_mask_fn_{edit.origin.name}"
         every = edit.insert(every_position, (length, world, device), name="cp_sequence_positions")
         for found, _, _ in request.checks:
             if id(found) not in leaves:
@@ -376,7 +380,7 @@ class KeyGather(Transport):
         """Keys that concatenate positions and windows of them: the masks at this rank's query rows and every key
         (``[.., L, keys]``), then cut as :func:`cut_mask` cuts (the positions part to the keys brought, the
         windows whole); the check counts over the positions part, each rank its own queries."""
-        found, plan, name = request.mask, request.keys.plan, f"cp_mask_fn_{edit.origin.name}"
+        found, plan, name = request.mask, request.brought.plan, f"cp_mask_fn_{edit.origin.name}"
         first = edit.insert(first_query, (device,), name="cp_first_query")
         for checked, _, _ in request.checks:
             if id(checked) not in leaves:
@@ -387,7 +391,7 @@ class KeyGather(Transport):
                 module = mask_module(edit, mask, picked=True, keys=False)
                 rows[id(mask)] = (module, edit.call_module(name, module, leaves[id(mask)] + [queries, queries]))
         module, picked = rows[id(found)]
-        fill = next((m.hides for m in request.keys.masking if m.mask is found.mask), None)
+        fill = next((m.hides for m in request.brought.masking if m.mask is found.mask), None)
         corner = edit.call_module(name, module, leaves[id(found)] + [first, first])
         cut = edit.insert(cut_mask, (picked, -2, -1, edit.rank, edit.world, edit.layout.kind, plan.halo, [], (), (),
                                      fill, True, plan.after, corner), name="cp_mask_keys")
@@ -406,15 +410,15 @@ class KeyGather(Transport):
     def _whole(self, edit, request: KeyMask) -> torch.fx.Node:
         """The mask over the whole sequence, then this rank's rows and the keys brought (:func:`cut_mask`)."""
         whole = global_mask(edit, request.mask)
-        if request.keys is None:
+        if request.brought is None:
             return edit.insert(query_rows, (whole, request.query_dim, edit.rank, edit.world, edit.layout.kind),
                                name="cp_mask_rows")
         checked = [whole if found is request.mask else global_mask(edit, found) for found, *_ in request.checks]
-        fill = next((m.hides for m in request.keys.masking if m.mask is request.mask.mask), None)
+        fill = next((m.hides for m in request.brought.masking if m.mask is request.mask.mask), None)
         return edit.insert(cut_mask, (whole, request.query_dim, request.key_dim, edit.rank, edit.world,
-                                      edit.layout.kind, request.keys.plan.halo, checked,
+                                      edit.layout.kind, request.brought.plan.halo, checked,
                                       tuple(c[1] for c in request.checks), tuple(c[2] for c in request.checks),
-                                      fill, request.keys.first_part, request.keys.plan.after),
+                                      fill, request.brought.first_part, request.brought.plan.after),
                            name="cp_mask_keys")
 
     def cost(self, request, layout, rank, local_len) -> Cost:
@@ -425,12 +429,12 @@ class KeyGather(Transport):
             return Cost(f"all_gather {', '.join(leaf.name for leaf in leaves)} (no grad)" if leaves else "none",
                         0, moved, moved, moved, moved)
         if request.concat:
-            return sum((self._rows_cost(request, part, request.keys if i == 0 else None, layout, rank, local_len)
+            return sum((self._rows_cost(request, part, request.brought if i == 0 else None, layout, rank, local_len)
                         for i, part in enumerate(request.source.args[0])), Cost())
-        return self._rows_cost(request, request.source, request.keys, layout, rank, local_len)
+        return self._rows_cost(request, request.source, request.brought, layout, rank, local_len)
 
     @staticmethod
-    def _rows_cost(request: KeyOperand, source: torch.fx.Node, keys: KeyRange | None, layout, rank: int,
+    def _rows_cost(request: KeyOperand, source: torch.fx.Node, keys: BroughtKeys | None, layout, rank: int,
                    local_len: int) -> Cost:
         """What bringing ``keys`` of ``source`` (a part of a concatenation, or the whole operand) moves."""
         return move_cost(EVERY_KEY_PLAN if keys is None else keys.plan, layout, rank, local_len,

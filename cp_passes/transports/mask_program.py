@@ -275,7 +275,8 @@ def _steps(text: str) -> tuple:
     steps = []
     for step in text.split(";"):
         hides, fill, dtype = step.split(",")
-        steps.append((hides, None if fill == "None" else float(fill), None if dtype == "None" else getattr(torch, dtype)))
+        steps.append((hides, None if fill == "None" else float(fill),
+                      None if dtype == "None" else getattr(torch, dtype)))
     return tuple(steps)
 
 
