@@ -11,6 +11,17 @@ import cp_passes
 from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
 
 
+MIXED = ToyLlamaConfig(n_layers=4, window=5, conv_kernel=(0, 3, 0, 3))
+"""Sliding-window attention on packed documents in every block, a causal convolution in every other one: two
+kinds of block, each called twice."""
+
+
+def mixed_toy():
+    """The factory ``python -m cp_passes explain tests.shared:mixed_toy`` plans (tests/test_cli.py): a module a
+    user's factory could be, importing only cp_passes."""
+    return ToyLlama(MIXED)
+
+
 def toy_batch(seq_len: int, batch: int = 2, vocab: int = 256, seed: int = 1) -> dict:
     """A global batch: token ids, positions, and labels shifted before sharding (-100 at the end)."""
     g = torch.Generator().manual_seed(seed)

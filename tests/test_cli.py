@@ -161,10 +161,10 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
 def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_path):
     """A module:factory, every layer traced (--no-regions), and a transformers config.json, each repeated block
     planned once; one table row per layer."""
-    out = run("-m", "cp_passes", "explain", "tests.test_regions:mixed_toy", "--world-size", "4", "--seq-len", "64",
+    out = run("-m", "cp_passes", "explain", "tests.shared:mixed_toy", "--world-size", "4", "--seq-len", "64",
               "--packed", "--ranks", "0", "3", "--no-regions")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "cp_passes plan: tests.test_regions:mixed_toy (built by the factory)" in out.stdout
+    assert "cp_passes plan: tests.shared:mixed_toy (built by the factory)" in out.stdout
     assert "with each repeated block once" not in out.stderr
     for layer in range(4):
         assert re.search(rf"layers\.{layer}\.attn +sdpa_data_mask +halo", out.stdout), out.stdout

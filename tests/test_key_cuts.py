@@ -11,7 +11,8 @@ import cp_passes
 from cp_passes.graph.analysis import sequence_symbol
 from cp_passes.match.blocks import match_blocks
 from cp_passes.match.key_cuts import key_cuts
-from cp_passes.transports.keys import check_hidden, hidden_together
+from cp_passes.transports.keys import check_hidden
+from cp_passes.transports.mask_program import hidden_together
 
 NEG = torch.finfo(torch.float32).min
 POS = torch.finfo(torch.float32).max

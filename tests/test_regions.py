@@ -13,13 +13,8 @@ from torch import nn
 
 import cp_passes
 from cp_passes.tools.dryrun import dry_run
-from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
-from shared import MaskedBlock
-
-MIXED = ToyLlamaConfig(n_layers=4, window=5, conv_kernel=(0, 3, 0, 3))
-"""Sliding-window attention on packed documents in every block, a causal convolution in every other one: two
-kinds of block, each called twice."""
-
+from cp_passes.tools.models import ToyLlama
+from shared import MIXED, MaskedBlock
 
 def _rows(run):
     return sorted((r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.module) for r in run.record.records)
@@ -229,8 +224,3 @@ def test_regions_match_one_device(pool, P, backend, models):
         for name, (loss, grads, regions) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)
             assert len(regions) == (2 if name == "toy" else 1), (rank, name, regions)
-
-
-def mixed_toy():
-    """The factory ``python -m cp_passes explain tests.test_regions:mixed_toy`` plans (tests/test_cli.py)."""
-    return ToyLlama(MIXED)

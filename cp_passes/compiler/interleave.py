@@ -39,7 +39,7 @@ from ..graph.analysis import INPUT_NAME, bind_args, meta_val
 from ..key_plan import Move
 from ..match.head_repeat import is_whole_slice
 from ..spec import CPSpec
-from ..transports.attention import mask_module
+from ..transports.rank_masks import mask_module
 from ..transports.mask_program import KEY, QUERY, parsed_program, split_mask
 from ..transports.reductions import GlobalMean, GlobalSum
 from .padding import end_fill, ignores_padding, partial_output_sources, sum_sources

@@ -34,7 +34,8 @@ from ..match.head_repeat import is_whole_slice, match_head_repeat
 from ..match.key_cuts import KeyCut, Masking, key_cuts
 from ..match.masks import NotPositional, PositionMask, evaluate_position_mask, one_document
 from ..key_plan import PROBE_MAX_LEN, KeyPlan, Move, Reach, mask_reach, read_reach
-from ..transports.keys import KeyMask, KeyOperand, BroughtKeys, KeySize, hidden_together
+from ..transports.keys import BroughtKeys, KeyMask, KeyOperand, KeySize
+from ..transports.mask_program import hidden_together
 from .registry import NO_RULE_FIX, Rewrite, RuleContext
 
 aten = torch.ops.aten
@@ -343,5 +344,5 @@ def _dims(mask: torch.fx.Node, blocks, sym) -> tuple[int, int]:
 
 
 def _step(masking: Masking) -> tuple:
-    """How ``masking`` is replayed (:func:`~cp_passes.transports.keys.hidden_together`)."""
+    """How ``masking`` is replayed (:func:`~cp_passes.transports.mask_program.hidden_together`)."""
     return masking.hides, masking.fill, masking.dtype

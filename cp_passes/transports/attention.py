@@ -19,16 +19,14 @@ import torch.fx
 
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
-from ..graph.selection import Selector, compare_without_differences
 from ..key_plan import (EVERY_KEY_REACH, KeyPlan, Move, attention_pieces, by_blocks, no_dropout, outside,
-                        outside_band_counts, own_keys_first, sized_by_data)
-from ..layout import CONTIGUOUS
+                        own_keys_first, sized_by_data)
 from .base import Cost
 from .block_attention import block_attention_op, block_attention_rest_op
 from .key_move import move_cost, move_keys
-from .mask_program import SHOWN, MaskProgram, split_mask
-from .gathers import in_global_order
-from .masks import (MetadataMask, brought_positions, first_keys, global_shaped, kept_keys, mask_block, query_positions,
+from .mask_program import SHOWN, MaskProgram
+from .rank_masks import RankMasks, global_mask
+from .masks import (MetadataMask, brought_positions, first_keys, kept_keys, mask_block, query_positions,
                     reach_mask, sequence_positions)
 from .prefix_exchange import prefix_finish
 from .reductions import global_sum_op  # noqa: F401  (registers cp_passes::global_sum)
@@ -258,27 +256,13 @@ def local_mask(edit, found: MetadataMask, q: torch.fx.Node, causal: bool = True)
     if sized_by_data(found):
         return edit.insert(mask_block, (global_mask(edit, found), q, edit.rank, edit.world, kind, *moved),
                            name="cp_mask_block")
-    leaves = mask_leaves(edit, found)
-    name, module = f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=True)
+    masks = RankMasks(edit)
     positions = edit.insert(query_positions, (q, edit.rank, edit.world, kind), name="cp_query_positions")
     brought = edit.insert(brought_positions, (q, edit.rank, edit.world, kind, *moved), name="cp_key_positions")
-    split = split_mask(module)
-    if split is None:
-        mask = edit.call_module(name, module, leaves + [positions, brought])
-    else:  # per-position terms in the graph, the [queries, keys] block a tile at a time inside the ops
-        terms, program = split
-        mask = MaskProgram(mask_terms(edit, name, terms, leaves + [positions, brought]), program, brought)
-    if not causal:
-        return mask
-    if split is None:
-        transposed = edit.call_module(name, module, leaves + [brought, positions])
-        count = edit.insert(outside_band_counts, (transposed, brought, positions, None), name="cp_mask_future_keys")
-    else:
-        transposed = mask_terms(edit, name, terms, leaves + [brought, positions])
-        count = edit.insert(torch.ops.cp_passes.outside_keys.default,
-                            (list(transposed), program, [len(transposed)], SHOWN, brought, positions, None, 0),
-                            name="cp_mask_future_keys")
-    fail_together(edit, count, (CAUSAL_VIOLATION,), "cp_mask_causal")
+    mask = masks.at(found, positions, brought, program=True)
+    if causal:  # the transposed block: the queries of the keys brought against this rank's own keys
+        count = masks.count_outside([found], SHOWN, brought, positions, None, 0, "cp_mask_future_keys")
+        masks.fail_together(count, (CAUSAL_VIOLATION,), "cp_mask_causal")
     return mask
 
 
@@ -288,110 +272,24 @@ def mask_at_keys(edit, request: AttentionKV, q: torch.fx.Node) -> torch.fx.Node 
     plan's reach, each rank its own queries against every key, a tile at a time (:func:`~.mask_program.outside_keys_op`;
     the ranks add their counts, so all fail together). Nothing ``[S, S]``. None where the mask's sizes depend on
     data or :func:`split_mask` cannot write it down (then :func:`global_mask`)."""
-    found, plan = request.mask, request.plan
-    if sized_by_data(found):
+    found, plan, masks = request.mask, request.plan, RankMasks(edit)
+    if sized_by_data(found) or masks.split(found) is None:
         return None
-    module = mask_module(edit, found, picked=True)
-    split = split_mask(module)
-    if split is None:
-        return None
-    terms, program = split
     rank, world, kind = edit.rank, edit.world, edit.layout.kind
     moved = (plan.move.value, plan.reach.before, plan.reach.after, request.left_padding)
-    name, leaves = f"cp_mask_fn_{edit.origin.name}", mask_leaves(edit, found)
     positions = edit.insert(query_positions, (q, rank, world, kind), name="cp_query_positions")
     keys = edit.insert(brought_positions, (q, rank, world, kind, *moved), name="cp_key_positions")
     evaluated = edit.insert(torch.clamp_min, (keys, 0), name="cp_key_positions_in_sequence")
-    block = edit.call_module(name, module, leaves + [positions, evaluated])
-    mask = edit.insert(kept_keys, (block, keys, q, world, kind, *moved), name="cp_mask_block")
+    mask = edit.insert(kept_keys, (masks.at(found, positions, evaluated), keys, q, world, kind, *moved),
+                       name="cp_mask_block")
     if plan.reach != EVERY_KEY_REACH:
         every = edit.insert(sequence_positions, (q, world), name="cp_sequence_positions")
-        check = mask_terms(edit, name, terms, leaves + [positions, every])
-        count = edit.insert(torch.ops.cp_passes.outside_keys.default,
-                            (list(check), program, [len(check)], SHOWN, positions, every, plan.reach.before,
-                             plan.reach.after or 0), name="cp_mask_outside_keys")
-        fail_together(edit, count, (plan.message(),), "cp_mask_outside")
+        count = masks.count_outside([found], SHOWN, positions, every, plan.reach.before, plan.reach.after or 0,
+                                    "cp_mask_outside_keys")
+        masks.fail_together(count, (plan.message(),), "cp_mask_outside")
     return mask
-
-
-def fail_together(edit, count: torch.fx.Node, messages: tuple, name: str) -> None:
-    """Add the ranks' counts (``[2]``: :func:`~cp_passes.key_plan.outside_band_counts`) in one all-reduce and
-    fail on every rank alike where count ``i`` is not zero, with ``messages[i]``."""
-    total = edit.insert(torch.ops.cp_passes.global_sum.default, (count, edit.group_name), name=f"{name}_total")
-    for i, message in enumerate(messages):
-        broken = edit.insert(operator.getitem, (total, i), name=f"{name}_count")
-        edit.insert(aten._assert_async.msg, (edit.insert(operator.eq, (broken, 0), name=f"{name}_none"), message),
-                    name=f"{name}_check")
-
-
-def mask_terms(edit, name: str, terms: torch.fx.GraphModule, inputs: list) -> tuple:
-    """The per-position terms of a split mask (:func:`split_mask`), each a node."""
-    called = edit.call_module(name + "_terms", terms, inputs)
-    (outputs,) = next(n for n in terms.graph.nodes if n.op == "output").args
-    return tuple(edit.insert(operator.getitem, (called, i), name=f"{name}_term") for i in range(len(outputs)))
 
 
 CAUSAL_VIOLATION = outside(None)
 
 
-def mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
-    """The mask's inputs over the whole sequence, in global order: gathered metadata (and activations, for a
-    mask computed without gradient, detached), global lengths, and the parameters it reads."""
-
-    def detached(leaf):
-        """This rank's ``leaf`` as the rewritten graph computes it (a scan's, say, after its carry), without
-        its autograd edge (the graph's fake values do not say which tensors require grad: any float may)."""
-        now = edit.current(leaf)
-        if not meta_val(leaf).is_floating_point():
-            return now
-        return edit.insert(aten.detach.default, (now,), name=f"cp_{leaf.name}_detached")
-
-    def gathered(leaf, d):
-        rows = edit.insert(torch.ops.cp_passes.metadata_gather.default,
-                           (detached(leaf), d, edit.world, edit.group_name), name=f"cp_{leaf.name}_gathered")
-        if edit.layout.kind == CONTIGUOUS:
-            return rows
-        return edit.insert(in_global_order, (rows, d, edit.world, edit.layout.kind),
-                           name=f"cp_{leaf.name}_in_order")
-
-    leaves = [edit.insert(global_shaped, (edit.current(leaf), d, edit.world), name=f"cp_{leaf.name}_shape")
-              if found.shape_only(leaf) else gathered(leaf, d)
-              for leaf, d in zip(found.tensor_leaves, found.leaf_dims)]
-    # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
-    leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")
-               for leaf in found.size_leaves]
-    return leaves + [detached(leaf) for leaf in found.inputs]
-
-
-def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
-    """The model's mask over the whole sequence: its subgraph as a submodule, fed gathered metadata (and
-    activations, for a mask computed without gradient), global lengths and the parameters it reads."""
-    leaves = mask_leaves(edit, found)
-    if sized_by_data(found):
-        # Sizes that depend on data (an indexer's top-k width) are bound node by node: inline the mask.
-        env = dict(zip(found.tensor_leaves + found.size_leaves + found.inputs, leaves))
-        for n in found.nodes:
-            env[n] = edit.copy(n, env, name=f"cp_mask_{n.name}")
-        return env[found.mask]
-    return edit.call_module(f"cp_mask_fn_{edit.origin.name}", mask_module(edit, found, picked=False), leaves)
-
-
-def mask_module(edit, found: MetadataMask, picked: bool, keys: bool = True) -> torch.fx.GraphModule:
-    """The mask's subgraph as a module of its leaves (:func:`mask_leaves`' order); ``picked`` adds two inputs,
-    the query and key positions, and returns only those rows and keys (:class:`~cp_passes.graph.selection.Selector`;
-    not ``keys``: those rows and every key, the key positions unread)."""
-    graph, env = torch.fx.Graph(), {}
-    for leaf in found.tensor_leaves + found.size_leaves + found.inputs:
-        env[leaf] = graph.placeholder(leaf.name)
-        env[leaf].meta["val"] = meta_val(leaf)  # the Selector reads ranks and size-1 dims (the same globally)
-    picks = (graph.placeholder("query_positions"), graph.placeholder("key_positions")) if picked else ()
-    for n in found.nodes:
-        env[n] = graph.node_copy(n, lambda a: env[a] if a in env else env[edit.planned(a)])
-    replaced = compare_without_differences(graph)
-    out = replaced.get(env[found.mask], env[found.mask])
-    if picked:
-        rank = meta_val(found.mask).dim()
-        out = Selector(graph)(out, ((rank - 2, picks[0]), (rank - 1, picks[1])) if keys else ((rank - 2, picks[0]),))
-    graph.output(out)
-    graph.eliminate_dead_code()  # the whole-sequence nodes the picks went around
-    return torch.fx.GraphModule(edit.gm, graph)

@@ -28,13 +28,13 @@ import torch.fx
 
 from ..errors import node_ref
 from ..graph.analysis import INPUT_NAME, meta_val
-from ..key_plan import EVERY_KEY_PLAN, KeyPlan, outside, outside_band_counts, sized_by_data
+from ..key_plan import EVERY_KEY_PLAN, KeyPlan, outside, sized_by_data
 from ..layout import KINDS, Layout
-from .attention import fail_together, global_mask, mask_leaves, mask_module, mask_terms
+from .rank_masks import RankMasks, global_mask
 from .base import Cost, Transport, register_transport
 from .halo import row_bytes
 from .key_move import move_cost, move_keys, runtime as key_movers_runtime
-from .mask_program import hidden_together, outside_keys_op, split_mask, steps_text  # noqa: F401  (registers)
+from .mask_program import hidden_counts
 from .masks import MetadataMask, key_positions, own_segment
 
 aten = torch.ops.aten
@@ -153,13 +153,6 @@ EVERY_KEY_HIDDEN = ("cp_passes: the model's attention mask hides every key from 
                     "spreads over every key on one device and over fewer under CP; let each query see a key "
                     "(itself), or set CPSpec(attention_keys='all')")
 """A row that hides every key is uniform over all keys on one device (``finfo.min``) but not over fewer."""
-
-
-def hidden_counts(masks: list[torch.Tensor], steps: tuple, dims: tuple, query_positions: torch.Tensor,
-                  key_positions: torch.Tensor, before: int | None, after: int = 0) -> torch.Tensor:
-    """:func:`~cp_passes.key_plan.outside_band_counts` of what the masks together (:func:`hidden_together`) show,
-    evaluated at the queries at ``query_positions`` and the keys at ``key_positions``."""
-    return outside_band_counts(~hidden_together(masks, steps, dims), query_positions, key_positions, before, after)
 
 
 def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
@@ -325,87 +318,57 @@ class KeyGather(Transport):
         source, dim = length_source(found, request.query_dim)
         length = source if dim is None else edit.insert(aten.sym_size.int, (source, dim), name="cp_mask_length")
         queries = edit.insert(rank_positions, (length, rank, world, kind, device), name="cp_query_positions")
-        leaves = {id(found): mask_leaves(edit, found)}
+        masks = RankMasks(edit)
         if keys is not None and keys.first_part:
-            return self._first_part(edit, request, leaves, queries, length, device)
+            return self._first_part(edit, request, masks, queries, length, device)
         brought = (edit.insert(every_position, (length, world, device), name="cp_key_positions") if keys is None else
                    edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
                                name="cp_key_positions"))
-        modules = {id(found): mask_module(edit, found, picked=True)}
-        name = f"cp_mask_fn_{edit.origin.name}"
         evaluated = edit.insert(torch.clamp_min, (brought, 0), name="cp_key_positions_in_sequence")
-        rows = edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, evaluated])
+        rows = masks.at(found, queries, evaluated)
         if halo is not None:
             fill = next((m.hides for m in keys.masking if m.mask is found.mask), None)
             corner = None
             if fill is None:  # a mask that hides none: its value at query 0 and the last key
                 first = edit.insert(first_query, (device,), name="cp_first_query")
-                last = edit.insert(last_key, (length, world, device), name="cp_last_key")
-                corner = edit.call_module(name, modules[id(found)], leaves[id(found)] + [first, last])
+                corner = masks.at(found, first, edit.insert(last_key, (length, world, device), name="cp_last_key"))
             rows = edit.insert(hide_outside, (rows, brought, length, rank, world, kind, halo, after, fill, corner),
                                name="cp_mask_keys")
         if request.checks:
-            self._check(edit, request, leaves, modules, queries, length, device)
+            self._check(edit, request, masks, queries, length, device)
         return rows
 
     @staticmethod
-    def _check(edit, request: KeyMask, leaves: dict, modules: dict, queries, length, device) -> None:
+    def _check(edit, request: KeyMask, masks: RankMasks, queries, length, device) -> None:
         """Each rank counts, for its own queries against every key, what the masks show outside the keys brought
-        and the queries they hide every key from (:func:`hidden_counts`; a tile at a time where every mask splits
-        into per-position terms, else ``[.., L, S]`` in the graph); the ranks add the counts and all fail alike."""
-        plan, world, name = request.brought.plan, edit.world, f"cp_mask_fn_{edit.origin.name}"
-        every = edit.insert(every_position, (length, world, device), name="cp_sequence_positions")
-        for found, _, _ in request.checks:
-            if id(found) not in leaves:
-                leaves[id(found)] = mask_leaves(edit, found)
-                modules[id(found)] = mask_module(edit, found, picked=True)
-        steps = tuple(step for _, step, _ in request.checks)
-        splits = [split_mask(modules[id(found)]) for found, _, _ in request.checks]
-        if all(split is not None for split in splits):
-            terms = [mask_terms(edit, name, split[0], leaves[id(found)] + [queries, every])
-                     for split, (found, _, _) in zip(splits, request.checks)]
-            count = edit.insert(torch.ops.cp_passes.outside_keys.default,
-                                ([t for part in terms for t in part], "\n".join(split[1] for split in splits),
-                                 [len(part) for part in terms], steps_text(steps), queries, every, plan.halo,
-                                 plan.after), name="cp_mask_hidden")
-        else:
-            masks = [edit.call_module(name, modules[id(found)], leaves[id(found)] + [queries, every])
-                     for found, _, _ in request.checks]
-            count = edit.insert(hidden_counts, (masks, steps, ((-2, -1),) * len(masks), queries, every, plan.halo,
-                                                plan.after), name="cp_mask_hidden")
-        KeyGather._fail_together(edit, count, plan)
+        and the queries they hide every key from (:meth:`~.rank_masks.RankMasks.count_outside`); the ranks add the
+        counts and all fail alike."""
+        plan = request.brought.plan
+        every = edit.insert(every_position, (length, edit.world, device), name="cp_sequence_positions")
+        count = masks.count_outside([found for found, _, _ in request.checks],
+                                    tuple(step for _, step, _ in request.checks), queries, every, plan.halo,
+                                    plan.after, "cp_mask_hidden")
+        masks.fail_together(count, (outside(plan.halo, plan.after), EVERY_KEY_HIDDEN), "cp_mask_hidden")
 
     @staticmethod
-    def _first_part(edit, request: KeyMask, leaves: dict, queries, length, device) -> torch.fx.Node:
+    def _first_part(edit, request: KeyMask, masks: RankMasks, queries, length, device) -> torch.fx.Node:
         """Keys that concatenate positions and windows of them: the masks at this rank's query rows and every key
         (``[.., L, keys]``), then cut as :func:`cut_mask` cuts (the positions part to the keys brought, the
         windows whole); the check counts over the positions part, each rank its own queries."""
-        found, plan, name = request.mask, request.brought.plan, f"cp_mask_fn_{edit.origin.name}"
+        found, plan = request.mask, request.brought.plan
         first = edit.insert(first_query, (device,), name="cp_first_query")
-        for checked, _, _ in request.checks:
-            if id(checked) not in leaves:
-                leaves[id(checked)] = mask_leaves(edit, checked)
-        rows = {}
-        for mask in [found] + [checked for checked, _, _ in request.checks]:
-            if id(mask) not in rows:
-                module = mask_module(edit, mask, picked=True, keys=False)
-                rows[id(mask)] = (module, edit.call_module(name, module, leaves[id(mask)] + [queries, queries]))
-        module, picked = rows[id(found)]
+        rows = {id(mask): masks.at(mask, queries, queries, every_key=True)
+                for mask in [found] + [checked for checked, _, _ in request.checks]}
         fill = next((m.hides for m in request.brought.masking if m.mask is found.mask), None)
-        corner = edit.call_module(name, module, leaves[id(found)] + [first, first])
-        cut = edit.insert(cut_mask, (picked, -2, -1, edit.rank, edit.world, edit.layout.kind, plan.halo, [], (), (),
-                                     fill, True, plan.after, corner), name="cp_mask_keys")
+        corner = masks.at(found, first, first, every_key=True)
+        cut = edit.insert(cut_mask, (rows[id(found)], -2, -1, edit.rank, edit.world, edit.layout.kind, plan.halo, [],
+                                     (), (), fill, True, plan.after, corner), name="cp_mask_keys")
         if request.checks:
-            count = edit.insert(first_part_counts, ([rows[id(c)][1] for c, _, _ in request.checks],
+            count = edit.insert(first_part_counts, ([rows[id(c)] for c, _, _ in request.checks],
                                                     tuple(step for _, step, _ in request.checks), queries,
                                                     edit.world, plan.halo, plan.after), name="cp_mask_hidden")
-            KeyGather._fail_together(edit, count, plan)
+            masks.fail_together(count, (outside(plan.halo, plan.after), EVERY_KEY_HIDDEN), "cp_mask_hidden")
         return cut
-
-    @staticmethod
-    def _fail_together(edit, count, plan) -> None:
-        """Add the ranks' counts (:func:`hidden_counts`) and fail on every rank if any is not zero."""
-        fail_together(edit, count, (outside(plan.halo, plan.after), EVERY_KEY_HIDDEN), "cp_mask_hidden")
 
     def _whole(self, edit, request: KeyMask) -> torch.fx.Node:
         """The mask over the whole sequence, then this rank's rows and the keys brought (:func:`cut_mask`)."""

@@ -262,6 +262,13 @@ def hidden_together(masks: list[torch.Tensor], steps: tuple, dims: tuple) -> tor
     return value <= torch.finfo(value.dtype).min / 2
 
 
+def hidden_counts(masks: list[torch.Tensor], steps: tuple, dims: tuple, query_positions: torch.Tensor,
+                  key_positions: torch.Tensor, before: int | None, after: int = 0) -> torch.Tensor:
+    """:func:`~cp_passes.key_plan.outside_band_counts` of what the masks together (:func:`hidden_together`) show,
+    evaluated at the queries at ``query_positions`` and the keys at ``key_positions``."""
+    return outside_band_counts(~hidden_together(masks, steps, dims), query_positions, key_positions, before, after)
+
+
 SHOWN = "shown"
 """``steps`` of one boolean mask that shows a key where it is True (SDPA's)."""
 
