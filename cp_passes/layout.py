@@ -173,21 +173,21 @@ class Layout:
         over its own rows (it holds the sequence's first positions and sees nothing else)."""
         return rank == 0 and self.chunks == 1
 
-    def halo_sources(self, halo: int, rank: int, local_len: int,
+    def halo_sources(self, before: int, rank: int, local_len: int,
                      after: int = 0) -> list[list[tuple[int | None, int, int]]]:
-        """For each of rank ``rank``'s ranges, where the ``halo`` positions before it (then the ``after``
+        """For each of rank ``rank``'s ranges, where the ``before`` positions in front of it (then the ``after``
         positions after it: a two-sided halo) are held (:meth:`sources` pieces: owner ``None`` outside the
         sequence, owner ``rank`` for rows it holds itself). ``local_len`` is concrete."""
-        return [(self.sources(start - halo, start, local_len) if halo > 0 else [])
+        return [(self.sources(start - before, start, local_len) if before > 0 else [])
                 + (self.sources(stop, stop + after, local_len) if after > 0 else [])
                 for start, stop in self.ranges(rank, local_len)]
 
-    def halo_counts(self, halo: int, rank: int, local_len: int, after: int = 0) -> tuple[list[int], list[int], int]:
-        """Rows rank ``rank`` sends to and receives from every other rank for a halo of the ``halo``
-        positions before each of its ranges (and ``after`` after it), and how many of those lie outside the
+    def halo_counts(self, before: int, rank: int, local_len: int, after: int = 0) -> tuple[list[int], list[int], int]:
+        """Rows rank ``rank`` sends to and receives from every other rank for a halo of the ``before``
+        positions in front of each of its ranges (and ``after`` after it), and how many of those lie outside the
         sequence (zeros). Exactly the needed rows move, each once (two ranges' halos that overlap share
         their rows: :func:`wanted_rows`); rows it holds itself are copied. ``local_len`` is concrete."""
-        plans = [self.halo_sources(halo, other, local_len, after) for other in range(self.world)]
+        plans = [self.halo_sources(before, other, local_len, after) for other in range(self.world)]
         send = [0 if other == rank else sum(n for _, n in wanted_rows(plans[other], rank))
                 for other in range(self.world)]
         recv = [0 if owner == rank else sum(n for _, n in wanted_rows(plans[rank], owner))
@@ -195,29 +195,30 @@ class Layout:
         zeros = sum(n for pieces in plans[rank] for owner, _, n in pieces if owner is None)
         return send, recv, zeros
 
-    def leading_zeros(self, halo: int, rank: int, local_len: int) -> int:
-        """How many of the ``halo`` positions before rank ``rank``'s ranges precede the sequence start."""
-        return sum(rows for pieces in self.halo_sources(halo, rank, local_len)
+    def leading_zeros(self, before: int, rank: int, local_len: int) -> int:
+        """How many of the ``before`` positions in front of rank ``rank``'s ranges precede the sequence start."""
+        return sum(rows for pieces in self.halo_sources(before, rank, local_len)
                    for owner, _, rows in pieces if owner is None)
 
-    def halo_positions(self, halo: int, rank: int, local_len, device=None, left_padding: int = 0,
+    def halo_positions(self, before: int, rank: int, local_len, device=None, left_padding: int = 0,
                        after: int = 0) -> torch.Tensor:
-        """Global positions of the rows of a halo: for each range, ``[left_padding rows (-1), halo rows,
+        """Global positions of the rows of a halo: for each range, ``[left_padding rows (-1), before rows,
         the range's rows, after rows]`` (positions before the sequence start are negative, those after its
         end -1)."""
         pieces = []
         for start, stop in self.ranges(rank, local_len):
             if left_padding:
                 pieces.append(torch.full((left_padding,), -1, device=device))
-            pieces.append(torch.arange(stop - start + halo + after, device=device) + (start - halo))
+            pieces.append(torch.arange(stop - start + before + after, device=device) + (start - before))
         positions = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         if after:
             positions = torch.where(positions < self.global_len(local_len), positions, -1)
         return positions
 
-    def halo_segments(self, halo: int, local_len, device=None, left_padding: int = 0, after: int = 0) -> torch.Tensor:
+    def halo_segments(self, before: int, local_len, device=None, left_padding: int = 0,
+                      after: int = 0) -> torch.Tensor:
         """Which range each row of a halo (:meth:`halo_positions`) belongs to (``[rows]`` int64)."""
-        size = self.chunk_len(local_len) + halo + after + left_padding
+        size = self.chunk_len(local_len) + before + after + left_padding
         return torch.arange(self.chunks * size, device=device) // size
 
     def query_segments(self, local_len, device=None) -> torch.Tensor:

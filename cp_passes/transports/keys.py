@@ -155,18 +155,18 @@ EVERY_KEY_HIDDEN = ("cp_passes: the model's attention mask hides every key from 
 """A row that hides every key is uniform over all keys on one device (``finfo.min``) but not over fewer."""
 
 
-def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, halo: int | None,
+def check_hidden(masks: list[torch.Tensor], steps: tuple, dims: tuple, before: int | None,
                  first_part: bool = False, after: int = 0) -> None:
     """Fail unless the masks together (:func:`hidden_together`), evaluated over the whole sequence, hide every key
-    a cut attention leaves out: a later key (more than ``after`` positions on), or (with ``halo``) one ``halo +
-    1`` or more positions back (with ``first_part``, among the first keys, one per query); and unless each query
-    sees a key. Every rank checks the whole sequence, so all reach the same verdict."""
+    a cut attention leaves out: a later key (more than ``after`` positions on), or (with ``before``) one
+    ``before + 1`` or more positions back (with ``first_part``, among the first keys, one per query); and unless
+    each query sees a key. Every rank checks the whole sequence, so all reach the same verdict."""
     if first_part:
         masks = [mask.narrow(k, 0, mask.shape[q]) for mask, (q, k) in zip(masks, dims)]
     (q, k), device = dims[0], masks[0].device
     counts = hidden_counts(masks, steps, dims, torch.arange(masks[0].shape[q], device=device),
-                           torch.arange(masks[0].shape[k], device=device), halo, after)
-    torch._assert_async(counts[0] == 0, outside(halo, after))
+                           torch.arange(masks[0].shape[k], device=device), before, after)
+    torch._assert_async(counts[0] == 0, outside(before, after))
     torch._assert_async(counts[1] == 0, EVERY_KEY_HIDDEN)
 
 
@@ -208,20 +208,20 @@ def _hiding(cut: torch.Tensor, fill: str | None, corner: torch.Tensor | None) ->
     return corner
 
 
-def hide_outside(cut: torch.Tensor, brought: torch.Tensor, local, rank: int, world: int, kind: str, halo: int,
+def hide_outside(cut: torch.Tensor, brought: torch.Tensor, local, rank: int, world: int, kind: str, before: int,
                  after: int, fill: str | None, corner: torch.Tensor | None) -> torch.Tensor:
     """``cut`` (``[.., local, keys]``: a mask at this rank's rows and a halo's keys, at ``brought``) with the keys
     before the sequence start (the halo's zero rows) and those of another of the rank's ranges (a row two ranges
     share counts once, :func:`~.masks.own_segment`) hidden (:func:`_hiding`)."""
     hide = (brought < 0)[None, :]
-    own = own_segment(local, world, kind, halo, cut.device, after=after)
+    own = own_segment(local, world, kind, before, cut.device, after=after)
     if own is not None:
         hide = hide | ~own
     return torch.where(hide, _hiding(cut, fill, corner), cut)
 
 
 def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int, world: int, kind: str,
-             halo: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
+             before: int | None, checked: list[torch.Tensor], steps: tuple, dims: tuple, fill: str | None,
              first_part: bool, after: int = 0, corner: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's query rows of a mask evaluated over the whole sequence, at the keys a :class:`BroughtKeys`
     brings (with ``first_part``, those of the first keys, one per query, then every other key). A key
@@ -230,25 +230,25 @@ def cut_mask(global_mask: torch.Tensor, query_dim: int, key_dim: int, rank: int,
     hides none, the value of query 0 and the last key. Given ``corner`` (the mask at query 0 and every key),
     ``global_mask`` holds this rank's query rows only, at every key."""
     if checked:
-        check_hidden(checked, steps, dims, halo, first_part, after)
+        check_hidden(checked, steps, dims, before, first_part, after)
     query_dim, key_dim = query_dim % global_mask.dim(), key_dim % global_mask.dim()
     rows = global_mask if corner is not None else query_rows(global_mask, query_dim, rank, world, kind)
     local = rows.shape[query_dim]
-    positions = key_positions(local, rank, world, kind, halo, global_mask.device, after=after)
-    before = positions < 0
-    own = own_segment(local, world, kind, halo, global_mask.device, after=after) if halo is not None else None
+    positions = key_positions(local, rank, world, kind, before, global_mask.device, after=after)
+    in_front = positions < 0
+    own = own_segment(local, world, kind, before, global_mask.device, after=after) if before is not None else None
     if first_part:
         length, total = world * local, global_mask.shape[key_dim]
         positions = torch.cat([positions, torch.arange(length, total, device=positions.device)])
-        before = torch.cat([before, torch.zeros(total - length, dtype=torch.bool, device=before.device)])
+        in_front = torch.cat([in_front, torch.zeros(total - length, dtype=torch.bool, device=in_front.device)])
         if own is not None:
             own = torch.cat([own, own.new_ones(local, total - length)], 1)
     cut = rows.index_select(key_dim, positions.clamp(min=0))
-    if halo is None:
+    if before is None:
         return cut
     shape = [1] * cut.dim()
     shape[key_dim] = -1
-    hide = before.reshape(shape)
+    hide = in_front.reshape(shape)
     if own is not None:
         pair = [1] * cut.dim()
         pair[query_dim], pair[key_dim] = own.shape
@@ -313,7 +313,7 @@ class KeyGather(Transport):
         """The mask at this rank's query rows and the keys brought, its inputs picked there: ``[.., L, keys]``,
         nothing ``[S, S]``; with :meth:`_check` where it hides keys the cut leaves out."""
         found, keys, rank, world, kind = request.mask, request.brought, edit.rank, edit.world, edit.layout.kind
-        halo, after = (keys.plan.halo, keys.plan.after) if keys is not None else (None, 0)
+        before, after = (keys.plan.halo, keys.plan.after) if keys is not None else (None, 0)
         device = meta_val(found.mask).device
         source, dim = length_source(found, request.query_dim)
         length = source if dim is None else edit.insert(aten.sym_size.int, (source, dim), name="cp_mask_length")
@@ -322,17 +322,17 @@ class KeyGather(Transport):
         if keys is not None and keys.first_part:
             return self._first_part(edit, request, masks, queries, length, device)
         brought = (edit.insert(every_position, (length, world, device), name="cp_key_positions") if keys is None else
-                   edit.insert(key_positions, (length, rank, world, kind, halo, device), {"after": after},
+                   edit.insert(key_positions, (length, rank, world, kind, before, device), {"after": after},
                                name="cp_key_positions"))
         evaluated = edit.insert(torch.clamp_min, (brought, 0), name="cp_key_positions_in_sequence")
         rows = masks.at(found, queries, evaluated)
-        if halo is not None:
+        if before is not None:
             fill = next((m.hides for m in keys.masking if m.mask is found.mask), None)
             corner = None
             if fill is None:  # a mask that hides none: its value at query 0 and the last key
                 first = edit.insert(first_query, (device,), name="cp_first_query")
                 corner = masks.at(found, first, edit.insert(last_key, (length, world, device), name="cp_last_key"))
-            rows = edit.insert(hide_outside, (rows, brought, length, rank, world, kind, halo, after, fill, corner),
+            rows = edit.insert(hide_outside, (rows, brought, length, rank, world, kind, before, after, fill, corner),
                                name="cp_mask_keys")
         if request.checks:
             self._check(edit, request, masks, queries, length, device)

@@ -54,27 +54,27 @@ def global_shaped(x: torch.Tensor, dim: int, world: int) -> torch.Tensor:
     return x.new_empty(shape)
 
 
-def key_positions(local, rank: int, world: int, kind: str, halo: int | None, device=None,
+def key_positions(local, rank: int, world: int, kind: str, before: int | None, device=None,
                   left_padding: int = 0, causal: bool = True, after: int = 0) -> torch.Tensor:
-    """The global positions of the keys a transport brings: for each of the rank's ranges ``[left_padding
-    rows, halo rows, its rows, after rows]`` after a halo (negative before the sequence start, -1 for a zero
-    row in front or after the end), else the gathered rows a causal query can see (every gathered row when not
+    """The global positions of the keys a transport brings: with ``before`` (a halo), for each of the rank's
+    ranges ``[left_padding rows, before rows, its rows, after rows]`` (negative before the sequence start, -1 for
+    a zero row in front or after the end), else the gathered rows a causal query can see (every gathered row when not
     ``causal``)."""
     layout = Layout(world, kind)
-    if halo is not None:
-        return layout.halo_positions(halo, rank, local, device, left_padding, after)
+    if before is not None:
+        return layout.halo_positions(before, rank, local, device, left_padding, after)
     return torch.arange(layout.visible_prefix(rank, local), device=device) if causal \
         else layout.gathered_positions(local, device)
 
 
-def own_segment(local, world: int, kind: str, halo: int, device=None, left_padding: int = 0, after: int = 0):
+def own_segment(local, world: int, kind: str, before: int, device=None, left_padding: int = 0, after: int = 0):
     """``[local, keys]``: whether each key of a halo (:func:`key_positions`) belongs to the query's own range:
     a query sees keys of its own segment only, so a row two segments share (a window longer than the gap
     between a rank's ranges) counts once. None when the rank holds one range."""
     layout = Layout(world, kind)
     if layout.chunks == 1:
         return None
-    keys = layout.halo_segments(halo, local, device, left_padding, after)
+    keys = layout.halo_segments(before, local, device, left_padding, after)
     return layout.query_segments(local, device)[:, None] == keys[None, :]
 
 
