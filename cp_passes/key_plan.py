@@ -38,9 +38,10 @@ class Move(str, enum.Enum):
 
 
 PROBE_MAX_LEN = 4100
-"""Longest single-device sequence at which a model-built attention mask is evaluated to read its reach (just
-over 4096, so that power-of-two windows up to 4096 show as bands). Wider windows are declared in the spec and
-checked for consistency up to this length."""
+"""Longest single-device sequence at which a model-built attention mask is evaluated: to cross-check the reach
+read from its structure (:mod:`cp_passes.match.mask_bands`, any length), and to read the masks whose structure
+does not say (just over 4096, so that power-of-two windows up to 4096 show as bands). Not a limit on the
+length: beyond it such a mask is evaluated at each rank's rows and checked at run time."""
 
 SKIP, FULL, CAUSAL = 0, 1, 2
 """Block kinds of one (query piece, key piece) pair: computed not at all, every score, the causal triangle of

@@ -11,18 +11,22 @@ Masks the model builds from metadata (doc ids) are evaluated at the rank's query
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import module_path, node_ref, source_line
 from ..graph.analysis import INPUT_NAME, meta_val, seq_multiple
 from ..match import (FailedMatch, MetadataMask, NotPositional, PositionMask, evaluate_position_mask, one_document,
                      same_size)
+from ..match.mask_bands import SymbolicReach, symbolic_reach
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, PROBE_MAX_LEN, KeyPlan, Move, Reach, evaluated_at_rows,
                         mask_reach, probe_lengths, read_reach, sized_by_data)
 from ..transports.attention import AttentionKV
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
+INF = math.inf
 
 def _allowed(mask: torch.Tensor, ctx: RuleContext) -> torch.Tensor:
     if mask.dtype != torch.bool:
@@ -54,7 +58,8 @@ def _probe_length(ctx: RuleContext) -> int:
 
 def read_window(ctx: RuleContext, found: PositionMask, declared: int | None) -> int | None:
     """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
-    or ``None`` when it is plain causal up to the length cp_passes checked. Anything else is refused."""
+    or ``None`` when it is plain causal, evaluated over the whole (short) sequence: for a mask whose structure
+    does not say (:func:`_position_reach`). Anything else is refused."""
     longer = _probe_length(ctx)
 
     def read(length: int) -> Reach:
@@ -73,18 +78,10 @@ def read_window(ctx: RuleContext, found: PositionMask, declared: int | None) -> 
     if isinstance(reach, str):
         ctx.refuse(f"its attention mask is neither causal nor a causal sliding window: {reach}",
                    "use is_causal=True or a band mask (0 <= i - j < window); register a rule for other masks")
-    window, global_len = reach.window, ctx.layout.global_len(ctx.local_len())
-    if window is None and declared is not None and declared >= longer:
-        return declared  # a band wider than what was evaluated: the spec says how wide, the mask agrees so far
-    if window is None and global_len > longer:
-        ctx.refuse(
-            f"its attention mask is causal up to {longer} positions, the longest cp_passes evaluates; a "
-            f"window wider than that cannot be told from causal",
-            "declare the window in the spec (AttentionRule) if there is one, or use is_causal=True",
-        )
-    if window is None:
-        bool(ctx.layout.global_len(ctx.length) <= longer)  # a guard (symbolic): longer sequences re-check
-    return window
+    if reach.window is None and declared is not None and declared >= longer:
+        return declared  # a band as wide as the sequence: the spec says how wide, the mask agrees
+    bool(ctx.layout.global_len(ctx.length) <= longer)  # a guard (symbolic): a longer sequence is read again
+    return reach.window
 
 
 def _one_document(ctx: RuleContext, found: MetadataMask, length: int, padding: bool = False) -> torch.Tensor | None:
@@ -171,26 +168,87 @@ def _metadata_reach(ctx: RuleContext, mask, metadata: MetadataMask, declared) ->
         )
     if declared or not document_sees_later_keys(ctx, metadata):
         band = (Reach(declared.window - 1) if declared.window else None) if declared else \
-            banded_reach(ctx, lambda n: _one_document(ctx, metadata, n))
+            _document_band(ctx, metadata)
         return band if band is not None and band.causal else CAUSAL_REACH
-    band = banded_reach(ctx, lambda n: _one_document(ctx, metadata, n, padding=True))
+    band = _document_band(ctx, metadata, padding=True)
     return band if band is not None and not band.causal else EVERY_KEY_REACH
 
 
+def _document_band(ctx: RuleContext, metadata: MetadataMask, padding: bool = False) -> Reach | None:
+    """The band one document's mask lies in (:func:`_one_document`): read from the mask's structure, at every
+    length, and checked against the mask evaluated at the probe length; where the structure bounds no band, read
+    from the mask evaluated at the probe lengths (:func:`banded_reach`). None: no band (or one as long as the
+    sequence, which the causal envelope holds as well; the mask is checked at run time either way)."""
+    read = symbolic_reach(metadata, ctx.spec, padding)
+    if not (isinstance(read, SymbolicReach) and -INF < read.lo <= 0 <= read.hi < INF):
+        return banded_reach(ctx, lambda n: _one_document(ctx, metadata, n, padding))
+    _cross_check(ctx, metadata.mask, read, _one_document(ctx, metadata, _probe_length(ctx), padding))
+    band = read.reach
+    return band if band.before < ctx.layout.global_len(ctx.local_len()) - 1 else None
+
+
 def _bidirectional_reach(ctx: RuleContext, found_mask: PositionMask, reach: Reach, declared,
-                         halo_allowed: bool) -> tuple[Reach, MetadataMask | None]:
-    """An encoder's mask from positions alone that lets queries see later keys: a two-sided band becomes a halo
-    from both sides and a mask made here; any other mask is evaluated at this rank's rows (the metadata mask
-    returned), ``reach`` (from ``is_causal``) kept and every key brought."""
+                         halo_allowed: bool, band: Reach | None = None) -> tuple[Reach, MetadataMask | None]:
+    """An encoder's mask from positions alone that lets queries see later keys: a two-sided band (``band``, read
+    from its structure, or else from the mask evaluated) becomes a halo from both sides and a mask made here; any
+    other mask is evaluated at this rank's rows (the metadata mask returned), ``reach`` (from ``is_causal``) kept
+    and every key brought."""
     if declared is not None:
         said = f"window {declared.window}" if declared.window else "causal attention"
         ctx.refuse(f"the spec declares {said} for modules '{declared.modules}', but the model's mask lets "
                    f"queries see later keys (bidirectional attention)",
                    "remove the AttentionRule: a bidirectional mask is read from the model")
-    band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx)) if halo_allowed else None
-    if band is None or band.causal:
+    if band is None and halo_allowed:
+        band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx))
+    if band is None or band.causal or not halo_allowed:
         return reach, MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
     return band, None
+
+
+def _cross_check(ctx: RuleContext, mask: torch.fx.Node, read: SymbolicReach, shown: torch.Tensor | None) -> None:
+    """Refuse where the mask evaluated at the probe length (``shown``, ``[n, n]``; None: not evaluable) does not
+    hold the reading of its structure: a flaw in cp_passes's reading, never a plan built on it."""
+    if shown is not None and not read.holds(shown):
+        ctx.refuse(f"cp_passes read its mask (built at {source_line(mask, code=False)}) as {read.describe()} from "
+                   f"its structure, but the mask evaluated at {shown.shape[-1]} positions disagrees (a bug in "
+                   f"cp_passes)",
+                   "report it with the model; meanwhile declare the window in the spec (AttentionRule), or pass "
+                   "is_causal=True where the mask is causal")
+
+
+def _exact_reach(ctx: RuleContext, found_mask: PositionMask, read: SymbolicReach, reach: Reach, declared,
+                 halo_allowed: bool) -> tuple[Reach, MetadataMask | None]:
+    """A mask from positions whose structure is exactly a band around each query (at every length): causal, a
+    window, or a two-sided window (an encoder's), attended as that band with no mask; any other bidirectional
+    mask is evaluated at this rank's rows (:func:`_bidirectional_reach`)."""
+    band = read.reach
+    if not band.causal:
+        if band.banded and halo_allowed:
+            return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed, band)
+        return _bidirectional_reach(ctx, found_mask, reach, declared, False)
+    global_len = ctx.layout.global_len(ctx.local_len())
+    if band.window is not None and band.window >= global_len:  # as long as the sequence: causal at this length
+        bool(ctx.layout.global_len(ctx.length) <= band.window)  # a guard (symbolic): a longer one reads again
+        band = CAUSAL_REACH
+    if band.window is None and declared is not None and declared.window:
+        band = Reach(declared.window - 1)  # a window as long as the sequence: the spec says how wide
+    _check_declared(ctx, declared, band, f"a band mask of window {band.window}" if band.window else "a causal mask")
+    return band, None
+
+
+def _at_rows(ctx: RuleContext, found_mask: PositionMask, read: SymbolicReach | FailedMatch, declared) -> Reach:
+    """The envelope a mask from positions whose structure is not exactly a band is evaluated in, at this rank's
+    rows (a sequence too long to evaluate the whole mask): the spec's window where it declares one, else the band
+    its structure bounds it by, causal when it shows no later key, else every key; checked at run time."""
+    if declared is not None:
+        return Reach(declared.window - 1) if declared.window else CAUSAL_REACH
+    if not isinstance(read, SymbolicReach):
+        return EVERY_KEY_REACH if sees_later_keys(ctx, found_mask) else CAUSAL_REACH
+    if read.empty:
+        return CAUSAL_REACH  # it hides every key: the run-time check says so on every rank
+    if read.lo >= 0:
+        return Reach(None if read.hi == INF else int(read.hi))
+    return read.reach if read.reach.banded else EVERY_KEY_REACH
 
 
 def _check_declared(ctx: RuleContext, declared, reach: Reach, found: str) -> None:
@@ -216,6 +274,15 @@ def _attention_reach(ctx: RuleContext, mask, causal: bool, declared,
     reach = CAUSAL_REACH if causal else EVERY_KEY_REACH
     if isinstance(found_mask, MetadataMask):
         return _metadata_reach(ctx, mask, found_mask, declared), found_mask
+    if isinstance(found_mask, PositionMask):
+        read = symbolic_reach(found_mask, ctx.spec)
+        if isinstance(read, SymbolicReach):
+            _cross_check(ctx, found_mask.mask, read, _allowed(_evaluate(ctx, found_mask, _probe_length(ctx)), ctx))
+        if isinstance(read, SymbolicReach) and read.exact and read.lo <= 0 <= read.hi:
+            return _exact_reach(ctx, found_mask, read, reach, declared, halo_allowed)
+        if ctx.layout.global_len(ctx.local_len()) > PROBE_MAX_LEN:
+            return _at_rows(ctx, found_mask, read, declared), \
+                MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
     if isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
         return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed)
     if isinstance(found_mask, PositionMask):
