@@ -74,7 +74,18 @@ def inkling2_weights(model):
     return model
 
 
-HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2}
+def hf_mistral_window(seed: int = 0):
+    """A tiny Mistral with transformers' sliding-window mask of 4,096 keys (a window only lengths past it show),
+    its cache off (a sliding-window cache slices the sequence: cp_passes asks for use_cache=False)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(seed)
+    return MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            sliding_window=4096, attn_implementation="sdpa", use_cache=False)).float()
+
+
+HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:

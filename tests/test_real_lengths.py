@@ -1,0 +1,68 @@
+"""Real lengths: transformers' models at the lengths people train at (tiny dims keep them cheap). Their masks are
+read from their structure at any length (tests/test_mask_bands.py), so nothing refuses them past the length a
+mask can be evaluated at (4,100 positions), and the plans are the ones the short lengths get."""
+
+import pytest
+import torch
+
+from family_models import hf_parity
+from parity import compare, hf_reference
+
+LONG = 16384
+
+
+def _tiny(family: str, **config):
+    import transformers
+
+    def build():
+        torch.manual_seed(0)
+        cfg = getattr(transformers, f"{family}Config")(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, use_cache=False, **config)
+        return getattr(transformers, f"{family}ForCausalLM")(cfg)
+    return build
+
+
+PLANS = [
+    ("Llama", {}, False, "sdpa_causal", "sequence_gather"),
+    ("Qwen3", {}, False, "sdpa_causal", "sequence_gather"),
+    ("Mistral", {"sliding_window": 4096}, False, "sdpa_window", "halo"),
+    ("Mistral", {"sliding_window": 4096}, True, "sdpa_data_mask", "halo"),
+]
+
+
+@pytest.mark.parametrize("family,config,padding,rule,transport", PLANS,
+                         ids=[f"{p[0]}{'-window' if p[1] else ''}{'-attention_mask' if p[2] else ''}" for p in PLANS])
+def test_a_million_positions_plan_as_a_short_sequence_does(fake_group, family, config, padding, rule, transport):
+    """P = 8, S = 1,048,576: a causal mask gathers the causal prefix, a window of 4,096 (with or without an
+    attention_mask) a halo of 4,095 rows; nothing is refused for its length."""
+    from cp_passes.tools.dryrun import dry_run
+
+    local = 2 ** 20 // 8
+    inputs = {"input_ids": ((1, local), torch.long)}
+    if padding:
+        inputs["attention_mask"] = ((1, local), torch.long)
+    records = dry_run(_tiny(family, **config), inputs, mesh=fake_group).record.records
+    attention = [(r.rule, r.transport) for r in records if r.rule.startswith("sdpa")]
+    assert attention == [(rule, transport)] * 2, attention
+    if transport == "halo":
+        assert all("4095" in r.note or "window 4096" in r.note for r in records if r.rule == rule), \
+            [r.note for r in records]
+
+
+LONG_CASES = [(2, "llama"), pytest.param(4, "llama", marks=pytest.mark.full),
+              pytest.param(2, "mistral-window", marks=pytest.mark.full),
+              pytest.param(4, "mistral-window", marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,family", LONG_CASES,
+                         ids=[f"P{c[0]}-{c[1]}" for c in (getattr(case, "values", case) for case in LONG_CASES)])
+def test_hf_models_at_16k_parity(pool, parity_report, P, family):
+    """transformers' Llama (causal) and Mistral (a window of 4,096 keys: a halo) at 16,384 positions on gloo
+    ranks, with position_ids (transformers builds its packed-sequence mask from them): logits, loss and
+    gradients match one device."""
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=[LONG], family=family)
+    compare(f"hf-{family}-16k-aot_eager", [r[0] for r in per_rank], *hf_reference(LONG, False, family=family),
+            LONG, parity_report)
+    attention = [(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"] if "sdpa" in rule]
+    assert {transport for _, transport in attention} == {"halo" if family == "mistral-window" else "sequence_gather"}
