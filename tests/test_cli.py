@@ -185,6 +185,20 @@ def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_pa
         main(["explain", "no_such_module:build"])
 
 
+def test_a_factory_returning_a_plain_transformers_model_plans_with_its_cache_off(fake_group):
+    """``explain mymodels:model`` where ``model()`` returns a LlamaForCausalLM as transformers makes it (use_cache
+    on): the dry run turns the cache off as a training step does, as --hf-config does, instead of failing on the
+    cache in the outputs or, with regions, on a constant the cache path leaves in the block."""
+    import torch
+
+    from cp_passes.tools.dryrun import dry_run
+    from cp_passes.tools.models import factory_model
+
+    inputs = {"input_ids": ((1, 64), torch.long), "labels": ((1, 64), torch.long)}
+    run = dry_run(factory_model("family_models:hf_llama"), inputs, mesh=fake_group, memory=True, regions=True)
+    assert [r.rule for r in run.record.records].count("sdpa_causal") == 2 and run.memory is not None
+
+
 @pytest.mark.full  # the halo rows and bytes: test_halo_benchmark_reports_the_lower_bound by default
 def test_explain_plans_halos_for_a_sliding_window_model():
     out = run("-m", "cp_passes", "explain", "toy-llama-swa", "--world-size", "64", "--seq-len", "1048576")

@@ -232,4 +232,13 @@ def factory_model(path: str, dtype: torch.dtype = torch.float32):
         factory = getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise SystemExit(f"cannot load the model factory {path!r}: {error}") from None
-    return lambda: in_dtype(dtype, factory)
+    return lambda: for_training(in_dtype(dtype, factory))
+
+
+def for_training(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a training step runs it: a transformers model's KV cache off (``use_cache``: a step never reads
+    it, and a cache in the outputs is not a tensor the dry run can follow), as ``--hf-config`` builds it."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    return model
