@@ -185,6 +185,30 @@ def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_pa
         main(["explain", "no_such_module:build"])
 
 
+def sorting_model():
+    """The factory ``explain tests.test_cli:sorting_model`` plans: a sort along the sequence, which is refused."""
+    import torch
+
+    class Sorting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 8)
+
+        def forward(self, input_ids, labels=None):
+            return torch.sort(self.embed(input_ids), dim=1).values.sum()
+
+    return Sorting()
+
+
+def test_explain_prints_a_refusal_as_its_problems():
+    """A refused model's dry run ends with the refusal as cp_passes words it (the op, the line, why, the fix) and
+    exit status 1: no traceback, no rank prefix."""
+    out = run("-m", "cp_passes", "explain", "tests.test_cli:sorting_model", "--world-size", "8", "--seq-len", "64")
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "[rank" not in out.stderr, out.stderr
+    assert "aten.sort.default at tests/test_cli.py" in out.stderr and "fix: " in out.stderr, out.stderr
+
+
 def test_a_factory_returning_a_plain_transformers_model_plans_with_its_cache_off(fake_group):
     """``explain mymodels:model`` where ``model()`` returns a LlamaForCausalLM as transformers makes it (use_cache
     on): the dry run turns the cache off as a training step does, as --hf-config does, instead of failing on the

@@ -216,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from ..errors import CPCompileError
+
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except CPCompileError as error:  # a refusal is the answer, not a crash: its problems alone, exit status 1
+        print(error, file=sys.stderr)
+        return 1
 
