@@ -164,13 +164,31 @@ def _alibi_baddbmm(x):
     return torch.bmm(probs, q + 1).view(b, 2, s, d // 2).transpose(1, 2).reshape(b, s, d)
 
 
+def _attention_masked_by_positions(x, mask):
+    pos = torch.arange(x.shape[1])
+    q = x[:, None]
+    return F.scaled_dot_product_attention(q, q, q, attn_mask=mask(pos[:, None], pos[None, :]))[:, 0]
+
+
+def _chunks_of_1024(x):
+    """Llama 4's chunked attention (chunks of 1,024, causal within): not a band; a band of 1,024 holds it."""
+    return _attention_masked_by_positions(x, lambda q, k: (k <= q) & (q // 1024 == k // 1024))
+
+
+def _window_until_late_rows(x):
+    """A window of 4, except that the queries past 6,000 see every earlier and later key: no band holds it, and
+    evaluated at 4,100 positions it reads as a window."""
+    return _attention_masked_by_positions(x, lambda q, k: ((k <= q) & (k > q - 4)) | (q > 6000))
+
+
 MIXES = {"decay_attention": _decay_attention, "shared_position_mask": _shared_position_mask,
          "sdpa_over_a_running_sum": _sdpa_over_a_running_sum,
          "window_with_key_temperature": _window_with_key_temperature,
          "top_k_attention": _top_k_attention, "top_k_over_a_running_sum": _top_k_over_a_running_sum,
          "both_ways_activation_mask": _both_ways_activation_mask,
          "prompt_unmasked_by_addition": _prompt_unmasked_by_addition,
-         "alibi_baddbmm": _alibi_baddbmm}
+         "alibi_baddbmm": _alibi_baddbmm, "chunks_of_1024": _chunks_of_1024,
+         "window_until_late_rows": _window_until_late_rows}
 
 
 class Mixer(torch.nn.Module):

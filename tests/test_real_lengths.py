@@ -5,8 +5,10 @@ mask can be evaluated at (4,100 positions), and the plans are the ones the short
 import pytest
 import torch
 
+import cp_passes
 from family_models import hf_parity
 from parity import compare, hf_reference
+from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
 
@@ -53,6 +55,42 @@ def test_a_million_positions_plan_as_a_short_sequence_does(fake_group, family, c
 LONG_CASES = [(2, "llama"), pytest.param(4, "llama", marks=pytest.mark.full),
               pytest.param(2, "mistral-window", marks=pytest.mark.full),
               pytest.param(4, "mistral-window", marks=pytest.mark.full)]
+
+
+BEYOND = [("chunks_of_1024", "sdpa_data_mask", "halo", "window 1024"),
+          ("window_until_late_rows", "sdpa_bidirectional", "sequence_gather", "every key")]
+
+
+@pytest.mark.parametrize("mix,rule,transport,envelope", BEYOND, ids=[b[0] for b in BEYOND])
+def test_masks_that_are_not_a_band_are_evaluated_at_the_rows_beyond_the_probe(group, mix, rule, transport, envelope):
+    """At 8,192 positions (rank 3 of 8), past the 4,100 a mask is evaluated at whole: a chunk (Llama 4's) is
+    attended in the band its structure bounds it by, with the mask at the rank's rows; a band whose last rows see
+    every key (an adversary that a probe at 4,100 would read as a window) brings every key."""
+    compiled = cp_passes.cp_compile(Mixer(mix), mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (1, 1024)))
+    (record,) = [r for r in compiled.compile_records[0].records if r.rule.startswith("sdpa")]
+    assert (record.rule, record.transport) == (rule, transport) and envelope in record.note, record
+
+
+def beyond_the_probe(group, mix: str, seq_len: int) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, Mixer(mix).double(), None, [seq_len])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mix", [b[0] for b in BEYOND])
+def test_masks_beyond_the_probe_parity(pool, parity_report, mix):
+    """The two masks above at 8,192 positions on two gloo ranks match one device, in float64: a query past 6,000
+    attends to all 8,192 keys, whose float32 sums CP splits into pieces and one device does not (2e-5 apart);
+    a missing or extra key would be far above the tolerance either way."""
+    seq_len = 8192
+    per_rank = pool.run(beyond_the_probe, 2, mix=mix, seq_len=seq_len)
+    torch.manual_seed(0)
+    model = Mixer(mix).double()
+    loss, out = model(**mixer_batch(seq_len))
+    loss.backward()
+    compare(f"mixer-{mix}-8k-aot_eager-fp64", [r[0] for r in per_rank], loss.detach(), out.detach(),
+            {n: p.grad for n, p in model.named_parameters()}, seq_len, parity_report)
 
 
 @pytest.mark.parametrize("P,family", LONG_CASES,
