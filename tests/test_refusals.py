@@ -372,6 +372,7 @@ def toy(**config):
     (dict(window=5), 4, "a band mask of window 5"),
     (dict(), 4, "is_causal=True (no window)"),
     (dict(window=5), None, "a band mask of window 5"),
+    (dict(window=1000), 4, "a band mask of window 1000"),  # causal at these 64 positions, not a window of 4
 ])
 def test_spec_window_that_disagrees_with_the_model_is_refused(group, config, declared, found):
     spec = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=declared),))

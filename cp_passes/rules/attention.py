@@ -59,7 +59,7 @@ def _probe_length(ctx: RuleContext) -> int:
 def read_window(ctx: RuleContext, found: PositionMask, declared: int | None) -> int | None:
     """The window ``w`` of a model-built band mask (key ``j`` visible to query ``i`` iff ``0 <= i - j < w``),
     or ``None`` when it is plain causal, evaluated over the whole (short) sequence: for a mask whose structure
-    does not say (:func:`_position_reach`). Anything else is refused."""
+    is not exactly a band (:func:`_attention_reach`). Anything else is refused."""
     longer = _probe_length(ctx)
 
     def read(length: int) -> Reach:
@@ -201,7 +201,7 @@ def _bidirectional_reach(ctx: RuleContext, found_mask: PositionMask, reach: Reac
     if band is None and halo_allowed:
         band = banded_reach(ctx, lambda n: _allowed(_evaluate(ctx, found_mask, n), ctx))
     if band is None or band.causal or not halo_allowed:
-        return reach, MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
+        return reach, _at_rows_mask(found_mask)
     return band, None
 
 
@@ -220,20 +220,21 @@ def _exact_reach(ctx: RuleContext, found_mask: PositionMask, read: SymbolicReach
                  halo_allowed: bool) -> tuple[Reach, MetadataMask | None]:
     """A mask from positions whose structure is exactly a band around each query (at every length): causal, a
     window, or a two-sided window (an encoder's), attended as that band with no mask; any other bidirectional
-    mask is evaluated at this rank's rows (:func:`_bidirectional_reach`)."""
+    mask is evaluated at this rank's rows (:func:`_bidirectional_reach`). A declaration must agree with the
+    structure; a window as long as the sequence is attended as causal attention at this length."""
     band = read.reach
     if not band.causal:
-        if band.banded and halo_allowed:
-            return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed, band)
-        return _bidirectional_reach(ctx, found_mask, reach, declared, False)
-    global_len = ctx.layout.global_len(ctx.local_len())
-    if band.window is not None and band.window >= global_len:  # as long as the sequence: causal at this length
-        bool(ctx.layout.global_len(ctx.length) <= band.window)  # a guard (symbolic): a longer one reads again
-        band = CAUSAL_REACH
-    if band.window is None and declared is not None and declared.window:
-        band = Reach(declared.window - 1)  # a window as long as the sequence: the spec says how wide
+        return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed and band.banded, band)
     _check_declared(ctx, declared, band, f"a band mask of window {band.window}" if band.window else "a causal mask")
+    if band.window is not None and band.window >= ctx.layout.global_len(ctx.local_len()):
+        bool(ctx.layout.global_len(ctx.length) <= band.window)  # a guard (symbolic): a longer one reads again
+        return CAUSAL_REACH, None
     return band, None
+
+
+def _at_rows_mask(found_mask: PositionMask) -> MetadataMask:
+    """A mask from positions, to be evaluated at this rank's rows and the keys brought (it reads no metadata)."""
+    return MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
 
 
 def _at_rows(ctx: RuleContext, found_mask: PositionMask, read: SymbolicReach | FailedMatch, declared) -> Reach:
@@ -281,8 +282,7 @@ def _attention_reach(ctx: RuleContext, mask, causal: bool, declared,
         if isinstance(read, SymbolicReach) and read.exact and read.lo <= 0 <= read.hi:
             return _exact_reach(ctx, found_mask, read, reach, declared, halo_allowed)
         if ctx.layout.global_len(ctx.local_len()) > PROBE_MAX_LEN:
-            return _at_rows(ctx, found_mask, read, declared), \
-                MetadataMask(found_mask.mask, found_mask.nodes, [], found_mask.size_leaves, [])
+            return _at_rows(ctx, found_mask, read, declared), _at_rows_mask(found_mask)
     if isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
         return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed)
     if isinstance(found_mask, PositionMask):
