@@ -85,7 +85,29 @@ def hf_mistral_window(seed: int = 0):
                                             sliding_window=4096, attn_implementation="sdpa", use_cache=False)).float()
 
 
-HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window}
+PHI3_ORIGINAL_LENGTH = 64
+"""The tiny Phi-3's ``original_max_position_embeddings``: longrope's long factors past it, short ones up to it."""
+
+
+def hf_phi3_longrope(seed: int = 0):
+    """A tiny Phi-3 with longrope (Phi-3/3.5/4-mini's long-context RoPE): its factors switch on
+    ``torch.max(position_ids) + 1 > original_max_position_embeddings``, a max over the whole sequence."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(seed)
+    half = 8
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0 + i / 10 for i in range(half)],
+            "long_factor": [2.0 + i for i in range(half)], "original_max_position_embeddings": PHI3_ORIGINAL_LENGTH,
+            "factor": 1024 / PHI3_ORIGINAL_LENGTH}
+    return Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                                      original_max_position_embeddings=PHI3_ORIGINAL_LENGTH, rope_parameters=rope,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa",
+                                      use_cache=False)).float()
+
+
+HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
+             "phi3-longrope": hf_phi3_longrope}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:

@@ -144,6 +144,8 @@ class Attention(nn.Module):
             return F.mse_loss(h.sum(-1), labels.float())
         if self.kind == "causal_next_row":  # each position also reads the next one (0 past the end)
             h = h + F.pad(h, (0, 0, 0, 1))[:, 1:]
+        if self.kind == "causal_longest":  # longrope's switch: the padded positions continue the count
+            h = h * (torch.max(input_ids) > 60)
         if self.kind == "causal_sum_of_squares":
             return self.out(h).pow(2).sum()
         if self.kind == "causal_loss_then_sum":  # the second of two sums adds the padded rows
@@ -171,6 +173,7 @@ def run(group, kind: str, seq_len: int, spec: CPSpec | None = None, **extra):
     ("causal_next_row", "a shift that reads 1 row(s) later: the last real rows read the padding"),
     ("causal_sum_of_squares", "a sum over the sequence returned as this rank's share: it adds the padded rows"),
     ("causal_loss_then_sum", "a sum over the sequence returned as this rank's share: it adds the padded rows"),
+    ("causal_longest", "a max over the sequence read as a whole: it reads the padded rows"),
 ])
 def test_padding_a_model_reads_is_refused_at_the_first_call(group, kind, what):
     with pytest.raises(CPCompileError) as info:

@@ -133,6 +133,18 @@ class RunningExtremes(torch.nn.Module):
         return (input_ids.to(torch.uint8).cummin(1), (input_ids % 3 == 0).cummax(1), (input_ids % 3 == 0).cummin(1),
                 input_ids.cummin(1), nan.cummax(1), nan.cummin(1))
 
+class GlobalExtremes(torch.nn.Module):
+    """max, min, any and all of integer and boolean metadata over the whole sequence or per row (longrope's
+    ``torch.max(position_ids) + 1``): every rank returns the single-device values."""
+
+    def forward(self, input_ids):
+        small = input_ids.to(torch.uint8)
+        return (input_ids.max(), torch.min(input_ids), input_ids.amax(dim=1), input_ids.amin(dim=(0, 1)),
+                small.amax(dim=1, keepdim=True), input_ids.to(torch.int32).min(), (input_ids == 0).any(),
+                (input_ids == 0).any(dim=1), (input_ids < 9).all(dim=-1), (input_ids < 9).all(),
+                torch.max(input_ids) + 1 > 8)
+
+
 TOY_CASES = [
     # (P, backend, kv_repeat, global lengths, position_ids passed?)
     (1, "aot_eager", "expand", [16, 13], False),
@@ -420,6 +432,17 @@ def test_running_max_and_min_of_integers_booleans_and_nan(pool, kind):
                 assert torch.equal(got.nan_to_num(-1), expected.nan_to_num(-1)), (k, part, got, expected)
 
 
+def test_max_min_any_and_all_of_integer_metadata_are_the_global_ones(pool):
+    """Each extreme sits on one rank's rows (a 9 and a 0 in the balanced layout's last chunk of row 0, a 0 in row 1's
+    first); on 4 gloo ranks every rank returns the single-device max, min, any and all, per row and whole."""
+    ids = torch.tensor([[3, 4, 4, 5, 8, 6, 5, 1, 7, 3, 6, 8, 7, 1, 9, 0],
+                        [0, 7, 2, 8, 5, 6, 2, 8, 3, 3, 8, 1, 7, 2, 4, 5]])
+    per_rank = pool.run(global_extremes, 4, ids=ids)
+    for rank, outputs in enumerate(per_rank):
+        for k, (got, want) in enumerate(zip(outputs, GlobalExtremes()(ids))):
+            assert got.dtype == want.dtype and torch.equal(got, want), (rank, k, got, want)
+
+
 # Tasks the worker pool's ranks run (pool.run(task, P, ...)).
 
 
@@ -442,6 +465,12 @@ def mixer_parity(group, mix: str, seq_lens: list[int], layout: str | None = None
 def ids_mask_parity(group, sdpa: bool, seq_lens: list[int]) -> list[dict]:
     torch.manual_seed(0)
     return small_parity(group, AdditiveIdsMask(sdpa), None, seq_lens)
+
+
+def global_extremes(group, ids: torch.Tensor) -> tuple:
+    compiled = cp_passes.cp_compile(GlobalExtremes(), mesh=group, backend="aot_eager", verbose=False)
+    local, _ = cp_passes.shard_batch({"input_ids": ids}, group)
+    return compiled(**local)
 
 
 def running_extremes(group, ids: torch.Tensor, kind: str = "auto") -> dict:

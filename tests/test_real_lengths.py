@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cp_passes
-from family_models import hf_parity
+from family_models import PHI3_ORIGINAL_LENGTH, hf_parity
 from parity import compare, hf_reference
 from shared import Mixer, mixer_batch, small_parity
 
@@ -104,3 +104,16 @@ def test_hf_models_at_16k_parity(pool, parity_report, P, family):
             LONG, parity_report)
     attention = [(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"] if "sdpa" in rule]
     assert {transport for _, transport in attention} == {"halo" if family == "mistral-window" else "sequence_gather"}
+
+
+def test_phi3_longrope_picks_its_factors_from_the_global_length(pool, parity_report):
+    """Phi-3's longrope reads ``torch.max(position_ids) + 1`` against original_max_position_embeddings (64 here):
+    at 48 positions the short factors, at 84 the long ones, although rank 1 of 2 holds positions 21 to 62 only.
+    The max is all-reduced, so both ranks pick what one device picks: logits, loss and gradients match."""
+    seq_lens = [48, 84]
+    assert seq_lens[0] < PHI3_ORIGINAL_LENGTH < seq_lens[1] and 3 * seq_lens[1] // 4 <= PHI3_ORIGINAL_LENGTH
+    per_rank = pool.run(hf_parity, 2, backend="aot_eager", seq_lens=seq_lens, family="phi3-longrope")
+    for i, seq_len in enumerate(seq_lens):
+        compare(f"hf-phi3-longrope-{seq_len}-aot_eager", [r[i] for r in per_rank],
+                *hf_reference(seq_len, False, family="phi3-longrope"), seq_len, parity_report)
+    assert ("global_max", "reductions") in {(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"]}

@@ -153,6 +153,12 @@ def test_all_problems_listed_at_once(group):
     assert [p.op for p in err.problems] == ["aten.flip.default", "aten.roll.default"]
 
 
+def test_a_max_of_floating_values_over_the_sequence_is_refused(group):
+    """Integer and boolean extremes are all-reduced (tests/test_parity.py); a floating one has no rule."""
+    err = refusal(group, lambda x: x.float().amax(1, keepdim=True) * x)
+    assert err.problems[0].op == "aten.amax.default" and "floating values" in err.problems[0].fix
+
+
 def test_a_partial_sum_read_non_linearly_is_made_global(group):
     """A per-rank sum flows as it is through linear ops only; a square reads the all-reduced global sum."""
     compiled = cp_passes.cp_compile(Tiny(lambda x: (x.sum(1, keepdim=True) ** 2).expand_as(x)), mesh=group,

@@ -7,7 +7,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val, seq_multiple
 from ..match.blocks import concat_reads
-from ..transports.reductions import GlobalMean, MaskedCount
+from ..transports.reductions import GlobalExtreme, GlobalMean, MaskedCount
 from ..transports.scan import SCANS, Scan
 from ..transports.shift import Diff
 from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
@@ -36,9 +36,31 @@ _DIM_FIXES = {
     "cat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
     "concatenate": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
     "concat": "concatenating along the sequence changes every rank's positions; concatenate before sharding",
+    **dict.fromkeys(("max", "min", "amax", "amin"), "a max or min of floating values over the sequence has no rule "
+                    "(integer and boolean ones are all-reduced); compute it outside the compiled module"),
     "mean": "a mean over the sequence needs the global count: use sum (a per-rank partial sum) and divide "
     "by the global number of tokens, e.g. Hugging Face's num_items_in_batch=",
 }
+
+
+_EXTREMES = {aten.max.default: "max", aten.amax.default: "max", aten.any.default: "max", aten.any.dim: "max",
+             aten.any.dims: "max", aten.min.default: "min", aten.amin.default: "min", aten.all.default: "min",
+             aten.all.dim: "min", aten.all.dims: "min"}
+
+
+def _global_extreme(ctx: RuleContext, src, dims) -> Rewrite | None:
+    """A max, min, any or all of integer or boolean metadata over every sequence dim (longrope's
+    ``torch.max(position_ids) + 1``): its value over the ranks, one all-reduce without autograd."""
+    op = _EXTREMES.get(out_of_place(ctx.node.target) or ctx.node.target)
+    if op is None or not isinstance(src, torch.fx.Node) or not ctx.is_seq(src):
+        return None
+    if meta_val(src).is_floating_point() or meta_val(src).is_complex():
+        return None
+    if not set(ctx.seq_dims(src)) <= ctx.dims(dims, ctx.ndim(src)):
+        return None
+    return Rewrite(f"global_{op}", "reductions", GlobalExtreme(ctx.node, op),
+                   note=f"this rank's {ctx.node.target.overloadpacket.__name__} -> all_reduce {op} over the ranks "
+                        f"(no autograd)")
 
 
 _SCATTERS = {aten.index_add, aten.index_copy, aten.index_fill, aten.scatter, aten.scatter_add, aten.scatter_reduce}
@@ -63,6 +85,9 @@ def _dim_rule(ctx: RuleContext):
     packet = target.overloadpacket.__name__
     if "other" in ctx.args:  # binary max/min are elementwise
         return None
+    extreme = _global_extreme(ctx, tensors[0], dims)
+    if extreme is not None:
+        return extreme
     if packet == "cat":
         if ctx.node in ctx.matches.blocks.concats:  # keys of positions and windows, brought part by part
             why = concat_reads(ctx.node, ctx.matches.blocks.keys)

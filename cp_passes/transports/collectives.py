@@ -32,8 +32,13 @@ def reduce_scatter(rows: torch.Tensor, world: int, group_name: str) -> torch.Ten
     return _waited(funcol.reduce_scatter_single(rows.contiguous(), "sum", 0, group_name))
 
 
+def all_reduce(value: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """``value`` reduced over the ranks with ``op`` ("sum", "max", "min")."""
+    return _waited(funcol.all_reduce(value, op, group_name))
+
+
 def all_reduce_sum(value: torch.Tensor, group_name: str) -> torch.Tensor:
-    return _waited(funcol.all_reduce(value, "sum", group_name))
+    return all_reduce(value, "sum", group_name)
 
 
 def piece_counts(plans: tuple, rank: int, world: int) -> tuple[list[int], list[int], bool]:

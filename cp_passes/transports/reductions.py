@@ -6,7 +6,9 @@ up to the single-device mean, so the summed gradients match too. The count is on
 A partial sum that an op reads other than linearly (a count check's comparison, a router's load-balancing
 loss: per-expert token fractions times mean router probabilities) is all-reduced first, so that op sees the
 single-device value on every rank; a row count written as the length (``sum / x.shape[0]``) is made the
-global count the same way; and the length of ``x[mask]`` when only that length is read.
+global count the same way; and the length of ``x[mask]`` when only that length is read. A max, min, any or all
+of integer or boolean metadata over the sequence (longrope's ``torch.max(position_ids) + 1``) is this rank's
+value reduced over the ranks, no autograd: every rank sees the single-device value.
 
 Gradients follow the objective cp_passes trains, the sum of the ranks' losses: the backward of an all-reduce
 is the all-reduce of the ranks' gradients, and a value every rank holds whole (a global sum, anything free of
@@ -25,7 +27,7 @@ import torch.fx
 from ..graph.analysis import bind_args, meta_val, numel_hint
 from ..layout import KINDS
 from .base import Cost, Transport, gradient_by, register_transport
-from .collectives import all_reduce_sum
+from .collectives import all_reduce, all_reduce_sum
 
 aten = torch.ops.aten
 
@@ -101,6 +103,26 @@ class Share:
     whole: tuple[str, ...]
 
 
+@torch.library.custom_op("cp_passes::global_extreme", mutates_args=())
+def global_extreme_op(local: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
+    """The max (``op="max"``) or min over the ranks of an integer or boolean per-rank max, min, any or all."""
+    return all_reduce(local.to(torch.int64), op, group_name).to(local.dtype)
+
+
+@global_extreme_op.register_fake
+def _(local, op, group_name):
+    return torch.empty_like(local)
+
+
+@dataclass
+class GlobalExtreme:
+    """``node`` takes the max or min (``op``; any is a max, all a min) of integer metadata over the sequence: the
+    ranks' values are reduced with ``op``."""
+
+    node: torch.fx.Node
+    op: str
+
+
 @dataclass
 class MaskedCount:
     """``node = x[mask]``, only measured: it is replaced by an empty tensor of the global count's length
@@ -127,10 +149,15 @@ class Reductions(Transport):
     order = 40
     layouts = KINDS  # sums over ranks: the order of positions does not matter
     runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default,
-               torch.ops.cp_passes.global_length.default)
+               torch.ops.cp_passes.global_length.default, torch.ops.cp_passes.global_extreme.default)
 
-    def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount) -> None:
+    def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount | GlobalExtreme) -> None:
         node = request.node
+        if isinstance(request, GlobalExtreme):
+            total = edit.insert(torch.ops.cp_passes.global_extreme.default, (node, request.op, edit.group_name),
+                                name=f"cp_global_{request.op}", before=node.next)
+            edit.replace_uses(node, total)
+            return
         if isinstance(request, MaskedCount):
             local = edit.insert(aten.sum.dim_IntList, (edit.current(request.mask), None), {"dtype": torch.int64},
                                 name="cp_masked_count")
@@ -172,6 +199,10 @@ class Reductions(Transport):
         edit.replace_uses(node, mean)
 
     def cost(self, request, layout, rank, local_len) -> Cost:
+        if isinstance(request, GlobalExtreme):
+            moved = 8 * numel_hint(request.node) * (layout.world - 1)
+            return Cost(f"all_reduce {request.op} (no autograd)", numel_hint(request.node), moved, moved, moved,
+                        moved)
         if isinstance(request, MaskedCount):
             moved = 8 * (layout.world - 1)
             return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
