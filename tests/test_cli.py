@@ -158,16 +158,28 @@ def test_explain_plans_rank_3_and_dumps_its_graphs(tmp_path):
     assert "cp_passes: pass=positions rule=arange_positions" in (folder / index[2]).read_text()
 
 
+def test_layers_alike_are_shown_once_with_their_count():
+    """Three or more consecutive rows that differ only in their layer's index (and node name) become one; a gap
+    in the indices, another column that differs, or a run of two keeps the rows."""
+    from cp_passes.report.explain import collapse_layers
+
+    rows = [(f"sdpa_{i}", "m.py:3", f"model.layers.{i}.self_attn", "sdpa_causal", "1 MiB") for i in range(61)]
+    rows += [("sdpa_61", "m.py:3", "model.layers.61.self_attn", "sdpa_causal", "2 MiB"), ("loss", "m.py:9", "", "x", "")]
+    assert collapse_layers(rows, 2) == [("sdpa_0", "m.py:3", "model.layers.0-60.self_attn x61", "sdpa_causal", "1 MiB"),
+                                        *rows[61:]]
+    gaps = [(f"n{i}", f"layers.{i}.attn", "r") for i in (0, 1, 3, 4, 5, 7, 8)]
+    assert collapse_layers(gaps, 1) == [*gaps[:2], ("n3", "layers.3-5.attn x3", "r"), *gaps[5:]]
+
+
 @pytest.mark.full  # a factory's model in a subprocess: test_explain_prints_a_refusal_as_its_problems by default
 def test_explain_plans_your_model_from_a_factory_with_every_layer_traced():
-    """A module:factory, every layer traced (--no-regions): one table row per layer."""
+    """A module:factory, every layer traced (--no-regions): the four alike layers' rows shown as one."""
     out = run("-m", "cp_passes", "explain", "tests.shared:mixed_toy", "--world-size", "4", "--seq-len", "64",
               "--packed", "--ranks", "0", "3", "--no-regions")
     assert out.returncode == 0, out.stderr[-3000:]
     assert "cp_passes plan: tests.shared:mixed_toy (built by the factory)" in out.stdout
     assert "with each repeated block once" not in out.stderr
-    for layer in range(4):
-        assert re.search(rf"layers\.{layer}\.attn +sdpa_data_mask +halo", out.stdout), out.stdout
+    assert re.search(r"layers\.0-3\.attn x4 +sdpa_data_mask +halo", out.stdout), out.stdout
     assert "the model's mask from doc_ids" in out.stdout
     assert "collectives overlapped with compute: 0 B of" in out.stdout
 

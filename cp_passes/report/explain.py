@@ -21,6 +21,44 @@ def format_bytes(n: int) -> str:
     return str(n)
 
 
+def _layer_range(modules: list[str]) -> str | None:
+    """``model.layers.0-31.self_attn x32`` for modules that differ only in one index counting up by one, else
+    None."""
+    parts = [re.split(r"(\d+)", m) for m in modules]
+    if len({len(p) for p in parts}) != 1:
+        return None
+    differ = [i for i, pieces in enumerate(zip(*parts)) if len(set(pieces)) > 1]
+    if len(differ) != 1 or differ[0] % 2 == 0:
+        return None
+    numbers = [int(p[differ[0]]) for p in parts]
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+        return None
+    merged = parts[0][:differ[0]] + [f"{numbers[0]}-{numbers[-1]}"] + parts[0][differ[0] + 1:]
+    return f"{''.join(merged)} x{len(modules)}"
+
+
+def collapse_layers(rows: list, module: int, shortest: int = 3) -> list:
+    """Runs of at least ``shortest`` consecutive rows that differ only in the index of their module (column
+    ``module``; the node column 0 may differ too) shown once, the module as ``model.layers.0-31.self_attn x32``
+    and the first row's node: a 61-layer model's table has one row per kind of layer."""
+    out, i = [], 0
+    while i < len(rows):
+        j = i + 1
+        same = [c for c in range(len(rows[i])) if c not in (0, module)]
+        while j < len(rows) and all(rows[j][c] == rows[i][c] for c in same) and \
+                _layer_range([r[module] for r in rows[i:j + 1]]) is not None:
+            j += 1
+        row = list(rows[i])
+        if j - i >= shortest:
+            row[module] = _layer_range([r[module] for r in rows[i:j]])
+            out.append(type(rows[i])(row))
+            i = j
+        else:
+            out.append(rows[i])
+            i += 1
+    return out
+
+
 def table_rows(records) -> list[tuple]:
     return [
         (r.node, r.source, r.module, r.rule, r.transport, r.collective, r.elements or "",
@@ -37,9 +75,10 @@ NARROW_HEADERS = ("module", "rule", "recv / bound", "note")
 def narrow_table(records, width: int) -> str:
     """The table in about ``width`` columns: the module and rule, the bytes received against the lower bound,
     and the note wrapped into what is left (every column: ``format_record(record)``)."""
-    rows = [(r.module or r.node, r.rule,
-             f"{format_bytes(r.bytes)} / {format_bytes(r.lower_bound_bytes)}" if r.collective else "",
-             "; ".join(n for n in (r.note, r.backward) if n)) for r in records]
+    rows = collapse_layers([(r.node, r.module or r.node, r.rule,
+                             f"{format_bytes(r.bytes)} / {format_bytes(r.lower_bound_bytes)}" if r.collective else "",
+                             "; ".join(n for n in (r.note, r.backward) if n)) for r in records], 1)
+    rows = [row[1:] for row in rows]
     used = len(tabulate([row[:3] for row in rows], headers=NARROW_HEADERS[:3]).splitlines()[1])  # the rule: full widths
     return tabulate(rows, headers=NARROW_HEADERS, maxcolwidths=[None] * 3 + [max(16, width - used - 2)])
 
@@ -66,7 +105,7 @@ def format_record(record, width: int | None = None) -> str:
     bound = sum(r.lower_bound_bytes for r in record.records)
     sent = sum(r.sent_bytes for r in record.records)
     metadata = sum(r.metadata_bytes for r in record.records)
-    table = (tabulate(table_rows(record.records), headers=HEADERS) if width is None
+    table = (tabulate(collapse_layers(table_rows(record.records), 2), headers=HEADERS) if width is None
              else narrow_table(record.records, width))
     lines = head + [table,
              f"this rank per forward: received {format_bytes(total)} (lower bound {format_bytes(bound)}; of it "

@@ -106,7 +106,7 @@ def _print_bytes_by_rank(run, columns: list[int], width: int | None) -> None:
     with no width, each against its lower bound)."""
     from tabulate import tabulate
 
-    from ..report.explain import format_bytes, wrap
+    from ..report.explain import collapse_layers, format_bytes, wrap
 
     bound = " / lower bound" if width is None else ""
     print("\n" + "\n".join(wrap([f"received{bound} per forward, by rank (--ranks to choose; the backward moves "
@@ -118,8 +118,9 @@ def _print_bytes_by_rank(run, columns: list[int], width: int | None) -> None:
 
     fit = max(2, (width - 40) // 11) if width is not None else len(columns)
     shown = columns if len(columns) <= fit else columns[:fit - 1] + columns[-1:]
-    rows = [[rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in shown]
-            for rec in run.record.records if rec.collective]
+    rows = [row[1:] for row in collapse_layers(
+        [[rec.node, rec.module, rec.rule] + [cell([r for r in run.per_rank[c] if r.node == rec.node]) for c in shown]
+         for rec in run.record.records if rec.collective], 1)]
     rows.append(["total", ""] + [cell(run.per_rank[c]) for c in shown])
     print(tabulate(rows, headers=["module", "rule"] + [f"rank {c}" for c in shown]))
 
