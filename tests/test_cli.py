@@ -164,7 +164,8 @@ def test_layers_alike_are_shown_once_with_their_count():
     from cp_passes.report.explain import collapse_layers
 
     rows = [(f"sdpa_{i}", "m.py:3", f"model.layers.{i}.self_attn", "sdpa_causal", "1 MiB") for i in range(61)]
-    rows += [("sdpa_61", "m.py:3", "model.layers.61.self_attn", "sdpa_causal", "2 MiB"), ("loss", "m.py:9", "", "x", "")]
+    rows += [("sdpa_61", "m.py:3", "model.layers.61.self_attn", "sdpa_causal", "2 MiB"),
+             ("loss", "m.py:9", "", "x", "")]
     assert collapse_layers(rows, 2) == [("sdpa_0", "m.py:3", "model.layers.0-60.self_attn x61", "sdpa_causal", "1 MiB"),
                                         *rows[61:]]
     gaps = [(f"n{i}", f"layers.{i}.attn", "r") for i in (0, 1, 3, 4, 5, 7, 8)]
@@ -202,8 +203,13 @@ def test_explain_plans_a_transformers_config(tmp_path):
 
 
 def sorting_model():
-    """The factory ``explain tests.test_cli:sorting_model`` plans: a sort along the sequence, which is refused."""
+    """The factory ``explain tests.test_cli:sorting_model`` plans: a sort along the sequence, which is refused,
+    in a model whose building warns (as dynamo and transformers do while tracing)."""
+    import warnings
+
     import torch
+
+    warnings.warn("sorting_model is built", UserWarning)
 
     class Sorting(torch.nn.Module):
         def __init__(self):
@@ -218,10 +224,12 @@ def sorting_model():
 
 def test_explain_prints_a_refusal_as_its_problems():
     """A refused model's dry run ends with the refusal as cp_passes words it (the op, the line, why, the fix) and
-    exit status 1: no traceback, no rank prefix."""
+    exit status 1: no traceback, no rank prefix, and the warnings raised on the way counted in one line."""
     out = run("-m", "cp_passes", "explain", "tests.test_cli:sorting_model", "--world-size", "8", "--seq-len", "64")
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "[rank" not in out.stderr, out.stderr
+    assert "UserWarning" not in out.stderr and "cp_passes: 1 warning while tracing, hidden (the first, from " \
+        "test_cli.py: sorting_model is built); python -W default shows them" in out.stderr, out.stderr
     assert "aten.sort.default at tests/test_cli.py" in out.stderr and "fix: " in out.stderr, out.stderr
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import shutil
 import sys
+import warnings
 
 
 def _demo(args) -> int:
@@ -42,7 +45,7 @@ def _explain(args) -> int:
 
     print(f"cp_passes: planning {name} {'with each repeated block once ' if args.regions else ''}and partitioning "
           f"its backward on fake tensors...", file=sys.stderr, flush=True)
-    with fake_group(world, rank) as group:
+    with _warnings_summarised(), fake_group(world, rank) as group:
         run = dry_run(build, _step_inputs(args, local), spec, mesh=group,
                       plan_ranks=[r for r in columns if r != rank], memory=True, regions=args.regions or None)
     run.per_rank[rank] = run.record.records
@@ -62,6 +65,26 @@ def _explain(args) -> int:
         files = write_dump(args.dump, run.record, 0)
         print(f"\nwrote {len(files)} files to {args.dump}/rank{rank}/graph0/ (index.txt lists them)")
     return 0
+
+
+@contextlib.contextmanager
+def _warnings_summarised():
+    """The warnings torch and the model's code raise while the dry run traces (dynamo's notes on what it traces
+    through, a library's deprecations), counted in one line on stderr instead of printed whole; ``python -W`` or
+    ``PYTHONWARNINGS`` shows them as usual."""
+    if sys.warnoptions:
+        yield
+        return
+    with warnings.catch_warnings(record=True) as heard:
+        try:
+            yield
+        finally:
+            if heard:
+                first = str(heard[0].message).strip().splitlines()[0]
+                count = f"{len(heard)} warning{'' if len(heard) == 1 else 's'}"
+                print(f"cp_passes: {count} while tracing, hidden (the first, from "
+                      f"{os.path.basename(heard[0].filename)}: {first}); python -W default shows them",
+                      file=sys.stderr, flush=True)
 
 
 def _explain_model(args, dtype) -> tuple:
