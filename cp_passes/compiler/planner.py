@@ -18,6 +18,7 @@ import torch.fx
 from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..graph.calls import INVOKE
+from ..graph.narrowest import narrowest_rows
 from ..match import match_graph
 from ..rules import Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.key_axis import KeyState, plan_keys
@@ -25,6 +26,7 @@ from ..rules.partial import partial_rule, row_counts
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
+from ..transports.attention import AttentionKV
 from .regions import InlineRegion
 
 aten = torch.ops.aten
@@ -229,6 +231,8 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             sources = [plan.partial_sources[t] for t in ctx.tensor_inputs() if t in plan.partial_sources]
             plan.partial_sources[node] = frozenset().union(*sources) or frozenset({node})
         for origin, rw in rewrites:
+            if isinstance(rw.request, AttentionKV):
+                _narrowest_keys(rw, sym, ctx.local_len(), plan)
             cost = TRANSPORTS[rw.transport].cost(rw.request, cp.layout, cp.rank, ctx.local_len())
             plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
             plan.rewrites.append((origin, rw, plan.records[-1]))
@@ -251,6 +255,23 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                 origins[value], "partial_sum", "none", share,
                 "a sum over the sequence: this rank's share; add the ranks' values for the total", name=f"output[{i}]"))
     return plan
+
+
+def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan) -> None:
+    """Find what the attention's K and V derive from position by position (through the ops that run on a shard as
+    they are) with the fewest bytes, positions from the layout free; where that is narrower than K and V (an MLA
+    latent), it is the lower bound, and the note names it. The rows start at the embedding: token ids are not
+    counted as what the first layer's keys derive from."""
+    request = rewrite.request
+    positions = {node for node, rw, _ in plan.rewrites if rw.transport == "positions"}
+    request.narrowest = narrowest_rows([request.key, request.value], sym, local_len,
+                                       lambda n: n in plan.as_is and n.target is not aten.embedding.default, positions)
+    row = request.row_bytes(local_len)
+    if request.narrowest.row_bytes < row:
+        names = ", ".join(f"{module_path(n)} ({n.name})" if module_path(n) else n.name for n in request.narrowest.nodes)
+        rewrite.note += (f"{'; ' if rewrite.note else ''}{request.kv_label} derive position by position from "
+                         f"{names}: {request.narrowest.row_bytes} B a position against {row}, the lower bound "
+                         f"(cp_passes moves {request.kv_label})")
 
 
 def _check_region_call(ctx: RuleContext) -> None:

@@ -96,7 +96,8 @@ def _explain_model(args, dtype) -> tuple:
         raise SystemExit("give a MODEL (a built-in example or module:factory) or --hf-config, not both")
     if args.hf_config is not None:
         build, config, name = hf_model(args.hf_config, dtype)
-        description = f"transformers' {name}, {getattr(config, 'num_hidden_layers', '?')} layers, its config's defaults"
+        text = getattr(config, "text_config", None) or config
+        description = f"transformers' {name}, {getattr(text, 'num_hidden_layers', '?')} layers, its config's defaults"
         return build, config, name, description
     if args.model in EXAMPLES:
         name, (description, example) = args.model, EXAMPLES[args.model]

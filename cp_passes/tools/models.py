@@ -201,7 +201,9 @@ EXAMPLES = {
 def hf_model(name: str, dtype: torch.dtype = torch.float32):
     """``(build, config)`` for a transformers model: ``name`` is a model class (``DeepseekV4ForCausalLM``), a model
     type (``llama``: its causal LM), or a path to a ``config.json`` or a folder holding one; the model is built
-    from the config's defaults (or the file's values) with parameters in ``dtype``, for training (no KV cache)."""
+    from the config's defaults (or the file's values) with parameters in ``dtype``, for training (no KV cache): its
+    causal LM, else (a vision-language model) its image-text-to-text model, run on text alone, else its base
+    model."""
     import os
 
     import transformers
@@ -218,9 +220,19 @@ def hf_model(name: str, dtype: torch.dtype = torch.float32):
             except ValueError:
                 raise SystemExit(f"--hf-config {name!r} is neither a transformers model class, a model type nor a "
                                  f"config path") from None
-        cls = transformers.AutoModelForCausalLM._model_mapping[type(config)]
-    config.use_cache = False  # a training step
+        cls = _model_class(config, name)
+    cache_off(config)
     return (lambda: in_dtype(dtype, lambda: cls(config))), config, cls.__name__
+
+
+def _model_class(config, name: str) -> type:
+    import transformers
+
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText, transformers.AutoModel):
+        if type(config) in auto._model_mapping:
+            return auto._model_mapping[type(config)]
+    raise SystemExit(f"--hf-config {name!r}: transformers has no causal LM, image-text-to-text or base model for "
+                     f"{type(config).__name__}; name a model class instead")
 
 
 def factory_model(path: str, dtype: torch.dtype = torch.float32):
@@ -238,7 +250,13 @@ def factory_model(path: str, dtype: torch.dtype = torch.float32):
 def for_training(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` as a training step runs it: a transformers model's KV cache off (``use_cache``: a step never reads
     it, and a cache in the outputs is not a tensor the dry run can follow), as ``--hf-config`` builds it."""
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
+    cache_off(getattr(model, "config", None))
     return model
+
+
+def cache_off(config) -> None:
+    """A transformers config, and those of its parts (a vision-language model's text model), with ``use_cache``
+    off, as a training step runs."""
+    for part in [config] + [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]:
+        if getattr(part, "use_cache", False):
+            part.use_cache = False

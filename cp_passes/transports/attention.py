@@ -11,6 +11,7 @@ causally, no ``[queries, keys]`` mask built or saved unless the model's own mask
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ import torch.fx
 
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
+from ..graph.narrowest import Narrowest
 from ..key_plan import (EVERY_KEY_REACH, KeyPlan, Move, attention_pieces, by_blocks, no_dropout, outside,
                         own_keys_first, sized_by_data)
 from .base import Cost
@@ -56,6 +58,9 @@ class AttentionKV:
     notes: list[str] = field(default_factory=list)
     left_padding: int = 0
     """Zero rows in front of a halo (hidden by the mask)."""
+    narrowest: Narrowest | None = None
+    """The narrowest tensors K and V derive from position by position (the planner's
+    :func:`~cp_passes.graph.narrowest.narrowest_rows`): the lower bound moves those."""
 
     @property
     def kv_label(self) -> str:
@@ -82,9 +87,14 @@ class AttentionKV:
 
 
 def attention_cost(request: AttentionKV, layout, rank: int, local_len: int) -> Cost:
-    """What moving the attention's K and V (:func:`~.key_move.move_cost`) and its mask's metadata receives."""
-    return (move_cost(request.plan, layout, rank, local_len, request.row_bytes(local_len), request.itemsize,
-                      request.kv_label) + request.metadata_cost(layout.world))
+    """What moving the attention's K and V (:func:`~.key_move.move_cost`) and its mask's metadata receives. The
+    lower bound moves the narrowest tensors K and V derive from position by position, where they are narrower
+    (an MLA latent) than K and V."""
+    row = request.row_bytes(local_len)
+    keys = move_cost(request.plan, layout, rank, local_len, row, request.itemsize, request.kv_label)
+    if request.narrowest is not None and request.narrowest.row_bytes < row:
+        keys = dataclasses.replace(keys, lower_bound_bytes=keys.lower_bound_bytes * request.narrowest.row_bytes // row)
+    return keys + request.metadata_cost(layout.world)
 
 
 def rewrite_attention(edit, request: AttentionKV) -> None:

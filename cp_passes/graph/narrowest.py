@@ -1,0 +1,114 @@
+"""The narrowest tensors a set of values derives from position by position: a minimum vertex cut.
+
+Attention's keys and values are moved between ranks; what they are computed from, row by row, could be moved in
+their place and the rows recomputed where they arrive. Multi-head latent attention (DeepSeek V3, Kimi K2)
+decompresses a latent of 576 numbers a position into K and V of 40,960: the bytes that must move are bounded by
+the latent's, not by K and V's. :func:`narrowest_rows` finds that bound: among the position-wise ancestors of the
+targets (``positionwise``: the ops that run on a shard as they are), the set of tensors with the fewest bytes a
+position that every path from elsewhere into the targets crosses. Values the graph holds whole (weights) are free:
+every rank has them; so are values every rank can compute for any rank's rows (``free``: positions from the
+layout).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from .analysis import meta_val, numel_hint, seq_dims
+
+
+@dataclass(frozen=True)
+class Narrowest:
+    """The cut: its tensors and their bytes a position, summed."""
+
+    nodes: tuple[torch.fx.Node, ...]
+    row_bytes: int
+
+
+def _tensors(node: torch.fx.Node) -> list[torch.Tensor]:
+    """The tensors ``node`` makes: its value, or those of the tuple it returns (a split)."""
+    value = meta_val(node)
+    items = value if isinstance(value, (tuple, list)) else [value]
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def row_bytes(node: torch.fx.Node, local_len: int) -> int:
+    """Bytes a position of ``node``'s values (tensors with the sequence on some dim)."""
+    return sum(numel_hint(t) * t.dtype.itemsize for t in _tensors(node)) // max(local_len, 1)
+
+
+def _sharded(node, sym) -> bool:
+    return isinstance(node, torch.fx.Node) and any(seq_dims(t, sym) for t in _tensors(node))
+
+
+def _region(targets, sym, positionwise, free) -> set:
+    """The sharded ancestors of ``targets`` reached through position-wise ops, the targets and the first
+    non-position-wise ones (where the cut may start) included; ``free`` ones left out."""
+    seen, todo = set(), list(targets)
+    while todo:
+        node = todo.pop()
+        if node in seen or node in free:
+            continue
+        seen.add(node)
+        if positionwise(node):
+            todo.extend(a for a in node.all_input_nodes if _sharded(a, sym))
+    return seen
+
+
+def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwise, free=frozenset()) -> Narrowest:
+    """The set of sharded tensors with the fewest bytes a position that separates ``targets`` from everything
+    they derive from other than position by position (``positionwise(node)``: whether a node runs on a shard as
+    it is, each output row from the same input rows). The targets themselves are a cut, so the answer is never
+    wider than they are. ``free``: sharded values every rank can compute for any rank's rows."""
+    region = _region(targets, sym, positionwise, free)
+    # Each node is split into an inner and an outer vertex joined by its row bytes; the source feeds every node
+    # that does not derive position by position, the targets feed the sink.
+    source, sink = ("source",), ("sink",)
+    capacity: dict = {}
+    edges: dict = {}
+
+    def add(u, v, c):
+        capacity[(u, v)] = capacity.get((u, v), 0) + c
+        capacity.setdefault((v, u), 0)
+        edges.setdefault(u, set()).add(v)
+        edges.setdefault(v, set()).add(u)
+
+    unbounded = 1 << 62
+    for node in region:
+        add(("in", node), ("out", node), row_bytes(node, local_len))
+        if not positionwise(node):
+            add(source, ("in", node), unbounded)
+        else:
+            for arg in node.all_input_nodes:
+                if arg in region:
+                    add(("out", arg), ("in", node), unbounded)
+    for target in targets:
+        add(("out", target), sink, unbounded)
+    while True:
+        parent = {source: None}
+        queue = deque([source])
+        while queue and sink not in parent:
+            u = queue.popleft()
+            for v in edges.get(u, ()):
+                if v not in parent and capacity[(u, v)] > 0:
+                    parent[v] = u
+                    queue.append(v)
+        if sink not in parent:
+            break
+        path, v = [], sink
+        while parent[v] is not None:
+            path.append((parent[v], v))
+            v = parent[v]
+        flow = min(capacity[e] for e in path)
+        for u, v in path:
+            capacity[(u, v)] -= flow
+            capacity[(v, u)] += flow
+    reached = set(parent)
+    cut = tuple(n for n in region if ("in", n) in reached and ("out", n) not in reached)
+    order = {n: i for i, n in enumerate(targets[0].graph.nodes)}
+    cut = tuple(sorted(cut, key=order.__getitem__))
+    return Narrowest(cut, sum(row_bytes(n, local_len) for n in cut))
