@@ -147,8 +147,15 @@ def _tensors_out(forward):
     return region
 
 
+MAX_TRACES = 256
+"""Subgraphs dynamo may keep for the regions' wrapper (torch's default is 8). The wrapper's code is the same for
+every block class, so each class and each variant of one whose guards differ between layers takes an entry:
+Zamba2's 54 layers (Mamba layers and hybrid layers calling a shared block) exceed 8, and past the limit dynamo
+raises instead of tracing again."""
+
+
 def _nones_back(forward):
-    region = torch.compiler.nested_compile_region(_tensors_out(forward))
+    region = torch.compiler.nested_compile_region(_tensors_out(forward), max_reuse_entries=MAX_TRACES)
 
     @functools.wraps(forward)
     def marked(self, *args, **kwargs):
