@@ -233,6 +233,28 @@ def test_explain_prints_a_refusal_as_its_problems():
     assert "aten.sort.default at tests/test_cli.py" in out.stderr and "fix: " in out.stderr, out.stderr
 
 
+def raising_model():
+    """The factory ``explain tests.test_cli:raising_model`` plans: its forward raises, as a default config can (Step
+    3.7's sliding layers without a sliding_window)."""
+    import torch
+
+    class Raising(torch.nn.Module):
+        def forward(self, input_ids, labels=None):
+            raise ValueError("this config cannot run")
+
+    return Raising()
+
+
+def test_explain_prints_a_failure_in_the_model_in_a_few_lines():
+    """An exception from the model's own code is not a refusal: one message (the exception, the model's line) and
+    exit status 2, no traceback, no rank prefix."""
+    out = run("-m", "cp_passes", "explain", "tests.test_cli:raising_model", "--world-size", "8", "--seq-len", "64")
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "[rank" not in out.stderr, out.stderr
+    assert "cp_passes explain: the dry run failed with " in out.stderr and "test_cli.py\", line" in out.stderr
+    assert 'raise ValueError("this config cannot run")' in out.stderr, out.stderr
+
+
 def test_a_factory_returning_a_plain_transformers_model_plans_with_its_cache_off(fake_group):
     """``explain mymodels:model`` where ``model()`` returns a LlamaForCausalLM as transformers makes it (use_cache
     on): the dry run turns the cache off as a training step does, as --hf-config does, instead of failing on the

@@ -185,6 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write every graph, the AOT forward/backward graphs, Inductor's code and the rewrite "
                            "table under DIR/rank<r>/graph<i>/")
     demo.set_defaults(run=_demo)
+    _add_explain(sub)
+    specs = sub.add_parser("specs", help="list the model specs shipped in model_specs/",
+                           description="Print every spec in model_specs/, the transformers model types "
+                                       "cp_compile(model) picks it for, and its fields.")
+    specs.set_defaults(run=_specs)
+    return parser
+
+
+def _add_explain(sub) -> None:
     from .models import EXAMPLES
 
     explain = sub.add_parser(
@@ -232,12 +241,21 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--wide", action="store_true",
                          help="every column of the tables and whole lines, however wide (the default when the output "
                               "is not a terminal); in a terminal the tables fit its width")
+    explain.add_argument("--traceback", action="store_true",
+                         help="when the dry run fails other than by a refusal (the model's own code raised, or "
+                              "cp_passes or torch failed), print the whole traceback, not its one-line summary")
     explain.set_defaults(run=_explain)
-    specs = sub.add_parser("specs", help="list the model specs shipped in model_specs/",
-                           description="Print every spec in model_specs/, the transformers model types "
-                                       "cp_compile(model) picks it for, and its fields.")
-    specs.set_defaults(run=_specs)
-    return parser
+
+
+def _failure(error: BaseException) -> str:
+    """An exception the dry run raised that is not a refusal, in a few lines: its type and first line, and the
+    last line of the model's code dynamo names."""
+    text = str(error).strip().splitlines()
+    frames = [i for i, line in enumerate(text) if line.strip().startswith('File "')]
+    where = "" if not frames else f"\n  at {text[frames[-1]].strip()}" + (
+        f"\n     {text[frames[-1] + 1].strip()}" if frames[-1] + 1 < len(text) else "")
+    return (f"cp_passes explain: the dry run failed with {type(error).__name__}: {text[0] if text else ''}{where}\n"
+            f"(not a refusal: the model's code, torch or cp_passes raised; --traceback shows where)")
 
 
 def main(argv=None) -> int:
@@ -249,4 +267,9 @@ def main(argv=None) -> int:
     except CPCompileError as error:  # a refusal is the answer, not a crash: its problems alone, exit status 1
         print(error, file=sys.stderr)
         return 1
+    except Exception as error:  # one readable message, not a traceback every rank prefixes
+        if getattr(args, "traceback", True):
+            raise
+        print(_failure(error), file=sys.stderr)
+        return 2
 
