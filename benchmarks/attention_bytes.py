@@ -13,6 +13,13 @@ layout, kind, P and rank; the last line is the worst ratio of bytes to bound.
 
     python benchmarks/attention_bytes.py                       # S = 131072, window 4096, 32 documents
     python benchmarks/attention_bytes.py --seq-len 32768 --world-sizes 8
+
+With ``--hf-config NAME`` (a transformers model class or type, as ``explain --hf-config`` takes) it plans that
+model's default config cut to ``--layers`` layers (bf16) instead, and prints each rank's bytes received for its
+attentions' keys against the bound cp_passes computes: the narrowest tensors the keys derive from position by
+position (for MLA, DeepSeek-V3's latent of ``kv_lora_rank + qk_rope_head_dim`` a position, not K and V).
+
+    python benchmarks/attention_bytes.py --hf-config deepseek_v3 --seq-len 4096 --world-sizes 8
 """
 
 import argparse
@@ -23,7 +30,7 @@ from tabulate import tabulate
 from cp_passes.layout import Layout
 from cp_passes.spec import CPSpec
 from cp_passes.tools.dryrun import dry_run, fake_group
-from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+from cp_passes.tools.models import ToyLlama, ToyLlamaConfig, hf_model
 from cp_passes.transports.prefix_exchange import prefix_cost
 from cp_passes.transports.masks import first_keys
 
@@ -79,13 +86,42 @@ def plan(kind: str, world: int, layout: str, local: int, window: int) -> dict[in
             for rank, records in run.per_rank.items()}
 
 
+def hf_rows(name: str, layers: int, world: int, seq_len: int) -> list[tuple]:
+    """(model, P, rank, bytes, bound, bytes / bound) of the attentions' keys of ``name``'s default config cut to
+    ``layers`` layers, every rank planned."""
+    build, config, cls = hf_model(name, torch.bfloat16)
+    text = getattr(config, "text_config", None) or config
+    text.num_hidden_layers = layers
+    local = seq_len // world
+    inputs = {"input_ids": ((1, local), torch.long), "labels": ((1, local), torch.long)}
+    with fake_group(world, 0) as group:
+        run = dry_run(build, inputs, mesh=group, plan_ranks=range(1, world))
+    run.per_rank[0] = run.record.records
+    rows = []
+    for rank in range(world):
+        keys = [r for r in run.per_rank[rank] if r.rule.startswith("sdpa")]
+        moved, bound = sum(r.bytes - r.metadata_bytes for r in keys), sum(r.lower_bound_bytes for r in keys)
+        rows.append((cls, world, rank, moved, bound, f"{moved / bound:.3f}" if bound else "-"))
+    return rows
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=131072, help="global sequence length (default: 131072)")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[8, 16], help="CP ranks (default: 8 16)")
     parser.add_argument("--window", type=int, default=4096, help="sliding-window width (default: 4096)")
     parser.add_argument("--docs", type=int, default=32, help="packed documents (default: 32)")
+    parser.add_argument("--hf-config", metavar="NAME", default=None,
+                        help="a transformers model's default config instead of ToyLlama's layer (see above)")
+    parser.add_argument("--layers", type=int, default=2, help="layers of --hf-config's model (default: 2)")
     args = parser.parse_args()
+    if args.hf_config is not None:
+        rows = [row for world in args.world_sizes for row in hf_rows(args.hf_config, args.layers, world,
+                                                                      args.seq_len)]
+        print(f"S = {args.seq_len}, {args.layers} layers of {args.hf_config}'s default config, bf16: bytes each rank "
+              f"receives per forward for its attentions' keys, against the narrowest tensors they derive from")
+        print(tabulate(rows, headers=("model", "P", "rank", "bytes", "bound", "bytes / bound")))
+        return
     row = 2 * 2 * 16 * 4  # K and V, 2 KV heads of 16, fp32, batch 1
     starts = document_starts(args.seq_len, args.docs)
     rows, worst = [], (0.0, "")
