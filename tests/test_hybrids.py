@@ -68,6 +68,24 @@ def test_the_shipped_spec_is_picked_by_model_type_and_explain_names_it(group):
     assert "no shipped spec serves this model" in cp_passes.explain(llama, print_table=False)
 
 
+def test_a_causal_mask_no_layer_reads_is_dropped(group):
+    """Bamba's default config has no attention layer, yet transformers builds the causal mask (from positions, a
+    packed-sequence check included); only dynamo's metadata checks read it. It used to be refused at the mask's
+    ops; it is removed before planning, and the Mamba layers plan."""
+    from transformers import BambaConfig, BambaForCausalLM
+
+    from cp_passes.tools.dryrun import dry_run
+
+    def build_model():
+        torch.manual_seed(0)
+        return BambaForCausalLM(BambaConfig(**hybrid_models.TINY, **hybrid_models.ATTENTION, **hybrid_models.MAMBA,
+                                            num_hidden_layers=2, attn_layer_indices=None))
+
+    inputs = {"input_ids": ((1, 64), torch.long), "labels": ((1, 64), torch.long)}
+    rules = [r.rule for r in dry_run(build_model, inputs, cp_passes.load_spec("bamba"), mesh=group).record.records]
+    assert rules.count("carry_affine") == 2 and not any(rule.startswith("sdpa") for rule in rules), rules
+
+
 def test_without_its_spec_a_mamba2_scan_is_refused_naming_the_scan(group):
     """CPSpec() asks for the defaults: the chunk loop splits the local sequence, refused at the scan's lines."""
     model = build("mamba2")

@@ -23,6 +23,7 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import shifted_writes_as_shifts
+from ..graph.unread import drop_unread_values
 from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
@@ -157,6 +158,8 @@ def table(plan: Plan, position: dict[str, int]) -> list[RewriteRecord]:
 
 def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]], label: str) -> None:
     """The rewrites that put a graph in the form the rules read."""
+    if drop_unread_values(gm):
+        history.append((f"{label}values only metadata checks read, removed", format_graph(gm)))
     if fills_out_of_place(gm):
         history.append((f"{label}fills out of place", format_graph(gm)))
     if shifted_writes_as_shifts(gm, sym, spec.pad_multiple):
