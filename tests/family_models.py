@@ -106,8 +106,18 @@ def hf_phi3_longrope(seed: int = 0):
                                       use_cache=False)).float()
 
 
+def hf_qwen3(seed: int = 0):
+    """A tiny Qwen3 (Llama's layout with per-head q/k RMSNorm), causal SDPA, its cache off."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        attn_implementation="sdpa", use_cache=False)).float()
+
+
 HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
-             "phi3-longrope": hf_phi3_longrope}
+             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
