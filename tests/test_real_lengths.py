@@ -6,8 +6,12 @@ import pytest
 import torch
 
 import cp_passes
+import encoder_models
+import hybrid_models
+from encoder_models import reference as encoder_reference
 from family_models import PHI3_ORIGINAL_LENGTH, hf_parity
-from parity import compare, hf_reference
+from hybrid_models import reference as hybrid_reference, state_shape
+from parity import compare, compare_valid, hf_reference
 from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
@@ -118,3 +122,35 @@ def test_phi3_longrope_picks_its_factors_from_the_global_length(pool, parity_rep
         compare(f"hf-phi3-longrope-{seq_len}-aot_eager", [r[i] for r in per_rank],
                 *hf_reference(seq_len, False, family="phi3-longrope"), seq_len, parity_report)
     assert ("global_max", "reductions") in {(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"]}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4], ids=["P2", "P4"])
+def test_mamba2_hybrid_at_16k_parity(pool, parity_report, P):
+    """Bamba (a Mamba-2 layer, then an attention layer; its shipped spec picked by model_type) at 16,384
+    positions: the SSD scan's state (4,096 chunks of 4) crosses the ranks by the affine carry, contiguous
+    shards (a carry's only layout), and the last rank receives its predecessors' [h | M] whatever the length;
+    logits, loss and gradients match one device."""
+    per_rank = pool.run(hybrid_models.parity, P, family="bamba", seq_lens=[LONG])
+    compare_valid("hf-bamba-16k-aot_eager", [r[0] for r in per_rank], hybrid_reference("bamba", LONG), LONG,
+                  parity_report)
+    heads, k, v = state_shape("bamba")
+    state, summary = 2 * heads * k * v * 4, 2 * heads * k * (v + k) * 4  # batch 2, fp32
+    carries = [(b, bound) for _, transport, b, bound, _ in per_rank[-1][0]["records"] if transport == "carry"]
+    assert carries and all(c == (summary * (P - 1), state) for c in carries), (carries, state, summary)
+
+
+ENCODER_CASES = [(P, layout) for P in (2, 4) for layout in ("contiguous", "balanced")]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P,layout", ENCODER_CASES, ids=[f"P{P}-{layout}" for P, layout in ENCODER_CASES])
+def test_encoder_at_16k_parity(pool, parity_report, P, layout):
+    """ModernBERT (a global layer over every key, two local layers over a two-sided window of 2 keys each side)
+    under SDPA with a padding attention_mask, at 16,384 positions on both layouts: the global layer gathers every
+    key, the local ones a halo from both sides; logits, loss and gradients match one device on the kept tokens."""
+    per_rank = pool.run(encoder_models.parity, P, seq_lens=[LONG], attention="sdpa", padded=True, layout=layout)
+    compare_valid(f"hf-modernbert-sdpa-padded-{layout}-16k", [r[0] for r in per_rank],
+                  encoder_reference(LONG, "sdpa", True), LONG, parity_report)
+    rules = [rule for rule, *_ in per_rank[0][0]["records"] if rule.startswith("sdpa")]
+    assert rules == ["sdpa_bidirectional"] + ["sdpa_bidirectional_window"] * 2, rules
