@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_passes
-from shared import packed_model_inputs, param_grads, toy_batch
+from shared import packed_model_inputs, param_grads, step_result, toy_batch
 
 
 def hf_llama_config(use_cache: bool = True):
@@ -244,6 +244,38 @@ def step3p7_text(moe: bool = True) -> dict:
         mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
         pad_token_id=0, use_cache=False)
+
+
+def hf_step3p7(seed: int = 0, moe: bool = True):
+    """A tiny Step3p7TextModel (Step-5's public relative) as transformers 5.24 ships it: sliding-window layers
+    (window 4) and full-attention layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP
+    first, then MoE layers (4 experts, top 2, a shared expert) whose experts loop over nonzero() (the step5 spec
+    runs them through transformers' grouped_mm forward)."""
+    from transformers import Step3p7TextConfig, Step3p7TextModel
+
+    torch.manual_seed(seed)
+    return Step3p7TextModel(Step3p7TextConfig(**step3p7_text(moe))).float()
+
+
+def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions, or packed rows (one list of document lengths per row)."""
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(4))
+    if documents:
+        return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(2, length)}
+
+
+def step3p7_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Step3p7TextModel with model_specs/step5.py on a batch sharded by shard_batch; the loss is the sum of
+    squares of the last hidden states (a task the worker pool runs)."""
+    model = hf_step3p7()
+    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(step3p7_batch(documents, seq_len), group, "step5")
+    out = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)
 
 
 def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.layout import resolve_layout
+import cp_passes
 from family_models import (HF_MODELS, deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_batch, hf_deepseek_v4,
-                           hf_glm5_next)
+                           hf_glm5_next, hf_step3p7, step3p7_batch)
 from shared import in_global_order, toy_batch, toy_model
 
 OUT_TOL = 1e-5
@@ -243,3 +244,49 @@ def deepseek_v4_cut_floor(P: int, batch: dict, grads: dict, layers: int = 3) -> 
     losses = [F.cross_entropy(logits[:, pos].flatten(0, 1), batch["shift_labels"][:, pos].flatten(), reduction="sum")
               for pos in rows]
     return split_floor(model, losses, grads)
+
+
+def step3p7_reference(P: int, documents, seq_len: int | None = None):
+    """One device on the global batch (``seq_len`` positions, 4 a rank at P = 2 and 4 by default) as shard_batch
+    lays it out for ``P`` ranks."""
+    model = hf_step3p7()
+    length = 4 * max(P, 2) if seq_len is None else seq_len
+    batch, _ = shard_for_rank(step3p7_batch(documents, length), 0, 1, "step5", pad_multiple=2 * P)
+    out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return batch, loss.detach(), out.detach(), grads
+
+
+def step3p7_cut_floor(P: int, batch: dict, grads: dict) -> float:
+    """The model's one-device floor (:func:`split_floor`) cut as the spec's layout cuts it (balanced: 2P
+    chunks): each chunk's queries attend to the keys up to its own last one only, and the gradient is summed
+    from each rank's loss (its chunks'). The MoE's expert gradients, summed over the few tokens routed to an
+    expert, move by up to 2.4e-5 of their size (packed, P = 4, contiguous). The experts run as CP runs them:
+    through the spec's grouped_mm forward, on each rank's tokens apart (:func:`_experts_per_rank`)."""
+    spec = cp_passes.load_spec("step5")
+    layout = resolve_layout(spec, P)[0]
+    model = hf_step3p7()
+    local = batch["input_ids"].shape[1] // P
+    _experts_per_rank(model, spec.experts, [layout.positions(r, local) for r in range(P)], batch["input_ids"].shape)
+    with mock.patch.object(F, "scaled_dot_product_attention", blockwise_sdpa(P * layout.chunks)):
+        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).last_hidden_state
+    return split_floor(model, [out[:, layout.positions(r, local)].pow(2).sum() for r in range(P)], grads)
+
+
+def _experts_per_rank(model, globs: tuple, positions: list, shape) -> None:
+    """Run ``model``'s experts as each CP rank does: the spec's grouped_mm forward (:mod:`cp_passes.experts`), on
+    the tokens at each rank's ``positions`` of every row apart, the results put back in token order. The expert
+    gradients then sum over each rank's tokens first, as CP's do (the experts' share of the floor)."""
+    batch, length = shape
+    rows = [torch.cat([b * length + p for b in range(batch)]) for p in positions]
+    back = torch.argsort(torch.cat(rows))
+    for path in cp_passes.experts.install(model, globs):
+        module = model.get_submodule(path)
+
+        def forward(hidden, index, weights, grouped=module.forward):
+            parts = [grouped(hidden[r], index[r], weights[r]) for r in rows]
+            return torch.cat(parts)[back]
+
+        module.forward = forward
