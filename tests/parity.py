@@ -26,10 +26,9 @@ hc_head.hc_scale: 3.3e-6 against 4.9) is compared on that floor: its rounding is
 (measured at P = 4, packed, grouped-mm experts: 7.5e-10 of the largest entry, 1.1e-3 of its own)."""
 
 
-def compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, grad_rtol=GRAD_RTOL):
-    """Every rank's ``logits`` (in global order, the first ``seq_len`` positions valid), the sum of their
-    ``loss`` and of their ``grads`` against one device's, gradients relative to each parameter's largest entry
-    (or to :data:`CANCELLED` of the model's, where larger); the errors are appended to ``report``."""
+def _errors(results_by_rank, ref_loss, ref_logits, ref_grads, seq_len) -> tuple[float, float, float, str]:
+    """The largest logits error, the loss's relative error, the largest relative gradient error and the parameter
+    it is at, as :func:`compare` measures them."""
     logits = in_global_order(results_by_rank, "logits")
     valid = in_global_order(results_by_rank, "valid")
     assert valid.shape[1] >= seq_len and bool(valid[:, :seq_len].all()) and not bool(valid[:, seq_len:].any())
@@ -46,10 +45,28 @@ def compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, rep
         err = math.inf if math.isnan(err) else err  # max() would skip a NaN
         if err > grad_err or not worst:
             grad_err, worst = err, pname
+    return out_err, loss_err, grad_err, worst
+
+
+def compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, grad_rtol=GRAD_RTOL):
+    """Every rank's ``logits`` (in global order, the first ``seq_len`` positions valid), the sum of their
+    ``loss`` and of their ``grads`` against one device's, gradients relative to each parameter's largest entry
+    (or to :data:`CANCELLED` of the model's, where larger); the errors are appended to ``report``."""
+    out_err, loss_err, grad_err, worst = _errors(results_by_rank, ref_loss, ref_logits, ref_grads, seq_len)
     report.append((name, len(results_by_rank), seq_len, out_err, loss_err, grad_err))
     assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
     assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
     assert grad_err <= grad_rtol, f"{name}: gradients differ by {grad_err} (relative, {worst})"
+
+
+def compare_within_floor(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, floor):
+    """:func:`compare` with a family's gradient tolerance, the larger of :data:`GRAD_RTOL` and twice its
+    one-device floor; ``floor()`` (a whole one-device run or more at long lengths) is computed only when the
+    gradients miss :data:`GRAD_RTOL`, where it alone can decide: within it the tolerance is that."""
+    grad_err = _errors(results_by_rank, ref_loss, ref_logits, ref_grads, seq_len)[2]
+    tolerance = GRAD_RTOL if grad_err <= GRAD_RTOL else max(GRAD_RTOL, 2 * floor())
+    compare(f"{name} (grad tol {tolerance:.1e})", results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report,
+            grad_rtol=tolerance)
 
 
 def compare_valid(name, ranks, reference, seq_len, report, aux=False):
