@@ -300,3 +300,23 @@ def deepseek_v4_loss(model, batch: dict, positions: bool = True):
     ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
     out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
     return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
+
+
+GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
+"""Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
+
+
+def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
+    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states (a task
+    the worker pool runs)."""
+    model = hf_glm5_next(layer_types=tuple(layer_types))
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
+        model.zero_grad()
+        out = compiled(**local).last_hidden_state
+        loss = out.pow(2).sum()
+        loss.backward()
+        results.append(step_result(model, compiled, loss, out, layout))
+    return results

@@ -175,6 +175,16 @@ def blocked_sdpa(P: int, sdpa):
     return blocked
 
 
+def glm5_next_reference(batch: dict, layer_types):
+    """One device: the loss (the sum of squares of the last hidden states, as glm5_next_parity's), the output
+    and the gradients of :func:`hf_glm5_next` with ``layer_types`` on ``batch``."""
+    model = hf_glm5_next(layer_types=layer_types)
+    out = model(**batch).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
 def glm5_next_split_floor(P: int, batch: dict, layer_types, build=None) -> float:
     """How far one device's own gradients move (relative, the largest over parameters) when it computes as CP
     does, on the batch the check compares: its KDA kernel as the affine carry (each of P parts from zero and
