@@ -9,10 +9,11 @@ import cp_passes
 import encoder_models
 import hybrid_models
 from encoder_models import reference as encoder_reference
-from family_models import PHI3_ORIGINAL_LENGTH, hf_parity, step3p7_parity
+from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, glm5_next_batch, glm5_next_parity, hf_parity,
+                           step3p7_parity)
 from hybrid_models import reference as hybrid_reference, state_shape
-from parity import (compare, compare_valid, compare_within_floor, hf_reference, step3p7_cut_floor,
-                    step3p7_reference)
+from parity import (compare, compare_valid, compare_within_floor, glm5_next_reference, glm5_next_split_floor,
+                    hf_reference, step3p7_cut_floor, step3p7_reference)
 from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
@@ -170,3 +171,22 @@ def test_step3p7_at_16k_parity(pool, parity_report, P):
                          lambda: step3p7_cut_floor(P, batch, grads))
     rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
     assert rules == [("sdpa_data_mask", "halo"), ("sdpa_data_mask", "sequence_gather")] * 2, rules
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4], ids=["P2", "P4"])
+def test_glm5_next_kda_at_16k_parity(pool, parity_report, P):
+    """Glm5NextTextModel with model_specs/glm5_next.py and three Kimi Delta Attention layers (tests/
+    test_recurrence.py's default layer types; hyper-connections, a dense MLP then MoE) at 16,384 positions,
+    contiguous: each KDA layer's short conv by a halo, its state (256 chunks of 64) across the ranks by the
+    affine carry. The gradient tolerance is the family's: twice its one-device floor of computing as CP does
+    (parity.glm5_next_split_floor), where that is above the suite's. Its indexed-attention layer is not here:
+    its attention and indexer are [S, S] tensors on one device and [S / P, S] on each rank, past this
+    machine's memory at 16k (7.3 GB at 8k for P = 2 with the KDA layers, 2.8 GB without)."""
+    per_rank = pool.run(glm5_next_parity, P, seq_lens=[LONG], layer_types=KDA_LAYERS)
+    batch = glm5_next_batch(LONG)
+    loss, out, grads = glm5_next_reference(batch, KDA_LAYERS)
+    compare_within_floor("hf-Glm5NextTextModel-kda-16k-aot_eager", [r[0] for r in per_rank], loss, out, grads,
+                         LONG, parity_report, lambda: glm5_next_split_floor(P, batch, KDA_LAYERS))
+    rules = [rec[0] for rec in per_rank[0][0]["records"]]
+    assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
