@@ -234,6 +234,22 @@ def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 1
     return {"input_ids": ids, "position_ids": torch.arange(length).expand(rows, length), "shift_labels": shifted}
 
 
+def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
+                       positions: bool = True, regions: bool = False) -> dict:
+    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
+    doc-id map, per-document positions and labels), called with or without ``position_ids``, its layers nested
+    compile regions or not: this rank's results (a task the worker pool runs)."""
+    model = hf_deepseek_v4(layers=6 if regions else 3)
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False,
+                                    regions=regions)
+    assert compiled.spec.pad_multiple == 4  # read from the config's rates
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
+    loss, logits = deepseek_v4_loss(compiled, local, positions)
+    loss.backward()
+    return {**step_result(model, compiled, loss, logits, layout),
+            "history": [label for label, _ in compiled.compile_records[-1].history]}
+
+
 STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
 
 
