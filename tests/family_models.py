@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import cp_passes
-from shared import packed_model_inputs, param_grads, toy_batch
+from shared import packed_model_inputs, param_grads, step_result, toy_batch
 
 
 def hf_llama_config(use_cache: bool = True):
@@ -106,8 +106,18 @@ def hf_phi3_longrope(seed: int = 0):
                                       use_cache=False)).float()
 
 
+def hf_qwen3(seed: int = 0):
+    """A tiny Qwen3 (Llama's layout with per-head q/k RMSNorm), causal SDPA, its cache off."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen3ForCausalLM(Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        attn_implementation="sdpa", use_cache=False)).float()
+
+
 HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
-             "phi3-longrope": hf_phi3_longrope}
+             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
@@ -224,6 +234,22 @@ def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 1
     return {"input_ids": ids, "position_ids": torch.arange(length).expand(rows, length), "shift_labels": shifted}
 
 
+def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
+                       positions: bool = True, regions: bool = False) -> dict:
+    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
+    doc-id map, per-document positions and labels), called with or without ``position_ids``, its layers nested
+    compile regions or not: this rank's results (a task the worker pool runs)."""
+    model = hf_deepseek_v4(layers=6 if regions else 3)
+    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False,
+                                    regions=regions)
+    assert compiled.spec.pad_multiple == 4  # read from the config's rates
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
+    loss, logits = deepseek_v4_loss(compiled, local, positions)
+    loss.backward()
+    return {**step_result(model, compiled, loss, logits, layout),
+            "history": [label for label, _ in compiled.compile_records[-1].history]}
+
+
 STEP3P7_LAYERS = ("sliding_attention", "full_attention", "sliding_attention", "full_attention")
 
 
@@ -234,6 +260,38 @@ def step3p7_text(moe: bool = True) -> dict:
         mlp_layer_types=["dense"] + ["sparse" if moe else "dense"] * 3, sliding_window=4, n_routed_experts=4,
         num_experts_per_tok=2, moe_intermediate_size=32, share_expert_dim=32, max_position_embeddings=64,
         pad_token_id=0, use_cache=False)
+
+
+def hf_step3p7(seed: int = 0, moe: bool = True):
+    """A tiny Step3p7TextModel (Step-5's public relative) as transformers 5.24 ships it: sliding-window layers
+    (window 4) and full-attention layers, per-head q/k norms, partial RoPE, gated attention output; a dense MLP
+    first, then MoE layers (4 experts, top 2, a shared expert) whose experts loop over nonzero() (the step5 spec
+    runs them through transformers' grouped_mm forward)."""
+    from transformers import Step3p7TextConfig, Step3p7TextModel
+
+    torch.manual_seed(seed)
+    return Step3p7TextModel(Step3p7TextConfig(**step3p7_text(moe))).float()
+
+
+def step3p7_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Token ids with positions, or packed rows (one list of document lengths per row)."""
+    length = sum(documents[0]) if documents else seq_len
+    ids = torch.randint(1, 128, (2, length), generator=torch.Generator().manual_seed(4))
+    if documents:
+        return {"input_ids": ids, "seq_lens": torch.tensor(documents)}
+    return {"input_ids": ids, "position_ids": torch.arange(length).expand(2, length)}
+
+
+def step3p7_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
+    """Step3p7TextModel with model_specs/step5.py on a batch sharded by shard_batch; the loss is the sum of
+    squares of the last hidden states (a task the worker pool runs)."""
+    model = hf_step3p7()
+    compiled = cp_passes.cp_compile(model, "step5", mesh=group, backend="aot_eager", verbose=False)
+    local, layout = cp_passes.shard_batch(step3p7_batch(documents, seq_len), group, "step5")
+    out = compiled(input_ids=local["input_ids"], position_ids=local["position_ids"]).last_hidden_state
+    loss = out.pow(2).sum()
+    loss.backward()
+    return step_result(model, compiled, loss, out, layout)
 
 
 def hf_glm5_next(seed: int = 0, layer_types: tuple[str, ...] = KDA_LAYERS):
@@ -258,3 +316,23 @@ def deepseek_v4_loss(model, batch: dict, positions: bool = True):
     ``positions`` the model numbers the tokens itself (``arange``, shared by its rotary and its masks)."""
     out = model(input_ids=batch["input_ids"], **({"position_ids": batch["position_ids"]} if positions else {}))
     return F.cross_entropy(out.logits.flatten(0, 1), batch["shift_labels"].flatten(), reduction="sum"), out.logits
+
+
+GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
+"""Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
+
+
+def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
+    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states (a task
+    the worker pool runs)."""
+    model = hf_glm5_next(layer_types=tuple(layer_types))
+    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
+    results = []
+    for seq_len in seq_lens:
+        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
+        model.zero_grad()
+        out = compiled(**local).last_hidden_state
+        loss = out.pow(2).sum()
+        loss.backward()
+        results.append(step_result(model, compiled, loss, out, layout))
+    return results

@@ -10,9 +10,8 @@ import torch
 import cp_passes
 from cp_passes import CPCompileError
 from cp_passes.tools.dryrun import dry_run
-from family_models import deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_deepseek_v4
+from family_models import deepseek_v4_parity, deepseek_v4_spec, hf_deepseek_v4
 from parity import GRAD_RTOL, compare, deepseek_v4_cut_floor, deepseek_v4_reference
-from shared import step_result
 
 
 PACKED = [[3, 17, 4], [8, 8, 8]]
@@ -170,22 +169,3 @@ def test_keys_of_positions_and_windows_read_otherwise_are_refused(read, why, fak
     local, _ = cp_passes.shard_batch({"input_ids": torch.randint(0, 32, (2, 64))}, fake_group, spec)
     with pytest.raises(CPCompileError, match=why):
         compiled(**local)
-
-
-# Tasks the worker pool's ranks run (pool.run(task, P, ...)).
-
-
-def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
-                       positions: bool = True, regions: bool = False) -> dict:
-    """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
-    doc-id map, per-document positions and labels), called with or without ``position_ids``, its layers nested
-    compile regions or not: this rank's results."""
-    model = hf_deepseek_v4(layers=6 if regions else 3)
-    compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False,
-                                    regions=regions)
-    assert compiled.spec.pad_multiple == 4  # read from the config's rates
-    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
-    loss, logits = deepseek_v4_loss(compiled, local, positions)
-    loss.backward()
-    return {**step_result(model, compiled, loss, logits, layout),
-            "history": [label for label, _ in compiled.compile_records[-1].history]}

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 import cp_passes
-from family_models import PHI3_ORIGINAL_LENGTH, hf_parity
-from parity import compare, hf_reference
+import encoder_models
+import hybrid_models
+from encoder_models import reference as encoder_reference
+from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, glm5_next_batch, glm5_next_parity, hf_parity,
+                           step3p7_parity)
+from hybrid_models import reference as hybrid_reference, state_shape
+from parity import (compare, compare_valid, compare_within_floor, glm5_next_reference, glm5_next_split_floor,
+                    hf_reference, step3p7_cut_floor, step3p7_reference)
 from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
@@ -54,7 +60,8 @@ def test_a_million_positions_plan_as_a_short_sequence_does(fake_group, family, c
 
 LONG_CASES = [(2, "llama"), pytest.param(4, "llama", marks=pytest.mark.full),
               pytest.param(2, "mistral-window", marks=pytest.mark.full),
-              pytest.param(4, "mistral-window", marks=pytest.mark.full)]
+              pytest.param(4, "mistral-window", marks=pytest.mark.full),
+              pytest.param(2, "qwen3", marks=pytest.mark.full), pytest.param(4, "qwen3", marks=pytest.mark.full)]
 
 
 BEYOND = [("chunks_of_1024", "sdpa_data_mask", "halo", "window 1024"),
@@ -96,8 +103,8 @@ def test_masks_beyond_the_probe_parity(pool, parity_report, mix):
 @pytest.mark.parametrize("P,family", LONG_CASES,
                          ids=[f"P{c[0]}-{c[1]}" for c in (getattr(case, "values", case) for case in LONG_CASES)])
 def test_hf_models_at_16k_parity(pool, parity_report, P, family):
-    """transformers' Llama (causal) and Mistral (a window of 4,096 keys: a halo) at 16,384 positions on gloo
-    ranks, with position_ids (transformers builds its packed-sequence mask from them): logits, loss and
+    """transformers' Llama and Qwen3 (causal) and Mistral (a window of 4,096 keys: a halo) at 16,384 positions on
+    gloo ranks, with position_ids (transformers builds its packed-sequence mask from them): logits, loss and
     gradients match one device."""
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=[LONG], family=family)
     compare(f"hf-{family}-16k-aot_eager", [r[0] for r in per_rank], *hf_reference(LONG, False, family=family),
@@ -117,3 +124,69 @@ def test_phi3_longrope_picks_its_factors_from_the_global_length(pool, parity_rep
         compare(f"hf-phi3-longrope-{seq_len}-aot_eager", [r[i] for r in per_rank],
                 *hf_reference(seq_len, False, family="phi3-longrope"), seq_len, parity_report)
     assert ("global_max", "reductions") in {(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"]}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4], ids=["P2", "P4"])
+def test_mamba2_hybrid_at_16k_parity(pool, parity_report, P):
+    """Bamba (a Mamba-2 layer, then an attention layer; its shipped spec picked by model_type) at 16,384
+    positions: the SSD scan's state (4,096 chunks of 4) crosses the ranks by the affine carry, contiguous
+    shards (a carry's only layout), and the last rank receives its predecessors' [h | M] whatever the length;
+    logits, loss and gradients match one device."""
+    per_rank = pool.run(hybrid_models.parity, P, family="bamba", seq_lens=[LONG])
+    compare_valid("hf-bamba-16k-aot_eager", [r[0] for r in per_rank], hybrid_reference("bamba", LONG), LONG,
+                  parity_report)
+    heads, k, v = state_shape("bamba")
+    state, summary = 2 * heads * k * v * 4, 2 * heads * k * (v + k) * 4  # batch 2, fp32
+    carries = [(b, bound) for _, transport, b, bound, _ in per_rank[-1][0]["records"] if transport == "carry"]
+    assert carries and all(c == (summary * (P - 1), state) for c in carries), (carries, state, summary)
+
+
+ENCODER_CASES = [(P, layout) for P in (2, 4) for layout in ("contiguous", "balanced")]
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P,layout", ENCODER_CASES, ids=[f"P{P}-{layout}" for P, layout in ENCODER_CASES])
+def test_encoder_at_16k_parity(pool, parity_report, P, layout):
+    """ModernBERT (a global layer over every key, two local layers over a two-sided window of 2 keys each side)
+    under SDPA with a padding attention_mask, at 16,384 positions on both layouts: the global layer gathers every
+    key, the local ones a halo from both sides; logits, loss and gradients match one device on the kept tokens."""
+    per_rank = pool.run(encoder_models.parity, P, seq_lens=[LONG], attention="sdpa", padded=True, layout=layout)
+    compare_valid(f"hf-modernbert-sdpa-padded-{layout}-16k", [r[0] for r in per_rank],
+                  encoder_reference(LONG, "sdpa", True), LONG, parity_report)
+    rules = [rule for rule, *_ in per_rank[0][0]["records"] if rule.startswith("sdpa")]
+    assert rules == ["sdpa_bidirectional"] + ["sdpa_bidirectional_window"] * 2, rules
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4], ids=["P2", "P4"])
+def test_step3p7_at_16k_parity(pool, parity_report, P):
+    """Step3p7TextModel with model_specs/step5.py at 16,384 positions (balanced): two sliding-window layers by a
+    halo of 3 rows, two full-attention layers by the causal prefix, MoE experts through grouped_mm. The gradient
+    tolerance is the family's (tests/test_step5.py): twice the one-device floor of cutting it as CP does, where
+    that is above the suite's (measured: 1.2e-6 at P = 2 and 1.4e-6 at P = 4, within the suite's: not computed)."""
+    per_rank = pool.run(step3p7_parity, P, seq_len=LONG)
+    batch, loss, out, grads = step3p7_reference(P, None, seq_len=LONG)
+    compare_within_floor("hf-Step3p7TextModel-moe-16k-aot_eager", per_rank, loss, out, grads, LONG, parity_report,
+                         lambda: step3p7_cut_floor(P, batch, grads))
+    rules = [(rec[0], rec[1]) for rec in per_rank[0]["records"]]
+    assert rules == [("sdpa_data_mask", "halo"), ("sdpa_data_mask", "sequence_gather")] * 2, rules
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4], ids=["P2", "P4"])
+def test_glm5_next_kda_at_16k_parity(pool, parity_report, P):
+    """Glm5NextTextModel with model_specs/glm5_next.py and three Kimi Delta Attention layers (tests/
+    test_recurrence.py's default layer types; hyper-connections, a dense MLP then MoE) at 16,384 positions,
+    contiguous: each KDA layer's short conv by a halo, its state (256 chunks of 64) across the ranks by the
+    affine carry. The gradient tolerance is the family's: twice its one-device floor of computing as CP does
+    (parity.glm5_next_split_floor), where that is above the suite's. Its indexed-attention layer is not here:
+    its attention and indexer are [S, S] tensors on one device and [S / P, S] on each rank, past this
+    machine's memory at 16k (7.3 GB at 8k for P = 2 with the KDA layers, 2.8 GB without)."""
+    per_rank = pool.run(glm5_next_parity, P, seq_lens=[LONG], layer_types=KDA_LAYERS)
+    batch = glm5_next_batch(LONG)
+    loss, out, grads = glm5_next_reference(batch, KDA_LAYERS)
+    compare_within_floor("hf-Glm5NextTextModel-kda-16k-aot_eager", [r[0] for r in per_rank], loss, out, grads,
+                         LONG, parity_report, lambda: glm5_next_split_floor(P, batch, KDA_LAYERS))
+    rules = [rec[0] for rec in per_rank[0][0]["records"]]
+    assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules

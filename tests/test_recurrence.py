@@ -13,8 +13,8 @@ from cp_passes import CPCompileError
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.kernels import install
 from cp_passes.layout import resolve_layout
-from family_models import KDA_LAYERS, glm5_next_batch, hf_glm5_next
-from parity import GRAD_RTOL, compare, glm5_next_split_floor
+from family_models import GLM5_LAYERS, KDA_LAYERS, glm5_next_batch, glm5_next_parity, hf_glm5_next
+from parity import GRAD_RTOL, compare, glm5_next_reference, glm5_next_split_floor
 from shared import mixer_batch, small_parity, step_result
 
 
@@ -102,25 +102,6 @@ def packed_scan_batch(lengths: list[int]) -> dict:
     return {"input_ids": ids, "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0)}
 
 
-GLM5_LAYERS = KDA_LAYERS + ("indexed_attention",)
-"""Its default pattern's first four: the fourth runs MLA over the keys a top-k indexer picks."""
-
-
-def glm5_next_parity(group, seq_lens: list[int], layer_types: tuple[str, ...] = KDA_LAYERS) -> list[dict]:
-    """The model with model_specs/glm5_next.py; the loss is the sum of squares of the last hidden states."""
-    model = hf_glm5_next(layer_types=tuple(layer_types))
-    compiled = cp_passes.cp_compile(model, "glm5_next", mesh=group, backend="aot_eager", verbose=False)
-    results = []
-    for seq_len in seq_lens:
-        local, layout = cp_passes.shard_batch(glm5_next_batch(seq_len), group, "glm5_next")
-        model.zero_grad()
-        out = compiled(**local).last_hidden_state
-        loss = out.pow(2).sum()
-        loss.backward()
-        results.append(step_result(model, compiled, loss, out, layout))
-    return results
-
-
 def glm5_next_packed_batch(documents: list[list[int]]) -> dict:
     """Two packed rows of Glm5Next tokens, one per list of document lengths (each row's lengths sum alike)."""
     ids = torch.randint(1, 128, (len(documents), sum(documents[0])), generator=torch.Generator().manual_seed(3))
@@ -169,11 +150,7 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     halo and its recurrence by the affine carry; the indexed layer receives the other ranks' rows of what its
     indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and the earlier
     ranks' rows of K and V (2 heads x 16 each): batch 2, fp32."""
-    model = hf_glm5_next(layer_types=GLM5_LAYERS)
-    out = model(**batch).last_hidden_state
-    loss = out.pow(2).sum()
-    loss.backward()
-    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss, out, grads = glm5_next_reference(batch, GLM5_LAYERS)
     seq_len = out.shape[1]
     # At P = 1 the split is no split; the model's sensitivity to rounding is read from a split in two.
     tolerance = max(GRAD_RTOL, 2 * glm5_next_split_floor(max(P, 2), batch, GLM5_LAYERS))
