@@ -98,7 +98,8 @@ def test_a_causal_declaration_on_a_bidirectional_mask_is_refused(group):
 def test_a_two_sided_band_moves_only_the_rows_on_either_side(group, layout):
     """The fake group's rank (3 of 8), 32 positions, a band of 3 on either side: it receives the 3 positions before
     and the 3 after each of its ranges that another rank holds (K and V, one row each per batch row and head),
-    nothing else."""
+    nothing else. K and V (32 numbers a position) come from the embedded rows (16) by one projection: the lower
+    bound moves those."""
     import torch
     from cp_passes.layout import Layout
 
@@ -114,7 +115,7 @@ def test_a_two_sided_band_moves_only_the_rows_on_either_side(group, layout):
               for p in list(range(start - 3, start)) + list(range(stop, stop + 3)) if 0 <= p < 32 and p not in owned}
     row = 2 * 2 * 8 * torch.float32.itemsize  # batch 2, heads 2, head_dim 8
     assert (record.rule, record.transport) == ("sdpa_bidirectional_window", "halo")
-    assert record.bytes == record.lower_bound_bytes == len(needed) * 2 * row, (record.bytes, len(needed))
+    assert record.bytes == 2 * record.lower_bound_bytes == len(needed) * 2 * row, (record.bytes, len(needed))
 
 
 def test_a_mask_reaching_outside_the_two_sided_window_fails_at_run_time():
