@@ -183,8 +183,9 @@ def test_glm5_next_kda_at_16k_parity(pool, parity_report, P):
     contiguous: each KDA layer's short conv by a halo, its state (256 chunks of 64) across the ranks by the
     affine carry. The gradient tolerance is the family's: twice its one-device floor of computing as CP does
     (parity.glm5_next_split_floor), where that is above the suite's. Its indexed-attention layer is not here:
-    its attention and indexer are [S, S] tensors on one device and [S / P, S] on each rank, past this
-    machine's memory at 16k (7.3 GB at 8k for P = 2 with the KDA layers, 2.8 GB without)."""
+    its top-k mask is evaluated over the whole sequence on every rank, and its attention is [S, S]-sized on one
+    device; with it the P = 2 processes' peak grows from 3.2 GB at 4k to 7.3 GB at 8k (2.8 GB at 8k without),
+    past this machine's memory at 16k."""
     per_rank = pool.run(glm5_next_parity, P, seq_lens=[LONG], layer_types=KDA_LAYERS)
     batch = glm5_next_batch(LONG)
     loss, out, grads = glm5_next_reference(batch, KDA_LAYERS)
