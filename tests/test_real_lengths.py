@@ -2,6 +2,8 @@
 read from their structure at any length (tests/test_mask_bands.py), so nothing refuses them past the length a
 mask can be evaluated at (4,100 positions), and the plans are the ones the short lengths get."""
 
+import os
+
 import pytest
 import torch
 
@@ -9,11 +11,11 @@ import cp_passes
 import encoder_models
 import hybrid_models
 from encoder_models import reference as encoder_reference
-from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, glm5_next_batch, glm5_next_parity, hf_parity,
-                           step3p7_parity)
+from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, deepseek_v4_parity, glm5_next_batch, glm5_next_parity,
+                           hf_parity, step3p7_parity)
 from hybrid_models import reference as hybrid_reference, state_shape
-from parity import (compare, compare_valid, compare_within_floor, glm5_next_reference, glm5_next_split_floor,
-                    hf_reference, step3p7_cut_floor, step3p7_reference)
+from parity import (compare, compare_valid, compare_within_floor, deepseek_v4_cut_floor, deepseek_v4_reference,
+                    glm5_next_reference, glm5_next_split_floor, hf_reference, step3p7_cut_floor, step3p7_reference)
 from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
@@ -181,8 +183,9 @@ def test_glm5_next_kda_at_16k_parity(pool, parity_report, P):
     contiguous: each KDA layer's short conv by a halo, its state (256 chunks of 64) across the ranks by the
     affine carry. The gradient tolerance is the family's: twice its one-device floor of computing as CP does
     (parity.glm5_next_split_floor), where that is above the suite's. Its indexed-attention layer is not here:
-    its attention and indexer are [S, S] tensors on one device and [S / P, S] on each rank, past this
-    machine's memory at 16k (7.3 GB at 8k for P = 2 with the KDA layers, 2.8 GB without)."""
+    its top-k mask is evaluated over the whole sequence on every rank, and its attention is [S, S]-sized on one
+    device; with it the P = 2 processes' peak grows from 3.2 GB at 4k to 7.3 GB at 8k (2.8 GB at 8k without),
+    past this machine's memory at 16k."""
     per_rank = pool.run(glm5_next_parity, P, seq_lens=[LONG], layer_types=KDA_LAYERS)
     batch = glm5_next_batch(LONG)
     loss, out, grads = glm5_next_reference(batch, KDA_LAYERS)
@@ -190,3 +193,47 @@ def test_glm5_next_kda_at_16k_parity(pool, parity_report, P):
                          LONG, parity_report, lambda: glm5_next_split_floor(P, batch, KDA_LAYERS))
     rules = [rec[0] for rec in per_rank[0][0]["records"]]
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
+
+
+def _memory_at_least(gib: int, why: str):
+    """A skip where this machine's physical memory is below ``gib`` GiB: the case's [S, S]-sized tensors at 16k
+    (``why``) would have the kernel kill the run, or a neighbour's."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return pytest.mark.skipif(total < gib * 2 ** 30, reason=f"needs about {gib} GiB of memory at 16k: {why}")
+
+
+DEEPSEEK_V4_MEMORY = ("transformers' CSA indexer broadcasts its compressed keys over every query "
+                      "([B, S, 16, S / 2] fp32, 17 GB), on one device and on every rank (a top-k mask is evaluated "
+                      "over the whole sequence)")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [pytest.param(2, marks=_memory_at_least(64, DEEPSEEK_V4_MEMORY)),
+                               pytest.param(4, marks=_memory_at_least(96, DEEPSEEK_V4_MEMORY))], ids=["P2", "P4"])
+def test_deepseek_v4_at_16k_parity(pool, parity_report, P):
+    """DeepseekV4ForCausalLM with model_specs/deepseek_v4.py (a sliding-window layer, CSA, HCA, hash-routed and
+    routed MoE) at 16,384 positions: every layer's raw keys by a halo of 11 rows, the compressed entries (8,192
+    and 4,096) of every rank, the masks at each rank's rows. The gradient tolerance is the family's (twice the
+    one-device floor of cutting it as CP does, parity.deepseek_v4_cut_floor) where above the suite's."""
+    per_rank = pool.run(deepseek_v4_parity, P, seq_len=LONG)
+    batch, loss, logits, grads = deepseek_v4_reference(P, None, seq_len=LONG)
+    compare_within_floor("hf-DeepseekV4ForCausalLM-16k-aot_eager", per_rank, loss, logits, grads, LONG,
+                         parity_report, lambda: deepseek_v4_cut_floor(P, batch, grads))
+    rules = [rec[0] for rec in per_rank[0]["records"]]
+    assert rules.count("shift_stencil") == 2 and rules.count("key_operand") == 6, rules
+
+
+INKLING2_MEMORY = "eager attention over [B, heads, S, S] fp32 scores (8.6 GB a tensor at batch 2, 4 heads)"
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [pytest.param(2, marks=_memory_at_least(64, INKLING2_MEMORY)),
+                               pytest.param(4, marks=_memory_at_least(96, INKLING2_MEMORY))], ids=["P2", "P4"])
+def test_inkling2_at_16k_parity(pool, parity_report, P):
+    """Inkling2 (tests/test_parity.py's model: a relative-position bias from the queries' activations, sinks,
+    log-scaled queries, short and dynamic convs, MoE) at 16,384 positions, called with labels=input_ids."""
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=[LONG], labels_in_model=True, family="inkling2")
+    compare("hf-Inkling2ForCausalLM-eager-16k-aot_eager", [r[0] for r in per_rank],
+            *hf_reference(LONG, False, labels_in_model=True, family="inkling2"), LONG, parity_report)
+    rules = [rec[0] for rec in per_rank[0][0]["records"]]
+    assert rules.count("causal_window_unfold") == 2 and rules.count("key_operand") == 4, rules
