@@ -18,12 +18,12 @@ _CHECK = aten._assert_tensor_metadata.default
 
 def drop_unread_values(gm: torch.fx.GraphModule) -> bool:
     """Remove the metadata checks of values nothing else reads, then every value nothing reads; whether any was."""
-    gm.graph.eliminate_dead_code()
+    changed = gm.graph.eliminate_dead_code()
     checks = [n for n in gm.graph.find_nodes(op="call_function", target=_CHECK)
               if isinstance(n.args[0], torch.fx.Node) and all(u.target is _CHECK for u in n.args[0].users)]
     for check in checks:
         gm.graph.erase_node(check)
-    if checks:
-        gm.graph.eliminate_dead_code()
+    changed = gm.graph.eliminate_dead_code() or bool(checks) or changed
+    if changed:
         gm.recompile()
-    return bool(checks)
+    return changed
