@@ -153,6 +153,39 @@ def test_a_block_returning_none_is_traced_once_per_kind(fake_group):
     assert torch.equal(model(ids), expected)  # eager, marked: the Nones are back
 
 
+class ScaledBlock(nn.Module):
+    """A block whose forward reads its own index as a Python number: dynamo guards on it, so each layer is a trace
+    of its own (Zamba2's layers read theirs)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index, self.proj = index, nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.proj(x) * (self.index + 1)
+
+
+class ScaledStack(nn.Module):
+    def __init__(self, layers: int = 12):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.blocks = nn.ModuleList(ScaledBlock(i) for i in range(layers))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).sum()
+
+
+def test_more_layer_traces_than_torch_keeps_by_default(fake_group):
+    """Twelve layers, each a trace of its own, past the 8 a nested compile region keeps by default (where dynamo
+    raised 'exceeded maximum reuse entries', as on Zamba2's default config): the model plans as the flat one."""
+    inputs = {"input_ids": ((2, 16), torch.int64)}
+    regions = dry_run(ScaledStack, inputs, mesh=fake_group, regions=True)
+    assert _rows(regions) == _rows(dry_run(ScaledStack, inputs, mesh=fake_group))
+
+
 def _toy_batch(seq_len: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, seq_len), generator=g)
