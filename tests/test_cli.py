@@ -257,6 +257,23 @@ def test_explain_prints_a_failure_in_the_model_in_a_few_lines():
     assert 'raise ValueError("this config cannot run")' in out.stderr, out.stderr
 
 
+def test_hf_config_of_a_vision_language_model_builds_it_with_every_cache_off():
+    """glm5_next has no causal LM class: --hf-config builds its image-text-to-text model (run on text alone), with
+    the text model's cache off too (its layers would update conv states a training step never reads), and names
+    the text model's depth."""
+    from cp_passes.tools.cli import _explain_model, build_parser
+    from cp_passes.tools.models import hf_model
+
+    _, config, name = hf_model("glm5_next")
+    assert name == "Glm5NextForConditionalGeneration"
+    assert not getattr(config, "use_cache", False) and config.text_config.use_cache is False
+    args = build_parser().parse_args(["explain", "--hf-config", "glm5_next"])
+    description = _explain_model(args, None)[3]
+    assert f"{config.text_config.num_hidden_layers} layers" in description, description
+    with pytest.raises(SystemExit, match="neither a transformers model class"):
+        hf_model("no_such_model_type")
+
+
 def test_a_factory_returning_a_plain_transformers_model_plans_with_its_cache_off(fake_group):
     """``explain mymodels:model`` where ``model()`` returns a LlamaForCausalLM as transformers makes it (use_cache
     on): the dry run turns the cache off as a training step does, as --hf-config does, instead of failing on the
