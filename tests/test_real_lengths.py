@@ -115,6 +115,7 @@ def test_hf_models_at_16k_parity(pool, parity_report, P, family):
     assert {transport for _, transport in attention} == {"halo" if family == "mistral-window" else "sequence_gather"}
 
 
+@pytest.mark.full  # the all-reduced extremes themselves: tests/test_parity.py, by default
 def test_phi3_longrope_picks_its_factors_from_the_global_length(pool, parity_report):
     """Phi-3's longrope reads ``torch.max(position_ids) + 1`` against original_max_position_embeddings (64 here):
     at 48 positions the short factors, at 84 the long ones, although rank 1 of 2 holds positions 21 to 62 only.
