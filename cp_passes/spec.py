@@ -192,6 +192,15 @@ class CPSpec:
     forward's bytes move twice; 1.01x the step time of "save" at P = 2 on CPU, benchmarks/attention_step_time.py)
     or "save" (autograd keeps the gathered copy: up to S positions per rank and layer, one gather)."""
 
+    moved_keys: str = "auto"
+    """What moves for SDPA whose keys and values derive position by position from narrower tensors (an MLA latent:
+    :mod:`cp_passes.graph.narrowest`): "narrowest" (those tensors; each rank computes K and V again on the rows it
+    receives), "kv" (K and V), or "auto": the narrowest where computing K and V again costs fewer FLOPs a row than
+    moving the bytes a row it saves would at 2,000 FLOP a byte (an H100's NVLink; the rewrite's note gives both).
+    MLA's latent moves (33.6 MFLOP against 80,768 B a row for DeepSeek-V3); a multi-head Llama's hidden rows do not
+    (67 MFLOP of K and V projections against 8,192 B). Causal or full attention only: a window's halo moves K and
+    V."""
+
     window_transport: str = "halo"
     """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, and for an encoder's
     two-sided window the following ones, the lower bound) or "gather" (the whole preceding sequence, or every
@@ -274,6 +283,8 @@ class CPSpec:
             raise ValueError(f"CPSpec.gather_kv_together must be a bool, got {self.gather_kv_together!r}")
         if self.gathered_keys not in ("regather", "save"):
             raise ValueError(f"CPSpec.gathered_keys must be 'regather' or 'save', got {self.gathered_keys!r}")
+        if self.moved_keys not in ("auto", "narrowest", "kv"):
+            raise ValueError(f"CPSpec.moved_keys must be 'auto', 'narrowest' or 'kv', got {self.moved_keys!r}")
         if self.window_transport not in ("halo", "gather"):
             raise ValueError(f"CPSpec.window_transport must be 'halo' or 'gather', got {self.window_transport!r}")
         if self.attention_keys not in ("visible", "all"):

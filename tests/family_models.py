@@ -3,10 +3,13 @@ suite runs (a model one module alone builds lives in that module)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
 import cp_passes
+from cp_passes.spec import resolve_spec
 from shared import packed_model_inputs, param_grads, step_result, toy_batch
 
 
@@ -116,35 +119,55 @@ def hf_qwen3(seed: int = 0):
                                         attn_implementation="sdpa", use_cache=False)).float()
 
 
+def hf_deepseek_v3(seed: int = 0):
+    """A tiny DeepSeek-V3 as transformers ships it: multi-head latent attention (K and V of 8 heads x (16 + 8 + 16)
+    decompressed from a latent of kv_lora_rank 32 + qk_rope_head_dim 8 a position, RoPE on the rope part,
+    interleaved), a dense layer, then a routed MoE layer with a shared expert, its cache off."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    return DeepseekV3ForCausalLM(DeepseekV3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, attn_implementation="sdpa", use_cache=False)).float()
+
+
 HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
-             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3}
+             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3, "deepseek-v3": hf_deepseek_v3}
 
 
-def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False) -> dict:
+def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False,
+             position_ids: bool = True) -> dict:
     """Inputs for LlamaForCausalLM: pre-shifted labels (passed as labels= and shift_labels=), or, with
-    ``labels_in_model``, unshifted labels (``labels=input_ids``) that the model shifts itself."""
+    ``labels_in_model``, unshifted labels (``labels=input_ids``) that the model shifts itself; without
+    ``position_ids``, the model counts positions itself."""
     b = toy_batch(seq_len, batch, vocab=128, seed=seed)
+    positions = {"position_ids": b["position_ids"]} if position_ids else {}
     if labels_in_model:
-        return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "labels": b["input_ids"].clone()}
-    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "shift_labels": b["labels"]}
+        return {"input_ids": b["input_ids"], **positions, "labels": b["input_ids"].clone()}
+    return {"input_ids": b["input_ids"], **positions, "shift_labels": b["labels"]}
 
 
 def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
-              labels_in_model: bool = False, family: str = "llama", checkpointing: bool = False) -> list[dict]:
+              labels_in_model: bool = False, family: str = "llama", checkpointing: bool = False,
+              spec: dict | None = None, position_ids: bool = True) -> list[dict]:
     """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
     as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
     ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside.
     ``checkpointing``: transformers' activation checkpointing on every decoder layer (called with use_cache=False,
-    as cp_passes asks: the layers would log while turning the configured cache off)."""
+    as cp_passes asks: the layers would log while turning the configured cache off). ``spec``: CPSpec fields
+    replaced in the spec the model's type picks."""
     model = HF_MODELS[family]()
     call = {}
     if checkpointing:
         model.activation_checkpointing_enable()
         call["use_cache"] = False
-    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False)
+    chosen = {} if spec is None else {"spec": dataclasses.replace(resolve_spec(None, model.config), **spec)}
+    compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False, **chosen)
     results = []
     for seq_len in seq_lens:
-        global_batch = hf_batch(seq_len, labels_in_model=labels_in_model)
+        global_batch = hf_batch(seq_len, labels_in_model=labels_in_model, position_ids=position_ids)
         local, layout = cp_passes.shard_batch(global_batch, group, compiled.spec)
         model.zero_grad()
         if labels_in_model:

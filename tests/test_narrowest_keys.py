@@ -2,12 +2,17 @@
 (an MLA latent), found by a minimum cut over the ops that run on a shard as they are. Structure tests on the fake
 process group (rank 3 of 8)."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from cp_passes.layout import Layout
 from cp_passes.tools.dryrun import dry_run
+from family_models import hf_deepseek_v3, hf_parity
+from parity import compare, hf_reference
 
 
 class Latent(nn.Module):
@@ -34,39 +39,75 @@ class Latent(nn.Module):
 
 
 @pytest.mark.parametrize("kind,row", [("one", 8 * 4), ("two", 2 * 4 * 4), ("none", 256 * 4)])
-def test_the_bound_moves_the_narrowest_tensors_the_keys_derive_from(fake_group, kind, row):
+def test_the_narrowest_tensors_the_keys_derive_from_move(fake_group, kind, row):
     """K and V (8 heads of 16 each, fp32: 1,024 B a position) from a latent of 8 numbers: the bound is 32 B a
-    position, and the note names the latent; from two latents of 4 added up: both (32 B); from hidden rows wider
-    than K and V: K and V's own bytes, no note."""
+    position, the note names the latent, and the latent moves (computing K and V again costs less than the
+    attention); from two latents of 4 added up: both (32 B); from hidden rows wider than K and V: K and V's own
+    bytes, no note."""
     inputs = {"input_ids": ((1, 512), torch.long)}
     (record,) = [r for r in dry_run(lambda: Latent(kind), inputs, mesh=fake_group).record.records
                  if r.rule == "sdpa_causal"]
-    assert record.lower_bound_bytes * 1024 == record.bytes * row, (record.bytes, record.lower_bound_bytes)
+    rows = Layout(8, "balanced").seen_before(3, 512)
+    assert (record.bytes, record.lower_bound_bytes) == (rows * row, rows * row), record
     if kind == "none":
         assert "derive position by position" not in record.note
     else:
         second = ", down.1 (linear_2)" if kind == "two" else ""
         assert f"K+V derive position by position from down.0 (linear){second}: " \
-               f"{row} B a position against 1024" in record.note, record.note
+               f"{row} B a position against 1024, the lower bound; cp_passes moves those" in record.note, record.note
 
 
-def test_mla_keys_are_bounded_by_the_latent(fake_group):
+def test_mla_moves_its_latent_and_computes_the_keys_again(fake_group):
     """transformers' DeepSeek-V3 (MLA): K and V of 8 heads x (16 + 8 + 16) derive from the latent
     ``kv_a_proj_with_mqa`` makes, kv_lora_rank 32 + qk_rope_head_dim 8 a position; RoPE's positions come from the
-    layout (free). cp_passes still moves K and V: 8x the bound."""
-    import transformers
+    layout. Computing K and V again on the rows received costs less than the attention, so the latent moves (and
+    the positions, 8 B a row, without autograd): the bytes are the bound's and the positions'."""
+    inputs = {"input_ids": ((1, 512), torch.long), "labels": ((1, 512), torch.long)}
+    records = [r for r in dry_run(hf_deepseek_v3, inputs, mesh=fake_group).record.records if r.rule == "sdpa_causal"]
+    assert len(records) == 2
+    rows = Layout(8, "balanced").seen_before(3, 512)
+    for record in records:
+        assert "self_attn.kv_a_proj_with_mqa (linear" in record.note, record.note
+        assert "160 B a position against 1280, the lower bound; cp_passes moves those" in record.note, record.note
+        assert (record.bytes, record.lower_bound_bytes, record.metadata_bytes) == (160 * rows, 160 * rows, 0)
 
-    def build():
-        torch.manual_seed(0)
-        return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-            vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-            first_k_dense_replace=2, num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=16,
-            qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, use_cache=False))
+
+def test_mla_moves_k_and_v_where_the_spec_says(fake_group):
+    """``CPSpec(moved_keys="kv")``: K and V move, 8x the bound; the note says why."""
+    from cp_passes.spec import resolve_spec
 
     inputs = {"input_ids": ((1, 512), torch.long), "labels": ((1, 512), torch.long)}
-    records = [r for r in dry_run(build, inputs, mesh=fake_group).record.records if r.rule == "sdpa_causal"]
-    assert len(records) == 2
+    model = hf_deepseek_v3()
+    spec = dataclasses.replace(resolve_spec(None, model.config), moved_keys="kv")
+    records = [r for r in dry_run(lambda: model, inputs, mesh=fake_group, spec=spec).record.records
+               if r.rule == "sdpa_causal"]
     for record in records:
-        assert record.lower_bound_bytes * 8 * (16 + 8 + 16) == record.bytes * (32 + 8), record
-        assert "self_attn.kv_a_proj_with_mqa (linear" in record.note, record.note
-        assert "160 B a position against 1280, the lower bound" in record.note, record.note
+        assert record.lower_bound_bytes * 8 == record.bytes, record
+        assert 'cp_passes moves K+V (CPSpec.moved_keys="kv")' in record.note, record.note
+
+
+# (P, moved_keys, position_ids, lengths)
+MLA_CASES = [(2, "auto", False, [16]), pytest.param(4, "auto", True, [16, 11], marks=pytest.mark.full),
+             pytest.param(2, "kv", True, [16], marks=pytest.mark.full)]
+
+
+@pytest.mark.parametrize("P,moved,position_ids,seq_lens", MLA_CASES,
+                         ids=[f"P{c[0]}-{c[1]}" + ("-position_ids" if c[2] else "") for c in
+                              (getattr(case, "values", case) for case in MLA_CASES)])
+def test_deepseek_v3_with_its_latent_moved_matches_one_device(pool, parity_report, P, moved, position_ids, seq_lens):
+    """transformers' DeepSeek-V3 (MLA, a dense layer and a routed MoE layer) on gloo ranks: each rank receives the
+    rows of the narrowest tensors K and V derive from and computes K and V from them again; the gradients of the
+    copies flow back to the ranks that own the rows. Without position_ids those are the latent (160 B a position
+    against 1,280) and RoPE reads the keys' positions from the layout; given position_ids (a packed-sequence mask,
+    read at run time), the latent and RoPE's rotated halves (320 B against 2,560, batch 2). Logits, loss and
+    gradients match one device, and the bytes are the bound. ``moved_keys="kv"`` moves K and V, 8x the bound."""
+    per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=seq_lens, family="deepseek-v3",
+                        spec={"moved_keys": moved}, position_ids=position_ids)
+    for i, seq_len in enumerate(seq_lens):
+        compare(f"hf-deepseek-v3-{moved}{'-position_ids' if position_ids else ''}-aot_eager",
+                [r[i] for r in per_rank], *hf_reference(seq_len, False, family="deepseek-v3",
+                                                        position_ids=position_ids), seq_len, parity_report)
+    for results in per_rank:
+        attention = [(b, bound) for rule, _, b, bound in results[0]["records"] if rule.startswith("sdpa")]
+        assert len(attention) == 2, results[0]["records"]
+        assert all(b == bound if moved == "auto" else b > 4 * bound for b, bound in attention), attention

@@ -18,7 +18,8 @@ import torch.fx
 from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..graph.calls import INVOKE
-from ..graph.narrowest import narrowest_rows
+from ..graph.narrowest import narrowest_rows, recompute_path
+from ..key_plan import Move
 from ..match import match_graph
 from ..rules import Refusal, Rewrite, RuleContext, Value, lookup_rule, permutations
 from ..rules.key_axis import KeyState, plan_keys
@@ -26,7 +27,7 @@ from ..rules.partial import partial_rule, row_counts
 from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
-from ..transports.attention import AttentionKV
+from ..transports.attention import FLOPS_PER_BYTE, AttentionKV, recompute_pays
 from .regions import InlineRegion
 
 aten = torch.ops.aten
@@ -232,7 +233,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             plan.partial_sources[node] = frozenset().union(*sources) or frozenset({node})
         for origin, rw in rewrites:
             if isinstance(rw.request, AttentionKV):
-                _narrowest_keys(rw, sym, ctx.local_len(), plan)
+                _narrowest_keys(rw, sym, ctx.local_len(), plan, spec.moved_keys, cp.layout)
             cost = TRANSPORTS[rw.transport].cost(rw.request, cp.layout, cp.rank, ctx.local_len())
             plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
             plan.rewrites.append((origin, rw, plan.records[-1]))
@@ -257,21 +258,44 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     return plan
 
 
-def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan) -> None:
+def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, choice: str, layout) -> None:
     """Find what the attention's K and V derive from position by position (through the ops that run on a shard as
     they are) with the fewest bytes, positions from the layout free; where that is narrower than K and V (an MLA
     latent), it is the lower bound, and the note names it. The rows start at the embedding: token ids are not
-    counted as what the first layer's keys derive from."""
+    counted as what the first layer's keys derive from. ``choice`` (``CPSpec.moved_keys``) says whether those
+    tensors move in K and V's place, each rank computing K and V again on the rows it receives (causal or full
+    attention; "auto": where that costs less than moving the bytes it saves, :func:`recompute_pays`)."""
     request = rewrite.request
     positions = {node for node, rw, _ in plan.rewrites if rw.transport == "positions"}
-    request.narrowest = narrowest_rows([request.key, request.value], sym, local_len,
-                                       lambda n: n in plan.as_is and n.target is not aten.embedding.default, positions)
+
+    def positionwise(n):
+        return n in plan.as_is and n.target is not aten.embedding.default
+
+    request.narrowest = narrowest_rows([request.key, request.value], sym, local_len, positionwise, positions)
     row = request.row_bytes(local_len)
-    if request.narrowest.row_bytes < row:
-        names = ", ".join(f"{module_path(n)} ({n.name})" if module_path(n) else n.name for n in request.narrowest.nodes)
-        rewrite.note += (f"{'; ' if rewrite.note else ''}{request.kv_label} derive position by position from "
-                         f"{names}: {request.narrowest.row_bytes} B a position against {row}, the lower bound "
-                         f"(cp_passes moves {request.kv_label})")
+    if request.narrowest.row_bytes >= row:
+        return
+    names = ", ".join(f"{module_path(n)} ({n.name})" if module_path(n) else n.name for n in request.narrowest.nodes)
+    note = (f"{request.kv_label} derive position by position from {names}: {request.narrowest.row_bytes} B a "
+            f"position against {row}, the lower bound; ")
+    path = recompute_path([request.key, request.value], request.narrowest, sym, local_len, positionwise, positions)
+    if request.plan.move == Move.HALO or request.left_padding:
+        note += f"cp_passes moves {request.kv_label} (a window's halo)"
+    elif isinstance(path, str):
+        note += f"cp_passes moves {request.kv_label}: they cannot be computed again where they arrive ({path})"
+    elif choice == "kv":
+        note += f"cp_passes moves {request.kv_label} (CPSpec.moved_keys=\"kv\")"
+    else:
+        pays, again, saved = recompute_pays(request, path, local_len)
+        flops = (f"computing {request.kv_label} again costs {again / 1e6:.3g} MFLOP a row received, moving "
+                 f"{request.kv_label} {saved:,} B more a row ({FLOPS_PER_BYTE * saved / 1e6:.3g} MFLOP at "
+                 f"{FLOPS_PER_BYTE:,} FLOP a byte)")
+        if pays or choice == "narrowest":
+            request.recompute = path
+            note += f"cp_passes moves those: {flops}"
+        else:
+            note += f"cp_passes moves {request.kv_label}: {flops} (CPSpec.moved_keys=\"narrowest\" moves those)"
+    rewrite.note += ("; " if rewrite.note else "") + note
 
 
 def _check_region_call(ctx: RuleContext) -> None:

@@ -8,6 +8,10 @@ targets (``positionwise``: the ops that run on a shard as they are), the set of 
 position that every path from elsewhere into the targets crosses. Values the graph holds whole (weights) are free:
 every rank has them; so are values every rank can compute for any rank's rows (``free``: positions from the
 layout).
+
+:func:`recompute_path` says how the targets are computed again from the cut's rows where they arrive: the
+position-wise ops between them (and the size arithmetic their shapes read), the cut's and the free values' sequence
+dims, and what the copies cost a row.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from .analysis import meta_val, numel_hint, seq_dims
+from .analysis import expr_of, has_symbol, meta_val, numel_hint, seq_dims
 
 
 @dataclass(frozen=True)
@@ -112,3 +116,92 @@ def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwi
     order = {n: i for i, n in enumerate(targets[0].graph.nodes)}
     cut = tuple(sorted(cut, key=order.__getitem__))
     return Narrowest(cut, sum(row_bytes(n, local_len) for n in cut))
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """The targets computed again from moved rows: move ``moved`` (with autograd) and ``free`` (positions, without)
+    along their sequence dims, read ``lengths`` (the local length) as the rows moved, and copy ``nodes`` in graph
+    order. ``row_flops``: what the copies compute a row (a matmul's multiply-adds counted twice)."""
+
+    moved: tuple[tuple[torch.fx.Node, int], ...]
+    free: tuple[tuple[torch.fx.Node, int], ...]
+    lengths: tuple[torch.fx.Node, ...]
+    nodes: tuple[torch.fx.Node, ...]
+    row_flops: int
+
+
+_MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
+            torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
+
+
+def _row_dim(node: torch.fx.Node, sym) -> int | str:
+    value = meta_val(node)
+    dims = seq_dims(node, sym) if isinstance(value, torch.Tensor) else ()
+    if len(dims) != 1 or expr_of(value.shape[dims[0]]) != sym:
+        return f"{node.name} is not one tensor with one sequence dim of the local length"
+    return dims[0]
+
+
+def _flops(node: torch.fx.Node, local_len: int) -> int:
+    out = sum(numel_hint(t) for t in _tensors(node)) // max(local_len, 1)
+    if node.target in _MATMULS:
+        inner = meta_val(node.args[0]).shape[-1]
+        return 2 * out * int(inner)
+    return out
+
+
+def recompute_path(targets: list[torch.fx.Node], cut: Narrowest, sym, local_len: int, positionwise,
+                   free=frozenset()) -> Recompute | str:
+    """How ``targets`` are computed again from ``cut``'s rows (and ``free`` values' rows), or why they cannot be:
+    a value on the way that is neither position-wise nor whole, an op that draws random numbers (a copy would draw
+    others), a size computed from the length other than by arithmetic on it."""
+    cut_nodes = set(cut.nodes)
+    nodes, lengths, moved, freed = set(), set(), set(), set()
+    todo = list(targets)
+    while todo:
+        node = todo.pop()
+        if node in nodes or node in lengths or node in moved or node in freed:
+            continue
+        value = meta_val(node)
+        if isinstance(value, torch.SymInt):
+            if not has_symbol(node, sym):
+                continue
+            if expr_of(value) == sym:
+                lengths.add(node)
+            elif node.op == "call_function" and (node.target.__module__ in ("_operator", "math")
+                                                 or getattr(node.target, "__name__", "").startswith("sym_")):
+                nodes.add(node)
+                todo.extend(node.all_input_nodes)
+            else:
+                return f"{node.name} computes a size from the sequence length"
+            continue
+        if node in cut_nodes:
+            moved.add(node)
+        elif node in free:
+            freed.add(node)
+        elif not _sharded(node, sym):
+            continue  # weights and buffers: every rank holds them whole
+        elif node.op != "call_function" or not positionwise(node):
+            return f"{node.name} ({node.op} {node.target}) is not computed position by position"
+        elif isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags:
+            return f"{node.name} draws random numbers: a copy would draw others"
+        else:
+            nodes.add(node)
+            todo.extend(node.all_input_nodes)
+    dims = {}
+    for node in moved | freed:
+        dims[node] = _row_dim(node, sym)
+        if isinstance(dims[node], str):
+            return dims[node]
+    if not moved:
+        return "the keys derive from no moved rows"
+    order = {n: i for i, n in enumerate(targets[0].graph.nodes)}
+
+    def ordered(group):
+        return tuple(sorted(group, key=order.__getitem__))
+
+    copies = ordered(nodes)
+    flops = sum(_flops(n, local_len) for n in copies if isinstance(n.target, torch._ops.OpOverload))
+    return Recompute(tuple((n, dims[n]) for n in ordered(moved)), tuple((n, dims[n]) for n in ordered(freed)),
+                     ordered(lengths), copies, flops)

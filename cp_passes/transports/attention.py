@@ -18,14 +18,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from ..errors import module_path
 from ..graph.analysis import meta_val, numel_hint
 from ..graph.checkpoint import NOT_RECOMPUTED
-from ..graph.narrowest import Narrowest
+from ..graph.narrowest import Narrowest, Recompute, row_bytes
 from ..key_plan import (EVERY_KEY_REACH, KeyPlan, Move, attention_pieces, by_blocks, no_dropout, outside,
                         own_keys_first, sized_by_data)
 from .base import Cost
 from .block_attention import block_attention_op, block_attention_rest_op
 from .key_move import move_cost, move_keys
+from .recompute import computed_positions, recompute_at_rows
 from .mask_program import SHOWN, MaskProgram
 from .rank_masks import RankMasks, global_mask
 from .masks import (MetadataMask, brought_positions, first_keys, kept_keys, mask_block, query_positions,
@@ -61,6 +63,9 @@ class AttentionKV:
     narrowest: Narrowest | None = None
     """The narrowest tensors K and V derive from position by position (the planner's
     :func:`~cp_passes.graph.narrowest.narrowest_rows`): the lower bound moves those."""
+    recompute: Recompute | None = None
+    """Set where those tensors move in place of K and V (``CPSpec.moved_keys``, :func:`recompute_pays`): every rank
+    computes K and V again on the rows it receives (:func:`~.recompute.recompute_at_rows`)."""
 
     @property
     def kv_label(self) -> str:
@@ -91,10 +96,41 @@ def attention_cost(request: AttentionKV, layout, rank: int, local_len: int) -> C
     lower bound moves the narrowest tensors K and V derive from position by position, where they are narrower
     (an MLA latent) than K and V."""
     row = request.row_bytes(local_len)
+    if request.recompute is not None:
+        return _recompute_cost(request, layout, rank, local_len) + request.metadata_cost(layout.world)
     keys = move_cost(request.plan, layout, rank, local_len, row, request.itemsize, request.kv_label)
     if request.narrowest is not None and request.narrowest.row_bytes < row:
         keys = dataclasses.replace(keys, lower_bound_bytes=keys.lower_bound_bytes * request.narrowest.row_bytes // row)
     return keys + request.metadata_cost(layout.world)
+
+
+def _recompute_cost(request: AttentionKV, layout, rank: int, local_len: int) -> Cost:
+    """The narrowest tensors' rows (with autograd) and the free values the copies read that the layout does not
+    give (without), each moved as the plan moves keys; the lower bound is the narrowest tensors' alone."""
+    path = request.recompute
+    cost = Cost()
+    for node, _ in path.moved:
+        label = (module_path(node) or node.name).rsplit(".", 1)[-1]
+        cost = cost + move_cost(request.plan, layout, rank, local_len, row_bytes(node, local_len),
+                                meta_val(node).dtype.itemsize, label)
+    for node, _ in (f for f in path.free if not computed_positions(f[0], request.plan)):
+        moved = move_cost(request.plan, layout, rank, local_len, row_bytes(node, local_len),
+                          meta_val(node).dtype.itemsize, f"{node.name} (positions)", metadata=True)
+        cost = cost + dataclasses.replace(moved, lower_bound_bytes=0, metadata_bytes=moved.bytes)
+    return cost
+
+
+FLOPS_PER_BYTE = 2000
+"""What a byte moved between ranks costs in FLOPs not computed: an H100 SXM computes ~990 TFLOP/s (bf16, dense)
+and its NVLink moves ~450 GB/s each way. Across nodes a byte costs ~10x more, so the choice it makes holds there."""
+
+
+def recompute_pays(request: AttentionKV, path: Recompute, local_len: int) -> tuple[bool, int, int]:
+    """Whether computing K and V again on a row received (``path.row_flops``) costs less than moving the bytes a row
+    the narrowest tensors save, at :data:`FLOPS_PER_BYTE`; both figures. FLOPs and bytes both scale with the rows
+    received, so the answer is the same on every rank and at every length."""
+    saved = request.row_bytes(local_len) - request.narrowest.row_bytes
+    return path.row_flops <= FLOPS_PER_BYTE * saved, path.row_flops, saved
 
 
 def rewrite_attention(edit, request: AttentionKV) -> None:
@@ -112,7 +148,13 @@ def rewrite_attention(edit, request: AttentionKV) -> None:
         return move_keys(edit, x, request.dim, plan, name + suffix, firsts=firsts, left_padding=request.left_padding)
 
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
-    if request.together:
+    if request.recompute is not None:
+        def move_rows(x, dim, name, metadata):
+            return move_keys(edit, x, dim, plan, name + suffix, firsts=firsts, metadata=metadata)
+
+        copies = recompute_at_rows(edit, request.recompute, plan, move_rows)
+        keys, values = copies[request.key], copies[request.value]
+    elif request.together:
         # Sizes from the planned nodes: k and v may be nodes a transport made (no fake value yet).
         sizes = [meta_val(request.key).shape[-1], meta_val(request.value).shape[-1]]
         moved = move(edit.insert(aten.cat.default, ([k, v], -1), name="cp_kv"), "cp_kv")
