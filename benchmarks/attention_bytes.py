@@ -17,7 +17,10 @@ layout, kind, P and rank; the last line is the worst ratio of bytes to bound.
 With ``--hf-config NAME`` (a transformers model class or type, as ``explain --hf-config`` takes) it plans that
 model's default config cut to ``--layers`` layers (bf16) instead, and prints each rank's bytes received for its
 attentions' keys against the bound cp_passes computes: the narrowest tensors the keys derive from position by
-position (for MLA, DeepSeek-V3's latent of ``kv_lora_rank + qk_rope_head_dim`` a position, not K and V).
+position (for MLA, DeepSeek-V3's latent of ``kv_lora_rank + qk_rope_head_dim`` a position, not K and V). Where
+``CPSpec.moved_keys`` moves those tensors (MLA's latent: 1.000 of the bound; K and V were 71.1x), each rank
+computes K and V again on the rows it receives; where it does not (Llama's K and V projections cost more to
+compute again than their bytes to move), K and V move.
 
     python benchmarks/attention_bytes.py --hf-config deepseek_v3 --seq-len 4096 --world-sizes 8
 """

@@ -151,7 +151,7 @@ def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool 
 
 def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
               labels_in_model: bool = False, family: str = "llama", checkpointing: bool = False,
-              spec: dict | None = None, position_ids: bool = True) -> list[dict]:
+              spec: dict | None = None, position_ids: bool = True, batch: int = 2) -> list[dict]:
     """LlamaForCausalLM with position_ids and pre-shifted labels. The loss is sum / global token count, given
     as num_items_in_batch, or (mean_loss) the model's own mean, which cp_passes makes global. With
     ``labels_in_model`` it is called as users do, ``model(input_ids, labels=input_ids)``, and shifts inside.
@@ -167,7 +167,7 @@ def hf_parity(group, backend: str, seq_lens: list[int], mean_loss: bool = False,
     compiled = cp_passes.cp_compile(model, mesh=group, backend=backend, verbose=False, **chosen)
     results = []
     for seq_len in seq_lens:
-        global_batch = hf_batch(seq_len, labels_in_model=labels_in_model, position_ids=position_ids)
+        global_batch = hf_batch(seq_len, batch, labels_in_model=labels_in_model, position_ids=position_ids)
         local, layout = cp_passes.shard_batch(global_batch, group, compiled.spec)
         model.zero_grad()
         if labels_in_model:

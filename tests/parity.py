@@ -138,13 +138,13 @@ def toy_reference(config, seq_len, pass_positions):
     return loss.detach(), logits.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-def hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama", position_ids=True):
+def hf_reference(seq_len, mean_loss, labels_in_model=False, family="llama", position_ids=True, rows=2):
     model = HF_MODELS[family]()
     if labels_in_model:
-        out = model(**hf_batch(seq_len, labels_in_model=True, position_ids=position_ids))
+        out = model(**hf_batch(seq_len, rows, labels_in_model=True, position_ids=position_ids))
         out.loss.backward()
         return out.loss.detach(), out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
-    batch = hf_batch(seq_len, position_ids=position_ids)
+    batch = hf_batch(seq_len, rows, position_ids=position_ids)
     count = (batch["shift_labels"] != -100).sum()
     out = model(**batch, labels=batch["shift_labels"], **({} if mean_loss else {"num_items_in_batch": count}))
     out.loss.backward()

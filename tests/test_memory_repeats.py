@@ -88,6 +88,7 @@ def test_cutting_a_stack_of_blocks_saves_what_the_whole_stack_saves(fake_group, 
     assert len(saved) == len(whole)
 
 
+@pytest.mark.full  # the cut itself: test_cutting_a_stack_of_blocks_saves_what_the_whole_stack_saves
 def test_a_cut_llama_saves_what_the_flat_graph_saves(fake_group):
     """ToyLlama's four blocks, regions and the stack cut, against the model exported whole: the rank's saved
     activations and one device's are the same bytes (a block hands back its weights, its input and the positions'

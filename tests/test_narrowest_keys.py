@@ -41,9 +41,10 @@ class Latent(nn.Module):
 @pytest.mark.parametrize("kind,row", [("one", 8 * 4), ("two", 2 * 4 * 4), ("none", 256 * 4)])
 def test_the_narrowest_tensors_the_keys_derive_from_move(fake_group, kind, row):
     """K and V (8 heads of 16 each, fp32: 1,024 B a position) from a latent of 8 numbers: the bound is 32 B a
-    position, the note names the latent, and the latent moves (computing K and V again costs less than the
-    attention); from two latents of 4 added up: both (32 B); from hidden rows wider than K and V: K and V's own
-    bytes, no note."""
+    position, the note names the latent, and the latent moves (computing K and V again costs less than moving
+    their bytes); of the latent's two tensors of that width (``down``'s output and its silu) the one nearest the
+    keys, so that less is computed again; from two latents of 4 added up: both (32 B); from hidden rows wider than
+    K and V: K and V's own bytes, no note."""
     inputs = {"input_ids": ((1, 512), torch.long)}
     (record,) = [r for r in dry_run(lambda: Latent(kind), inputs, mesh=fake_group).record.records
                  if r.rule == "sdpa_causal"]
@@ -52,8 +53,8 @@ def test_the_narrowest_tensors_the_keys_derive_from_move(fake_group, kind, row):
     if kind == "none":
         assert "derive position by position" not in record.note
     else:
-        second = ", down.1 (linear_2)" if kind == "two" else ""
-        assert f"K+V derive position by position from down.0 (linear){second}: " \
+        second = ", silu_1" if kind == "two" else ""
+        assert f"K+V derive position by position from silu{second}: " \
                f"{row} B a position against 1024, the lower bound; cp_passes moves those" in record.note, record.note
 
 

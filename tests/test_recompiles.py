@@ -73,13 +73,18 @@ def run_lengths(group, lengths, spec=None, doc_ids=False, backward=True, layout=
 WINDOW5 = cp_passes.CPSpec(attention=(cp_passes.AttentionRule("layers.*.attn", window=5),))
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
-@pytest.mark.parametrize("rank", [pytest.param(1, marks=pytest.mark.full), 3])
-@pytest.mark.parametrize("config,lengths", [
-    (dict(window=5, conv_kernel=4), range(2, 17)),  # halos 4 (attention) and 3 (conv), shorter shards too
-    (dict(window=10), range(3, 15)),  # halo 9 (at local length 2 the global 8 cannot show the window)
-    (dict(window=5, spec=WINDOW5, doc_ids=True), range(2, 9)),  # a mask from doc ids, cut to the halo's keys
-], ids=["window5_conv4", "window10", "doc_mask_window5"])
+LENGTH_CONFIGS = {
+    "window5_conv4": (dict(window=5, conv_kernel=4), range(2, 17)),  # halos 4 (attention) and 3 (conv)
+    "window10": (dict(window=10), range(3, 15)),  # halo 9 (at local length 2 the global 8 cannot show the window)
+    "doc_mask_window5": (dict(window=5, spec=WINDOW5, doc_ids=True), range(2, 9)),  # a doc-id mask cut to the halo
+}
+DEFAULT_LENGTHS = {("window5_conv4", "contiguous", 3), ("doc_mask_window5", "balanced", 3)}
+
+
+@pytest.mark.parametrize("rank,config,lengths,layout", [
+    pytest.param(rank, *LENGTH_CONFIGS[name], layout, id=f"{name}-{rank}-{layout}",
+                 marks=() if (name, layout, rank) in DEFAULT_LENGTHS else pytest.mark.full)
+    for name in LENGTH_CONFIGS for rank in (1, 3) for layout in ("contiguous", "balanced")])
 def test_one_graph_for_every_length(rank, config, lengths, layout):
     """The halo's row counts are computed at run time inside cp_passes::halo and the masks from the layout's
     positions, so no length guard is added: shards shorter than the halo (spanning several ranks) included.

@@ -233,7 +233,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
             plan.partial_sources[node] = frozenset().union(*sources) or frozenset({node})
         for origin, rw in rewrites:
             if isinstance(rw.request, AttentionKV):
-                _narrowest_keys(rw, sym, ctx.local_len(), plan, spec.moved_keys, cp.layout)
+                _narrowest_keys(rw, sym, ctx.local_len(), plan, spec)
             cost = TRANSPORTS[rw.transport].cost(rw.request, cp.layout, cp.rank, ctx.local_len())
             plan.records.append(RewriteRecord.of(origin, rw.rule, rw.transport, cost, rw.note))
             plan.rewrites.append((origin, rw, plan.records[-1]))
@@ -258,11 +258,11 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
     return plan
 
 
-def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, choice: str, layout) -> None:
+def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, spec) -> None:
     """Find what the attention's K and V derive from position by position (through the ops that run on a shard as
     they are) with the fewest bytes, positions from the layout free; where that is narrower than K and V (an MLA
     latent), it is the lower bound, and the note names it. The rows start at the embedding: token ids are not
-    counted as what the first layer's keys derive from. ``choice`` (``CPSpec.moved_keys``) says whether those
+    counted as what the first layer's keys derive from. ``spec.moved_keys`` says whether those
     tensors move in K and V's place, each rank computing K and V again on the rows it receives (causal or full
     attention; "auto": where that costs less than moving the bytes it saves, :func:`recompute_pays`)."""
     request = rewrite.request
@@ -283,14 +283,14 @@ def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, choice: s
         note += f"cp_passes moves {request.kv_label} (a window's halo)"
     elif isinstance(path, str):
         note += f"cp_passes moves {request.kv_label}: they cannot be computed again where they arrive ({path})"
-    elif choice == "kv":
+    elif spec.moved_keys == "kv":
         note += f"cp_passes moves {request.kv_label} (CPSpec.moved_keys=\"kv\")"
     else:
-        pays, again, saved = recompute_pays(request, path, local_len)
-        flops = (f"computing {request.kv_label} again costs {again / 1e6:.3g} MFLOP a row received, moving "
-                 f"{request.kv_label} {saved:,} B more a row ({FLOPS_PER_BYTE * saved / 1e6:.3g} MFLOP at "
-                 f"{FLOPS_PER_BYTE:,} FLOP a byte)")
-        if pays or choice == "narrowest":
+        pays, again, saved = recompute_pays(request, path, local_len, spec.gathered_keys == "regather")
+        flops = (f"a training step computes {request.kv_label} again for {again / 1e6:.3g} MFLOP a row received "
+                 f"and moves {saved:,} B less ({FLOPS_PER_BYTE * saved / 1e6:.3g} MFLOP at {FLOPS_PER_BYTE:,} FLOP "
+                 f"a byte)")
+        if pays or spec.moved_keys == "narrowest":
             request.recompute = path
             note += f"cp_passes moves those: {flops}"
         else:

@@ -111,10 +111,20 @@ def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwi
         for u, v in path:
             capacity[(u, v)] -= flow
             capacity[(v, u)] += flow
-    reached = set(parent)
-    cut = tuple(n for n in region if ("in", n) in reached and ("out", n) not in reached)
+    # Of the minimum cuts, the one nearest the source and the one nearest the targets: the fewer tensors (fewer
+    # collectives), then the one nearest the targets (fewer ops computed again where the rows arrive).
+    near_source = set(parent)
+    near_targets, todo = {sink}, [sink]
+    while todo:
+        v = todo.pop()
+        for u in edges.get(v, ()):
+            if u not in near_targets and capacity[(u, v)] > 0:
+                near_targets.add(u)
+                todo.append(u)
+    first = [n for n in region if ("in", n) in near_source and ("out", n) not in near_source]
+    last = [n for n in region if ("in", n) not in near_targets and ("out", n) in near_targets]
     order = {n: i for i, n in enumerate(targets[0].graph.nodes)}
-    cut = tuple(sorted(cut, key=order.__getitem__))
+    cut = tuple(sorted(last if len(last) <= len(first) else first, key=order.__getitem__))
     return Narrowest(cut, sum(row_bytes(n, local_len) for n in cut))
 
 

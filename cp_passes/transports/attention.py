@@ -105,19 +105,27 @@ def attention_cost(request: AttentionKV, layout, rank: int, local_len: int) -> C
 
 
 def _recompute_cost(request: AttentionKV, layout, rank: int, local_len: int) -> Cost:
-    """The narrowest tensors' rows (with autograd) and the free values the copies read that the layout does not
-    give (without), each moved as the plan moves keys; the lower bound is the narrowest tensors' alone."""
+    """The narrowest tensors' rows and the free values the copies read that the layout does not give (a table's
+    rows, packed documents' positions), each moved as the plan moves keys, with autograd; the lower bound is the
+    narrowest tensors' alone (integer positions count as metadata)."""
     path = request.recompute
     cost = Cost()
     for node, _ in path.moved:
         label = (module_path(node) or node.name).rsplit(".", 1)[-1]
         cost = cost + move_cost(request.plan, layout, rank, local_len, row_bytes(node, local_len),
                                 meta_val(node).dtype.itemsize, label)
-    for node, _ in (f for f in path.free if not computed_positions(f[0], request.plan)):
-        moved = move_cost(request.plan, layout, rank, local_len, row_bytes(node, local_len),
-                          meta_val(node).dtype.itemsize, f"{node.name} (positions)", metadata=True)
-        cost = cost + dataclasses.replace(moved, lower_bound_bytes=0, metadata_bytes=moved.bytes)
+    for node in moved_free(request, path):
+        value = meta_val(node)
+        moved = move_cost(request.plan, layout, rank, local_len, row_bytes(node, local_len), value.dtype.itemsize,
+                          f"{node.name} (from positions)")
+        integer = not value.dtype.is_floating_point
+        cost = cost + dataclasses.replace(moved, lower_bound_bytes=0, metadata_bytes=moved.bytes if integer else 0)
     return cost
+
+
+def moved_free(request: AttentionKV, path: Recompute) -> list[torch.fx.Node]:
+    """The free values ``path`` reads that move (rather than being computed from the layout)."""
+    return [node for node, _ in path.free if not computed_positions(node, request.plan)]
 
 
 FLOPS_PER_BYTE = 2000
@@ -125,12 +133,17 @@ FLOPS_PER_BYTE = 2000
 and its NVLink moves ~450 GB/s each way. Across nodes a byte costs ~10x more, so the choice it makes holds there."""
 
 
-def recompute_pays(request: AttentionKV, path: Recompute, local_len: int) -> tuple[bool, int, int]:
-    """Whether computing K and V again on a row received (``path.row_flops``) costs less than moving the bytes a row
-    the narrowest tensors save, at :data:`FLOPS_PER_BYTE`; both figures. FLOPs and bytes both scale with the rows
-    received, so the answer is the same on every rank and at every length."""
-    saved = request.row_bytes(local_len) - request.narrowest.row_bytes
-    return path.row_flops <= FLOPS_PER_BYTE * saved, path.row_flops, saved
+def recompute_pays(request: AttentionKV, path: Recompute, local_len: int, regather: bool) -> tuple[bool, int, int]:
+    """Whether a training step's FLOPs computing K and V again on a row received cost less than moving the bytes a
+    row the narrowest tensors save (less the free values that move with them: a table's rows), at
+    :data:`FLOPS_PER_BYTE`; both figures. The step computes the copies forward, their backward (twice the
+    forward) and, where the backward gathers again (``regather``), the forward once more; it moves the rows forward,
+    their gradients back and, regathering, the rows again. FLOPs and bytes both scale with the rows received, so
+    the answer is the same on every rank and at every length."""
+    moved = request.narrowest.row_bytes + sum(row_bytes(node, local_len) for node in moved_free(request, path))
+    flops = path.row_flops * (3 + regather)
+    saved = (request.row_bytes(local_len) - moved) * (2 + regather)
+    return saved > 0 and flops <= FLOPS_PER_BYTE * saved, flops, saved
 
 
 def rewrite_attention(edit, request: AttentionKV) -> None:
@@ -149,8 +162,8 @@ def rewrite_attention(edit, request: AttentionKV) -> None:
 
     k, v = edit.current(request.key), edit.current(request.value)  # made global by an earlier transport?
     if request.recompute is not None:
-        def move_rows(x, dim, name, metadata):
-            return move_keys(edit, x, dim, plan, name + suffix, firsts=firsts, metadata=metadata)
+        def move_rows(x, dim, name):
+            return move_keys(edit, x, dim, plan, name + suffix, firsts=firsts)
 
         copies = recompute_at_rows(edit, request.recompute, plan, move_rows)
         keys, values = copies[request.key], copies[request.value]

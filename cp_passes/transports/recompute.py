@@ -5,7 +5,8 @@ ops are position-wise), and autograd carries the gradients of the copies back th
 own the rows (a gather's backward reduce-scatters), so the result and the gradients are the single device's.
 
 The positions the copies read (RoPE's) are computed where they come from the layout (an ``arange``: the keys'
-global positions, no bytes); other free values move as the keys do, without autograd."""
+global positions, no bytes); other free values (a table's rows, which may be trained) move as the keys do, with
+autograd."""
 
 from __future__ import annotations
 
@@ -38,19 +39,19 @@ def positions_of_keys(local: torch.Tensor, rank: int, world: int, kind: str, cau
 
 
 def recompute_at_rows(edit, path: Recompute, plan: KeyPlan, move: Callable) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Copies, before ``edit``'s origin, of ``path``'s nodes over the rows ``move(x, dim, name, metadata)`` brings:
-    the narrowest tensors with autograd, free values without (positions from the layout computed). Returns the
-    copy of every node."""
+    """Copies, before ``edit``'s origin, of ``path``'s nodes over the rows ``move(x, dim, name)`` brings:
+    the narrowest tensors and the free values (positions from the layout computed). Returns the copy of every
+    node."""
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for i, (node, dim) in enumerate(path.moved):
-        copies[node] = move(edit.current(node), dim, f"cp_rows{i}", False)
+        copies[node] = move(edit.current(node), dim, f"cp_rows{i}")
     for i, (node, dim) in enumerate(path.free):
         if computed_positions(node, plan):
             copies[node] = edit.insert(positions_of_keys, (edit.current(node), edit.rank, edit.world,
                                                            edit.layout.kind, plan.reach.causal),
                                        name=f"cp_key_positions{i}")
         else:
-            copies[node] = move(edit.current(node), dim, f"cp_positions{i}", True)
+            copies[node] = move(edit.current(node), dim, f"cp_positions{i}")
     first, dim = path.moved[0]
     length = edit.insert(aten.sym_size.int, (copies[first], dim), name="cp_rows_length")
     for node in path.lengths:
