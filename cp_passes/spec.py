@@ -195,11 +195,11 @@ class CPSpec:
     moved_keys: str = "auto"
     """What moves for SDPA whose keys and values derive position by position from narrower tensors (an MLA latent:
     :mod:`cp_passes.graph.narrowest`): "narrowest" (those tensors; each rank computes K and V again on the rows it
-    receives), "kv" (K and V), or "auto": the narrowest where computing K and V again costs fewer FLOPs a row than
-    moving the bytes a row it saves would at 2,000 FLOP a byte (an H100's NVLink; the rewrite's note gives both).
-    MLA's latent moves (33.6 MFLOP against 80,768 B a row for DeepSeek-V3); a multi-head Llama's hidden rows do not
-    (67 MFLOP of K and V projections against 8,192 B). Causal or full attention only: a window's halo moves K and
-    V."""
+    receives), "kv" (K and V), or "auto": the narrowest where a training step's FLOPs computing K and V again on a
+    row received cost less than moving the bytes a row they save would at 2,000 FLOP a byte (an H100's NVLink; the
+    rewrite's note gives both). DeepSeek-V3's latent moves (135 MFLOP against 242,304 B a row); Llama's hidden rows
+    do not (269 MFLOP of norm and K and V projections against 24,576 B). Causal or full attention only: a window's
+    halo moves K and V."""
 
     window_transport: str = "halo"
     """How sliding-window attention gets its keys: "halo" (the w - 1 preceding positions, and for an encoder's
