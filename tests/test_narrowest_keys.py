@@ -112,3 +112,108 @@ def test_deepseek_v3_with_its_latent_moved_matches_one_device(pool, parity_repor
         attention = [(b, bound) for rule, _, b, bound in results[0]["records"] if rule.startswith("sdpa")]
         assert len(attention) == 2, results[0]["records"]
         assert all(b == bound if moved == "auto" else b > 4 * bound for b, bound in attention), attention
+
+
+def _rotate(x, positions):
+    """RoPE at ``positions`` (an ``arange`` the model makes: the layout's positions), interleaved halves."""
+    freq = 1.0 / (100 ** (torch.arange(0, x.shape[-1], 2, dtype=torch.float32) / x.shape[-1]))
+    angle = positions.float()[:, None] * freq
+    cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
+    a, b = x.chunk(2, -1)
+    return x * cos + torch.cat([-b, a], -1) * sin
+
+
+def _flat_heads(t, b, s):
+    """A helper whose shape arithmetic reads the length: positions and heads flattened, scaled, and back."""
+    flat = t.reshape(b * s * t.shape[2], -1)
+    return (flat * 1.5 + 0.1).reshape(b, s, -1, flat.shape[-1])
+
+
+class Encoder(nn.Module):
+    """Hidden rows (32 a position) narrower than K and V (64): the embedding plus a trained position table sliced to
+    the length (``pos[:s]``: a table's rows, which move with autograd), attention over every key."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(64, 32), nn.Parameter(torch.randn(64, 32) * 0.5)
+        self.qkv, self.proj, self.head = nn.Linear(32, 96), nn.Linear(32, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        x = F.layer_norm(self.embed(input_ids) + self.pos[:s], (32,))
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.head(x + self.proj(out.transpose(1, 2).reshape(b, s, 32)))
+
+
+class RopeLatent(nn.Module):
+    """A latent of 6 decompressed through a helper that flattens positions and heads, 2 KV heads for 4 query heads
+    (``enable_gqa``), and a rope part rotated at the model's own ``arange`` (positions from the layout)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.q = nn.Embedding(64, 32), nn.Linear(32, 4 * 12)
+        self.down, self.up, self.rope = nn.Linear(32, 6), nn.Linear(6, 2 * 16), nn.Linear(32, 4)
+        self.proj, self.head = nn.Linear(4 * 8, 32), nn.Linear(32, 64)
+
+    def forward(self, input_ids):
+        b, s = input_ids.shape
+        x = self.embed(input_ids)
+        positions = torch.arange(s, device=x.device)
+        kv = _flat_heads(self.up(F.silu(self.down(x))).view(b, s, 2, 16), b, s)
+        k_rope = _rotate(self.rope(x), positions)[:, :, None].expand(b, s, 2, 4)
+        k = torch.cat([kv[..., :8], k_rope], -1).transpose(1, 2)
+        v = kv[..., 8:].transpose(1, 2)
+        q = self.q(x).view(b, s, 4, 12)
+        q = torch.cat([q[..., :8], _rotate(q[..., 8:], positions[:, None])], -1).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.head(x + self.proj(out.transpose(1, 2).reshape(b, s, 32)))
+
+
+VARIANTS = {"encoder-table": (Encoder, "contiguous", 14), "rope-latent-gqa": (RopeLatent, "balanced", 13)}
+"""Each variant's model, layout and length: an odd one where padding is hidden (causal), even for every key."""
+
+
+def variants_parity(group, names: list[str]) -> list[dict]:
+    """Each variant compiled with the cost model's choice, one step at its length: loss = sum of squared logits."""
+    import cp_passes
+    from shared import param_grads, toy_batch
+
+    results = []
+    for name in names:
+        build, layout, seq_len = VARIANTS[name]
+        torch.manual_seed(0)
+        model = build()
+        compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(layout=layout), mesh=group, backend="aot_eager",
+                                        verbose=False)
+        local, shard = cp_passes.shard_batch({"input_ids": toy_batch(seq_len, vocab=64)["input_ids"]}, group,
+                                             compiled.spec)
+        logits = compiled(**local)
+        loss = logits[:, shard.valid[0]].pow(2).sum()
+        loss.backward()
+        results.append({"loss": loss.detach(), "logits": logits.detach(), "grads": param_grads(model),
+                        "valid": shard.valid, "positions": shard.positions,
+                        "notes": [r.note for r in compiled.compile_records[-1].records if r.rule.startswith("sdpa")]})
+    return results
+
+
+def test_variants_with_the_narrowest_rows_moved_match_one_device(pool, parity_report):
+    """Variations of what broke or could: an encoder whose cut reads a trained position table (its rows moved
+    without autograd once, and the graph failed to lower), and a latent decompressed through a helper reading
+    the length, GQA by ``enable_gqa``, RoPE at the model's own positions. The narrowest rows move (the note says
+    so), and logits, loss and gradients match one device."""
+    from shared import toy_batch
+
+    names = list(VARIANTS)
+    per_rank = pool.run(variants_parity, 2, names=names)
+    for i, name in enumerate(names):
+        build, _, seq_len = VARIANTS[name]
+        torch.manual_seed(0)
+        model = build()
+        logits = model(toy_batch(seq_len, vocab=64)["input_ids"])
+        loss = logits.pow(2).sum()
+        loss.backward()
+        ranks = [r[i] for r in per_rank]
+        assert all("cp_passes moves those" in note for note in ranks[0]["notes"]), ranks[0]["notes"]
+        compare(f"{name}-narrowest-rows-aot_eager", ranks, loss.detach(), logits.detach(),
+                {n: p.grad for n, p in model.named_parameters()}, seq_len, parity_report)
