@@ -129,6 +129,7 @@ def _flat_heads(t, b, s):
     return (flat * 1.5 + 0.1).reshape(b, s, -1, flat.shape[-1])
 
 
+
 class Encoder(nn.Module):
     """Hidden rows (32 a position) narrower than K and V (64): the embedding plus a trained position table sliced to
     the length (``pos[:s]``: a table's rows, which move with autograd), attention over every key."""
@@ -147,8 +148,9 @@ class Encoder(nn.Module):
 
 
 class RopeLatent(nn.Module):
-    """A latent of 6 decompressed through a helper that flattens positions and heads, 2 KV heads for 4 query heads
-    (``enable_gqa``), and a rope part rotated at the model's own ``arange`` (positions from the layout)."""
+    """A latent of 6, merged with the batch on its way (the cut is next to it), decompressed through a
+    helper that flattens positions and heads, 2 KV heads for 4 query heads (``enable_gqa``), and a rope part
+    rotated at the model's own ``arange`` (positions from the layout)."""
 
     def __init__(self):
         super().__init__()
@@ -160,7 +162,8 @@ class RopeLatent(nn.Module):
         b, s = input_ids.shape
         x = self.embed(input_ids)
         positions = torch.arange(s, device=x.device)
-        kv = _flat_heads(self.up(F.silu(self.down(x))).view(b, s, 2, 16), b, s)
+        latent = F.silu(self.down(x)).reshape(b * s, -1)  # positions merged with the batch: rows that cannot move
+        kv = _flat_heads(self.up(latent).view(b, s, 2, 16), b, s)
         k_rope = _rotate(self.rope(x), positions)[:, :, None].expand(b, s, 2, 4)
         k = torch.cat([kv[..., :8], k_rope], -1).transpose(1, 2)
         v = kv[..., 8:].transpose(1, 2)
@@ -199,9 +202,10 @@ def variants_parity(group, names: list[str]) -> list[dict]:
 
 def test_variants_with_the_narrowest_rows_moved_match_one_device(pool, parity_report):
     """Variations of what broke or could: an encoder whose cut reads a trained position table (its rows moved
-    without autograd once, and the graph failed to lower), and a latent decompressed through a helper reading
-    the length, GQA by ``enable_gqa``, RoPE at the model's own positions. The narrowest rows move (the note says
-    so), and logits, loss and gradients match one device."""
+    without autograd once, and the graph failed to lower), and a latent merged with the batch on its way (the cut
+    fell on the merged rows once, and K and V moved), decompressed through a helper reading the length, GQA by
+    ``enable_gqa``, RoPE at the model's own positions. The narrowest rows move (the note says so), and logits,
+    loss and gradients match one device."""
     from shared import toy_batch
 
     names = list(VARIANTS)

@@ -49,6 +49,14 @@ def _sharded(node, sym) -> bool:
     return isinstance(node, torch.fx.Node) and any(seq_dims(t, sym) for t in _tensors(node))
 
 
+def _row_dim(node: torch.fx.Node, sym) -> int | str:
+    value = meta_val(node)
+    dims = seq_dims(node, sym) if isinstance(value, torch.Tensor) else ()
+    if len(dims) != 1 or expr_of(value.shape[dims[0]]) != sym:
+        return f"{node.name} is not one tensor with one sequence dim of the local length"
+    return dims[0]
+
+
 def _region(targets, sym, positionwise, free) -> set:
     """The sharded ancestors of ``targets`` reached through position-wise ops, the targets and the first
     non-position-wise ones (where the cut may start) included; ``free`` ones left out."""
@@ -64,10 +72,11 @@ def _region(targets, sym, positionwise, free) -> set:
 
 
 def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwise, free=frozenset()) -> Narrowest:
-    """The set of sharded tensors with the fewest bytes a position that separates ``targets`` from everything
-    they derive from other than position by position (``positionwise(node)``: whether a node runs on a shard as
-    it is, each output row from the same input rows). The targets themselves are a cut, so the answer is never
-    wider than they are. ``free``: sharded values every rank can compute for any rank's rows."""
+    """The set of sharded tensors (each with its sequence on one dim of its own) with the fewest bytes a position
+    that separates ``targets`` from everything they derive from other than position by position
+    (``positionwise(node)``: whether a node runs on a shard as it is, each output row from the same input rows).
+    The targets themselves are a cut, so the answer is never wider than they are. ``free``: sharded values every
+    rank can compute for any rank's rows."""
     region = _region(targets, sym, positionwise, free)
     # Each node is split into an inner and an outer vertex joined by its row bytes; the source feeds every node
     # that does not derive position by position, the targets feed the sink.
@@ -83,7 +92,10 @@ def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwi
 
     unbounded = 1 << 62
     for node in region:
-        add(("in", node), ("out", node), row_bytes(node, local_len))
+        # A tensor whose rows cannot move as they are (positions merged with another dim) is not cut through: an
+        # equal cut next to it can be.
+        movable = node in targets or isinstance(_row_dim(node, sym), int)
+        add(("in", node), ("out", node), row_bytes(node, local_len) if movable else unbounded)
         if not positionwise(node):
             add(source, ("in", node), unbounded)
         else:
@@ -143,14 +155,6 @@ class Recompute:
 
 _MATMULS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.matmul.default,
             torch.ops.aten.bmm.default, torch.ops.aten.addmm.default}
-
-
-def _row_dim(node: torch.fx.Node, sym) -> int | str:
-    value = meta_val(node)
-    dims = seq_dims(node, sym) if isinstance(value, torch.Tensor) else ()
-    if len(dims) != 1 or expr_of(value.shape[dims[0]]) != sym:
-        return f"{node.name} is not one tensor with one sequence dim of the local length"
-    return dims[0]
 
 
 def _flops(node: torch.fx.Node, local_len: int) -> int:
