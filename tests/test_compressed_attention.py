@@ -69,6 +69,7 @@ def test_deepseek_v4_as_regions_matches_one_device(pool, parity_report, P, posit
     assert not any(" inlined at its " in label for label in history), history
 
 
+@pytest.mark.full  # the family's parity runs by default
 def test_what_each_rank_receives_per_layer_at_p8(fake_group):
     """Rank 3 of 8, 8 positions a rank. Per layer K = V (one head of 32, batch 2, fp32): every layer's raw
     keys by a halo of the 11 rows before the shard (window 12: 8 from rank 2, 3 from rank 1); a compressed

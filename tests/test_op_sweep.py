@@ -100,7 +100,9 @@ def _check_node(node, sym, plan, values, rank) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("family", sorted(HF_MODELS))
+@pytest.mark.parametrize("family", sorted(set(HF_MODELS) - {"deepseek-v3"}))  # exported, its expand_kv copies
+# into slices of a new tensor in place, which cp_compile's capture sees functionalized; its parity runs in
+# tests/test_narrowest_keys.py
 def test_ops_left_as_they_are_match_one_device_on_every_shard(family):
     model = HF_MODELS[family]()
     model.config.use_cache = False  # export cannot return a cache object

@@ -26,7 +26,8 @@ def _graphs(group, layout: str):
     return run, (run.forward, run.backward)  # the partition the dry run measured
 
 
-@pytest.mark.parametrize("layout", ["balanced", pytest.param("contiguous", marks=pytest.mark.full)])
+@pytest.mark.full  # the prefix exchange's overlap: the other tests of this module
+@pytest.mark.parametrize("layout", ["balanced", "contiguous"])
 def test_every_key_gather_waits_after_compute_that_does_not_need_it(fake_group, layout):
     run, (forward, backward) = _graphs(fake_group, layout)
     assert run.overlap.total > 0 and run.overlap.overlapped == run.overlap.total, run.overlap

@@ -79,7 +79,8 @@ def reference(model: str, seq_len: int, layout: list, config=None):
     return loss.detach(), logits.detach(), {n: p.grad for n, p in net.named_parameters()}, batch["valid"]
 
 
-CASES = [pytest.param("toy", 2, "aot_eager", None, marks=pytest.mark.full), ("hf", 2, "aot_eager", None),
+CASES = [pytest.param("toy", 2, "aot_eager", None, marks=pytest.mark.full),
+         pytest.param("hf", 2, "aot_eager", None, marks=pytest.mark.full),
          pytest.param("toy", 2, "inductor", None, marks=pytest.mark.full),
          ("toy", 4, "aot_eager", {"window": 6, "left_padding": 3}), ("toy", 2, "aot_eager", {"balance": "documents"}),
          pytest.param("toy", 4, "aot_eager", {"balance": "documents"}, marks=pytest.mark.full),

@@ -62,6 +62,7 @@ def test_gathers_kv_before_the_head_repeat(fake_group, kv_repeat):
     assert "rest_attention(cp_q_attention_dtype, cp_k_attention_dtype, cp_v_attention_dtype, cp_own_keys" in after
 
 
+@pytest.mark.full  # an option's structure; K+V together: every other test
 def test_k_and_v_gathered_separately_when_asked(fake_group):
     record = compile_toy(fake_group, spec=dict(gather_kv_together=False))
     assert record.aot_ops["forward"][GATHER] == 4
@@ -196,6 +197,7 @@ def test_left_padding_puts_zeros_before_the_halo_that_nothing_sends(fake_group):
     assert all("3 zero rows in front of the halo" in r.note for r in padded.records if r.rule == "sdpa_window")
 
 
+@pytest.mark.full  # the variable's parsing: tests/test_cli.py's explain
 def test_explain_at_compile_time_by_environment(fake_group, capsys, monkeypatch):
     monkeypatch.setenv("CP_PASSES_EXPLAIN", str(RANK))
     compile_toy(fake_group)
@@ -206,6 +208,7 @@ def test_explain_at_compile_time_by_environment(fake_group, capsys, monkeypatch)
     assert "cp_passes rewrites" not in capsys.readouterr().err
 
 
+@pytest.mark.full  # tags: tests/test_transports.py, in the AOT graphs too
 def test_created_nodes_name_their_pass_and_rule(fake_group):
     record = compile_toy(fake_group, window=5, conv_kernel=3)
     after_halo = next(code for label, code in record.history if label.startswith("after halo"))

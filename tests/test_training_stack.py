@@ -145,7 +145,7 @@ def _loss_error_scale(logits, reference, labels) -> float:
     return ((per_token(logits) - per_token(reference[1])).abs().sum() / reference[0].abs()).item()
 
 
-BF16_CASES = [("autocast", 2, "aot_eager", {"window": 5, "conv_kernel": 4}, 16),
+BF16_CASES = [pytest.param("autocast", 2, "aot_eager", {"window": 5, "conv_kernel": 4}, 16, marks=pytest.mark.full),
               ("params", 2, "aot_eager", {"window": 5, "conv_kernel": 4}, 16),
               pytest.param("autocast", 4, "aot_eager", {}, 64, marks=pytest.mark.full),
               pytest.param("params", 4, "aot_eager", {}, 64, marks=pytest.mark.full),

@@ -219,7 +219,7 @@ class Regrouped(torch.nn.Module):
         return out.pow(2).sum(), out
 
 
-@pytest.mark.parametrize("how", ["strided", "transposed"])
+@pytest.mark.parametrize("how", ["strided", pytest.param("transposed", marks=pytest.mark.full)])
 def test_positions_grouped_other_than_in_windows_are_refused(group, how):
     compiled, local = _compile(Regrouped(how), COMPRESSOR_SPEC, group, 64)
     with pytest.raises(CPCompileError, match="other than as windows of consecutive positions"):
