@@ -119,22 +119,24 @@ def hf_qwen3(seed: int = 0):
                                         attn_implementation="sdpa", use_cache=False)).float()
 
 
-def hf_deepseek_v3(seed: int = 0):
+def hf_deepseek_v3(seed: int = 0, heads: int = 8):
     """A tiny DeepSeek-V3 as transformers ships it: multi-head latent attention (K and V of 8 heads x (16 + 8 + 16)
     decompressed from a latent of kv_lora_rank 32 + qk_rope_head_dim 8 a position, RoPE on the rope part,
-    interleaved), a dense layer, then a routed MoE layer with a shared expert, its cache off."""
+    interleaved), a dense layer, then a routed MoE layer with a shared expert, its cache off. ``heads``: fewer at
+    16k positions, where one device's attention materializes its [heads, S, S] scores."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
     return DeepseekV3ForCausalLM(DeepseekV3Config(
         vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
-        num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=32, q_lora_rank=16, qk_rope_head_dim=8,
+        num_attention_heads=heads, num_key_value_heads=heads, kv_lora_rank=32, q_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, attn_implementation="sdpa", use_cache=False)).float()
 
 
 HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
-             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3, "deepseek-v3": hf_deepseek_v3}
+             "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3, "deepseek-v3": hf_deepseek_v3,
+             "deepseek-v3-2-heads": lambda seed=0: hf_deepseek_v3(seed, heads=2)}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False,

@@ -63,7 +63,8 @@ def test_a_million_positions_plan_as_a_short_sequence_does(fake_group, family, c
 LONG_CASES = [(2, "llama"), pytest.param(4, "llama", marks=pytest.mark.full),
               pytest.param(2, "mistral-window", marks=pytest.mark.full),
               pytest.param(4, "mistral-window", marks=pytest.mark.full),
-              pytest.param(2, "qwen3", marks=pytest.mark.full), pytest.param(4, "qwen3", marks=pytest.mark.full)]
+              pytest.param(2, "qwen3", marks=pytest.mark.full), pytest.param(4, "qwen3", marks=pytest.mark.full),
+              pytest.param(2, "deepseek-v3-2-heads", marks=pytest.mark.full)]
 
 
 BEYOND = [("chunks_of_1024", "sdpa_data_mask", "halo", "window 1024"),
@@ -105,14 +106,17 @@ def test_masks_beyond_the_probe_parity(pool, parity_report, mix):
 @pytest.mark.parametrize("P,family", LONG_CASES,
                          ids=[f"P{c[0]}-{c[1]}" for c in (getattr(case, "values", case) for case in LONG_CASES)])
 def test_hf_models_at_16k_parity(pool, parity_report, P, family):
-    """transformers' Llama and Qwen3 (causal) and Mistral (a window of 4,096 keys: a halo) at 16,384 positions on
-    gloo ranks, with position_ids (transformers builds its packed-sequence mask from them): logits, loss and
-    gradients match one device."""
+    """transformers' Llama and Qwen3 (causal), Mistral (a window of 4,096 keys: a halo) and DeepSeek-V3 (2 heads:
+    one device materializes [heads, S, S] scores; MLA: its latent and RoPE's rotated halves move, K and V are
+    computed again where they arrive, the bytes the bound) at 16,384 positions on gloo ranks, with position_ids
+    (transformers builds its packed-sequence mask from them): logits, loss and gradients match one device."""
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=[LONG], family=family, batch=1)
     compare(f"hf-{family}-16k-aot_eager", [r[0] for r in per_rank], *hf_reference(LONG, False, family=family, rows=1),
             LONG, parity_report)
     attention = [(rule, transport) for rule, transport, _, _ in per_rank[0][0]["records"] if "sdpa" in rule]
     assert {transport for _, transport in attention} == {"halo" if family == "mistral-window" else "sequence_gather"}
+    if family.startswith("deepseek-v3"):
+        assert all(moved == bound for rule, _, moved, bound in per_rank[0][0]["records"] if "sdpa" in rule)
 
 
 @pytest.mark.full  # the all-reduced extremes themselves: tests/test_parity.py, by default

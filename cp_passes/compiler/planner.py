@@ -278,8 +278,10 @@ def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, spec) -> 
     names = ", ".join(f"{module_path(n)} ({n.name})" if module_path(n) else n.name for n in request.narrowest.nodes)
     note = (f"{request.kv_label} derive position by position from {names}: {request.narrowest.row_bytes} B a "
             f"position against {row}, the lower bound; ")
-    path = recompute_path([request.key, request.value], request.narrowest, sym, local_len, positionwise, positions)
-    if request.plan.move == Move.HALO or request.left_padding:
+    halo = request.plan.move == Move.HALO
+    path = None if halo else recompute_path([request.key, request.value], request.narrowest, sym, local_len,
+                                            positionwise, positions)
+    if halo:
         note += f"cp_passes moves {request.kv_label} (a window's halo)"
     elif isinstance(path, str):
         note += f"cp_passes moves {request.kv_label}: they cannot be computed again where they arrive ({path})"

@@ -142,9 +142,10 @@ def narrowest_rows(targets: list[torch.fx.Node], sym, local_len: int, positionwi
 
 @dataclass(frozen=True)
 class Recompute:
-    """The targets computed again from moved rows: move ``moved`` (with autograd) and ``free`` (positions, without)
-    along their sequence dims, read ``lengths`` (the local length) as the rows moved, and copy ``nodes`` in graph
-    order. ``row_flops``: what the copies compute a row (a matmul's multiply-adds counted twice)."""
+    """The targets computed again from moved rows: bring the rows of ``moved`` (the cut) and of ``free`` (positions,
+    or a table's rows) along their sequence dims, read ``lengths`` (the local length) as the rows brought, and copy
+    ``nodes`` in graph order. ``row_flops``: what the copies compute a row (a matmul's multiply-adds counted
+    twice)."""
 
     moved: tuple[tuple[torch.fx.Node, int], ...]
     free: tuple[tuple[torch.fx.Node, int], ...]
