@@ -14,7 +14,6 @@ import torch
 import torch.fx
 from torch._dispatch.python import enable_python_dispatcher
 from torch.fx.experimental.symbolic_shapes import statically_known_true
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, seq_dims, sequence_symbol
@@ -24,6 +23,7 @@ from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import shifted_writes_as_shifts
 from ..graph.unread import drop_unread_values
+from ..graph.propagate import propagate_changed, snapshot
 from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
@@ -89,6 +89,8 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
     CPCompileError on refusal. Each nested compile region (:mod:`.regions`) is planned and rewritten once, as a
     graph of its own, for all its calls."""
     sym = find_symbol(aten_gm, record.local_len)
+    captured = {node: was for gm in [aten_gm, *(getattr(aten_gm, name) for name in calls_by_subgraph(aten_gm))]
+                for node, was in snapshot(gm).items()}
     if record_input:
         record.history.append(("aten (pre-dispatch)", aten_gm.print_readable(print_output=False)))
     prepare_graph(aten_gm, sym, spec, record.history)
@@ -103,10 +105,11 @@ def rewrite_graph(aten_gm: torch.fx.GraphModule, fakes: list, spec, cp, record: 
         for region in plan.regions:
             region_before = _output_values(region.graph)
             applied = run_transports(region.graph, region.plan, cp, record.history, f"{region.name}: ")
-            verify(region.graph, region.plan, [edit for edit, _ in applied], region.fakes(), region_before)
+            verify(region.graph, region.plan, [edit for edit, _ in applied], region.fakes(), region_before,
+                   captured)
             done += applied
         applied = run_transports(aten_gm, plan, cp, record.history)
-        verify(aten_gm, plan, [edit for edit, _ in applied], fakes, before)
+        verify(aten_gm, plan, [edit for edit, _ in applied], fakes, before, captured)
     done += applied
     record.records = table(plan, position)
     record.layout = describe_layout(spec, cp, record.records)
@@ -255,8 +258,11 @@ def run_transports(gm: torch.fx.GraphModule, plan: Plan, cp,
     return list(zip(edits, records))
 
 
-def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list) -> None:
-    """Every planned rewrite was applied by its transport, and every output keeps its shape."""
+def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list, before: list,
+           captured: dict) -> None:
+    """Every planned rewrite was applied by its transport, and every output keeps its shape. Fake tensors are
+    propagated through the nodes changed since ``captured`` (:func:`..graph.propagate.snapshot` of the graph as
+    captured) and whatever their new values reach."""
     alive = set(gm.graph.nodes)
     # Not applied: nothing edited, everything it made or changed is unused while the node it rewrote still
     # runs, or it created nodes and none of them is used (the values it made never reached the graph).
@@ -270,7 +276,7 @@ def verify(gm: torch.fx.GraphModule, plan: Plan, edits: list[Edit], fakes: list,
     # Under the Python dispatcher, as dynamo traced: ops sized by data-dependent counts (F.pad by an
     # indexer's top-k width) have Python meta kernels only.
     with enable_python_dispatcher():
-        FakeTensorProp(gm, torch._guards.detect_fake_mode(fakes)).propagate_dont_convert_inputs(*fakes)
+        propagate_changed(gm, torch._guards.detect_fake_mode(fakes), fakes, captured)
     # Shapes print through the shape env, so a length the transports pinned (guards) prints the same in both;
     # sizes compare by what the shape env knows (2 * (s // 2) is s once s is known even).
     after = _output_values(gm)
