@@ -35,7 +35,7 @@ from .schedule import schedule_for_overlap
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
 from ..experts import install as install_experts
-from .capture import capture, install_output_hooks, logging_ignored
+from .capture import capture, install_output_hooks, tracing_config
 from .interleave import interleaved_refusal
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
@@ -334,7 +334,7 @@ class CPModule(torch.nn.Module):
         self._guard_failures.clear()
         self._agreed = self._entered = False
         try:
-            with logging_ignored():
+            with tracing_config():
                 out = self._compiled(*args, **kwargs)
         except Exception as error:
             if self._entered:

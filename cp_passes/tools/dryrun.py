@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph.analysis import INPUT_NAME
 from ..compiler.backend import prepare_model
-from ..compiler.capture import capture, logging_ignored
+from ..compiler.capture import capture, tracing_config
 from ..compiler.pipeline import CompileRecord, plan_records, prepare_graph, rewrite_graph
 from ..compiler.regions import mark_gradients, mark_regions, repeated_blocks, schema_once
 from ..graph.analysis import meta_val, sequence_symbol
@@ -133,7 +133,7 @@ def _capture(build_model, inputs, spec: CPSpec, regions):
         raise _Captured
 
     try:
-        with logging_ignored():
+        with tracing_config():
             torch._dynamo.optimize(backend, nopython=True, dynamic=False)(model)(**kwargs)
     except torch._dynamo.exc.BackendCompilerFailed as failed:
         if not isinstance(failed.inner_exception, _Captured):
