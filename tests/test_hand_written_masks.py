@@ -178,14 +178,21 @@ PARITY = ["causal_from_zeros", "causal_documents_fill", "window_heads_4d", "two_
           "table_positions_and_band"]
 
 
-@pytest.mark.parametrize("P,seq_len,documents", [
-    pytest.param(2, 16, [(0, 5), (1, 11)], id="P2"),
-    pytest.param(4, 24, [(0, 2), (1, 19), (2, 3)], marks=pytest.mark.full, id="P4-document-over-three-ranks"),
+PARITY_DEFAULT = ["causal_documents_fill", "window_heads_4d", "two_sided_band", "rotary_and_packed_positions",
+                  "table_positions_and_band"]
+"""One mask of each kind (causal, window, band, positions read by the mask) in the default run."""
+
+
+@pytest.mark.parametrize("P,seq_len,documents,names", [
+    pytest.param(2, 16, [(0, 5), (1, 11)], PARITY_DEFAULT, id="P2"),
+    pytest.param(2, 16, [(0, 5), (1, 11)], PARITY, marks=pytest.mark.full, id="P2-every-mask"),
+    pytest.param(4, 24, [(0, 2), (1, 19), (2, 3)], PARITY, marks=pytest.mark.full,
+                 id="P4-document-over-three-ranks"),
 ])
-def test_hand_written_masks_match_one_device(pool, P, seq_len, documents):
+def test_hand_written_masks_match_one_device(pool, P, seq_len, documents, names):
     """Causal, windowed (shorter and longer than a rank's chunk at P = 4), two-sided and per-head masks, with
     documents, on the balanced layout: loss and gradients as on one device."""
-    for rank, found in enumerate(pool.run(parity, P, names=PARITY, seq_len=seq_len,
+    for rank, found in enumerate(pool.run(parity, P, names=names, seq_len=seq_len,
                                           documents=documents)):
         for name, (loss, grads) in found.items():
             assert loss < 1e-5 and grads < 1e-4, (rank, name, loss, grads)

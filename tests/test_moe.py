@@ -16,11 +16,15 @@ def _compare(name, family, ranks, seq_len, report, aux=False, documents=None):
     compare_valid(name, ranks, reference(family, seq_len, aux, documents), seq_len, report, aux)
 
 
-MODELS = [("mixtral", 2, [16, 11]), pytest.param("mixtral", 4, [16, 13], marks=pytest.mark.full),
+MODELS = [pytest.param("mixtral", 2, [16, 11], marks=pytest.mark.full),
+          pytest.param("mixtral", 4, [16, 13], marks=pytest.mark.full),
           pytest.param("olmoe", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("olmoe", 4, [16], marks=pytest.mark.full),
           pytest.param("gpt_oss", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("gpt_oss", 4, [16, 13], marks=pytest.mark.full)]
+
+
+"""The default run's grouped_mm parity is test_router_aux_loss_is_global's (the same experts, labels= too)."""
 
 
 @pytest.mark.parametrize("family,P,seq_lens", MODELS,
@@ -63,6 +67,8 @@ def test_router_aux_loss_is_global(pool, parity_report, family, P):
     _compare(f"hf-{family}-grouped_mm-router-aux", family, [r[0] for r in per_rank], 16, parity_report, aux=True)
     rules = [rule for rule, _, _, source in per_rank[0][0]["records"] if "load_balancing" in source]
     assert rules.count("global_sum") >= 2, rules
+    moved = [(rule, source) for rule, _, _, source in per_rank[0][0]["records"] if "integrations/moe.py" in source]
+    assert not moved, moved  # the experts move nothing between ranks
 
 
 def test_hand_written_dispatch_matches_one_device(pool):

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import cp_passes
 from cp_passes.layout import Layout
 from cp_passes.transports.splice import row_counts, spliced
-from family_models import INKLING2_TEXT, glm5_next_text, inkling2_weights, step3p7_text
+from family_models import INKLING2_TEXT, KDA_LAYERS, glm5_next_text, inkling2_weights, step3p7_text
 from parity import compare
 from shared import step_result
 
@@ -103,16 +103,17 @@ def measured_splice_batch() -> dict:
 
 
 def hf_glm5_next_vlm(seed: int = 0):
-    """A tiny Glm5NextForConditionalGeneration: the text model of :func:`hf_glm5_next` with a one-layer vision
-    tower; an image of grid (1, 4, 4) patches (flattened, 1176 values each) gives 4 tokens after the 2 x 2
-    merge. Image and video markers take ids above the batches' (120..126)."""
+    """A tiny Glm5NextForConditionalGeneration: one layer of :func:`hf_glm5_next`'s text model (KDA; the family's
+    own case runs the rest) with a one-layer vision tower; an image of grid (1, 4, 4) patches (flattened, 1176
+    values each) gives 4 tokens after the 2 x 2 merge. Image and video markers take ids above the batches'
+    (120..126)."""
     from transformers import Glm5NextConfig, Glm5NextForConditionalGeneration
 
     vision = dict(depth=1, hidden_size=32, num_heads=2, patch_size=14, temporal_patch_size=2, spatial_merge_size=2,
                   out_hidden_size=64, intermediate_size=64, projection_intermediate_size=64, image_size=56)
-    config = Glm5NextConfig(text_config=glm5_next_text(), vision_config=vision, image_token_id=IMAGE_TOKEN,
-                            video_token_id=126, image_start_token_id=125, image_end_token_id=124,
-                            video_start_token_id=123, video_end_token_id=122, use_cache=False)
+    config = Glm5NextConfig(text_config=glm5_next_text(KDA_LAYERS[:1]), vision_config=vision,
+                            image_token_id=IMAGE_TOKEN, video_token_id=126, image_start_token_id=125,
+                            image_end_token_id=124, video_start_token_id=123, video_end_token_id=122, use_cache=False)
     torch.manual_seed(seed)
     return Glm5NextForConditionalGeneration(config).float()
 

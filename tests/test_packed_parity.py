@@ -127,6 +127,7 @@ def test_packed_documents_match_one_device(pool, parity_report, model, P, backen
         assert "sdpa_data_mask" in ranks[0]["rules"]
 
 
+@pytest.mark.full  # by default: tests/test_agreement.py, with a window left in some ranks' rows only
 def test_a_mask_reaching_past_the_declared_window_fails_the_first_step(pool):
     messages = pool.run(envelope_violation, 2)
     for message in messages:

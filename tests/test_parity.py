@@ -148,7 +148,8 @@ class GlobalExtremes(torch.nn.Module):
 TOY_CASES = [
     # (P, backend, kv_repeat, global lengths, position_ids passed?)
     (1, "aot_eager", "expand", [16, 13], False),
-    (2, "aot_eager", "expand", [16, 13], False),
+    # P = 2 on aot_eager by default: test_saved_keys_parity, test_halo_parity, test_packed_documents_match_one_device
+    pytest.param(2, "aot_eager", "expand", [16, 13], False, marks=pytest.mark.full),
     (2, "inductor", "repeat_interleave", [16], True),  # lowered for the one length (packed parity: any length)
     pytest.param(2, "inductor", "repeat_interleave", [16, 11], True, marks=pytest.mark.full),  # then symbolic
     pytest.param(4, "aot_eager", "sdpa", [16, 13, 6], False, marks=pytest.mark.full),  # P = 4: test_halo_parity
@@ -183,7 +184,8 @@ HALO_CASES = [
                  marks=pytest.mark.full),                                             # w = L
     pytest.param(4, "aot_eager", dict(window=10, n_layers=6, conv_kernel=(2, 3, 4, 5, 6, 7), conv_form="pad"),
                  [16, 14], marks=pytest.mark.full),                                   # L=4: w = 2.5 L, 3 hops
-    (4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8]),    # L=2: conv halo 6, 3 hops
+    pytest.param(4, "aot_eager", dict(conv_kernel=4, conv_dilation=2, kv_repeat="sdpa"), [8],
+                 marks=pytest.mark.full),                                             # L=2: conv halo 6, 3 hops
     pytest.param(2, "aot_eager", dict(window=5, inplace_mask=True, conv_kernel=3), [16, 11],
                  marks=pytest.mark.full),                                             # band &= distance < w
     pytest.param(4, "aot_eager", dict(window=5, inplace_mask=True, conv_kernel=3), [16, 11],
@@ -243,7 +245,10 @@ def test_contiguous_layout_parity(pool, parity_report, P, config):
 
 # (P, backend, lengths, mean_loss): mean_loss leaves out num_items_in_batch, so the model averages
 # itself and cp_passes turns the mean into this rank's sum over the global count of valid labels.
-HF_CASES = [(2, "aot_eager", [16, 11], False), pytest.param(4, "aot_eager", [16], False, marks=pytest.mark.full),
+# The default run's transformers Llama: test_hf_models_at_16k_parity (16,384 positions) and
+# test_hf_llama_labels_shifted_in_the_model_parity (11, padded).
+HF_CASES = [pytest.param(2, "aot_eager", [16, 11], False, marks=pytest.mark.full),
+            pytest.param(4, "aot_eager", [16], False, marks=pytest.mark.full),
             pytest.param(2, "aot_eager", [16, 11], True, marks=pytest.mark.full)]  # the mean: labels= in the model
 
 
