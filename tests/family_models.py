@@ -42,14 +42,19 @@ def hf_gemma2(seed: int = 0):
     return Gemma2ForCausalLM(config).float()
 
 
-def hf_inkling2(seed: int = 0):
+def hf_inkling2(seed: int = 0, heads: int | None = None):
     """A tiny Inkling2 text model, both layer types: eager attention with a relative-position bias from the
     queries' activations (extent 6, longer than a shard at P = 4), sinks concatenated on the key axis,
     log-scaled queries from position_ids, a short conv (sliding layers, window 4) and a dynamic one written
-    with pad + unfold (full layers); MoE experts on transformers' default grouped_mm."""
+    with pad + unfold (full layers); MoE experts on transformers' default grouped_mm. ``heads``: query heads of
+    both layer types over one key/value head, fewer at 16k positions, where eager attention materializes its
+    [heads, S, S] scores."""
     from transformers import Inkling2ForCausalLM, Inkling2TextConfig
 
-    config = Inkling2TextConfig(**INKLING2_TEXT, attn_implementation="eager")
+    text = INKLING2_TEXT if heads is None else {
+        **INKLING2_TEXT, "num_attention_heads": heads, "num_key_value_heads": 1, "swa_num_attention_heads": heads,
+        "swa_num_key_value_heads": 1}
+    config = Inkling2TextConfig(**text, attn_implementation="eager")
     torch.manual_seed(seed)
     return inkling2_weights(Inkling2ForCausalLM(config).float())
 
@@ -136,7 +141,8 @@ def hf_deepseek_v3(seed: int = 0, heads: int = 8):
 
 HF_MODELS = {"llama": hf_llama, "gemma2": hf_gemma2, "inkling2": hf_inkling2, "mistral-window": hf_mistral_window,
              "phi3-longrope": hf_phi3_longrope, "qwen3": hf_qwen3, "deepseek-v3": hf_deepseek_v3,
-             "deepseek-v3-2-heads": lambda seed=0: hf_deepseek_v3(seed, heads=2)}
+             "deepseek-v3-2-heads": lambda seed=0: hf_deepseek_v3(seed, heads=2),
+             "inkling2-1-head": lambda seed=0: hf_inkling2(seed, heads=1)}
 
 
 def hf_batch(seq_len: int, batch: int = 2, seed: int = 2, labels_in_model: bool = False,
@@ -247,10 +253,10 @@ def hf_deepseek_v4(seed: int = 0, layers: int = 3):
     return model
 
 
-def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 16) -> dict:
-    """Token ids with positions and labels shifted before sharding, or packed rows (one list of document
-    lengths per row) with unshifted labels, which shard_batch shifts inside each document."""
-    rows = 2
+def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 16, rows: int = 2) -> dict:
+    """Token ids with positions and labels shifted before sharding (``rows`` of them), or packed rows (one list of
+    document lengths per row) with unshifted labels, which shard_batch shifts inside each document."""
+    rows = len(documents) if documents else rows
     length = sum(documents[0]) if documents else seq_len
     ids = torch.randint(1, 128, (rows, length), generator=torch.Generator().manual_seed(2))
     if documents:
@@ -260,7 +266,7 @@ def deepseek_v4_batch(documents: list[list[int]] | None = None, seq_len: int = 1
 
 
 def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len: int = 16,
-                       positions: bool = True, regions: bool = False) -> dict:
+                       positions: bool = True, regions: bool = False, rows: int = 2) -> dict:
     """DeepseekV4ForCausalLM with its family spec, on a batch sharded by shard_batch (packed rows become a
     doc-id map, per-document positions and labels), called with or without ``position_ids``, its layers nested
     compile regions or not: this rank's results (a task the worker pool runs)."""
@@ -268,7 +274,7 @@ def deepseek_v4_parity(group, documents: list[list[int]] | None = None, seq_len:
     compiled = cp_passes.cp_compile(model, "deepseek_v4", mesh=group, backend="aot_eager", verbose=False,
                                     regions=regions)
     assert compiled.spec.pad_multiple == 4  # read from the config's rates
-    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len), group, compiled.spec)
+    local, layout = cp_passes.shard_batch(deepseek_v4_batch(documents, seq_len, rows), group, compiled.spec)
     loss, logits = deepseek_v4_loss(compiled, local, positions)
     loss.backward()
     return {**step_result(model, compiled, loss, logits, layout),

@@ -234,11 +234,11 @@ def glm5_next_split_floor(P: int, batch: dict, layer_types, build=None) -> float
     return floor
 
 
-def deepseek_v4_reference(P: int, documents, layers: int = 3, seq_len: int | None = None):
-    """One device on the global batch (``seq_len`` positions, 8 a rank by default) as shard_batch lays it out
-    for ``P`` ranks (the same padding)."""
+def deepseek_v4_reference(P: int, documents, layers: int = 3, seq_len: int | None = None, rows: int = 2):
+    """One device on the global batch (``seq_len`` positions, 8 a rank by default; ``rows`` unpacked rows) as
+    shard_batch lays it out for ``P`` ranks (the same padding)."""
     model = hf_deepseek_v4(layers=layers)
-    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P if seq_len is None else seq_len), 0, 1,
+    batch, _ = shard_for_rank(deepseek_v4_batch(documents, 8 * P if seq_len is None else seq_len, rows), 0, 1,
                               deepseek_v4_spec(), pad_multiple=8 * P)
     loss, logits = deepseek_v4_loss(model, batch)
     loss.backward()
