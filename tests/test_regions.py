@@ -186,6 +186,84 @@ def test_more_layer_traces_than_torch_keeps_by_default(fake_group):
     assert _rows(regions) == _rows(dry_run(ScaledStack, inputs, mesh=fake_group))
 
 
+class WritingBlock(nn.Module):
+    """Causal attention over two heads that writes a buffer in place at each call: ``"counter"`` counts its calls
+    (``add_``), ``"setitem"`` counts into an element, ``"weight_norm"`` keeps its weight's norm (``copy_``)."""
+
+    def __init__(self, writes: str, d: int = 16):
+        super().__init__()
+        self.writes = writes
+        self.qkv = nn.Linear(d, 3 * d)
+        self.register_buffer("calls", torch.zeros(()))
+        self.register_buffer("seen", torch.zeros(2))
+
+    def forward(self, x):
+        if self.writes == "counter":
+            self.calls.add_(1)
+        elif self.writes == "setitem":
+            self.seen[0] = self.seen[0] + 1
+        else:
+            self.calls.copy_(self.qkv.weight.detach().norm())
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+
+class WritingStack(nn.Module):
+    def __init__(self, writes: str):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(WritingBlock(writes) for _ in range(2))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).sum()
+
+
+@pytest.mark.parametrize("writes", ["counter", "setitem", "weight_norm"])
+def test_a_block_that_writes_a_buffer_is_inlined_naming_it(fake_group, writes):
+    """torch's invoke_subgraph cannot train through a block that writes its operands in place (a step counter,
+    a kept statistic); cp_passes chose the region, so it inlines it, naming the buffer, and plans the flat graph."""
+    inputs = {"input_ids": ((2, 16), torch.int64)}
+    flat = dry_run(lambda: WritingStack(writes), inputs, mesh=fake_group)
+    regions = dry_run(lambda: WritingStack(writes), inputs, mesh=fake_group, regions=True)
+    (inlined,) = _inlined(regions)
+    buffer = "seen" if writes == "setitem" else "calls"
+    assert f"_modules['blocks']._modules['0']._buffers['{buffer}'] in place" in inlined, inlined
+    assert _rows(regions) == _rows(flat)
+
+
+def writing_parity(group) -> dict:
+    """Per kind of write: loss and gradient differences from one device (relative) after two steps, and the
+    buffers' largest difference."""
+    found = {}
+    ids = torch.randint(0, 32, (2, 8 * group.size()), generator=torch.Generator().manual_seed(3))
+    for writes in ("counter", "weight_norm"):
+        torch._dynamo.reset()
+        model, reference = [(torch.manual_seed(0), WritingStack(writes))[1] for _ in range(2)]
+        compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False, regions=True)
+        (local, _) = cp_passes.shard_batch({"input_ids": ids}, group)
+        for _ in range(2):
+            reference_loss = reference(ids)
+            reference_loss.backward()
+            loss = compiled(**local)
+            loss.backward()
+        inlined = [label for label, _ in compiled.compile_records[-1].history if " inlined at its " in label]
+        buffers = max((b - r).abs().max().item() for b, r in zip(model.buffers(), reference.buffers()))
+        found[writes] = _relative(group, loss, model, reference_loss.detach(), reference) + (buffers, inlined)
+    return found
+
+
+def test_blocks_that_write_buffers_match_one_device(pool):
+    """Two steps of blocks that count their calls or keep their weight's norm in a buffer, as regions (inlined):
+    loss, gradients and the buffers as on one device."""
+    for found in pool.run(writing_parity, 2):
+        for writes, (loss, grads, buffers, inlined) in found.items():
+            assert loss < 1e-5 and grads < 1e-5 and buffers == 0, (writes, loss, grads, buffers)
+            assert len(inlined) == 1, inlined
+
+
 def _toy_batch(seq_len: int) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 256, (2, seq_len), generator=g)

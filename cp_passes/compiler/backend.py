@@ -35,7 +35,7 @@ from .schedule import schedule_for_overlap
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
 from .batch_layout import read_batch
 from ..experts import install as install_experts
-from .capture import capture, install_output_hooks, tracing_config
+from .capture import capture_regions_inlined_where_written, install_output_hooks, tracing_config
 from .interleave import interleaved_refusal
 from .padding import pad_readers, padding_refusal
 from .pipeline import CompileRecord, rewrite_graph
@@ -67,7 +67,10 @@ class CPBackend:
             if regions:
                 record.history.append((f"checkpointed regions inlined ({regions})",
                                        gm.print_readable(print_output=False)))
-            aten_gm, fakes = capture(gm, owner._sharded, owner._local_len, owner.spec.pad_multiple)
+            aten_gm, fakes, inlined = capture_regions_inlined_where_written(gm, owner._sharded, owner._local_len,
+                                                                            owner.spec.pad_multiple)
+            for line in inlined:
+                record.history.append((line, gm.print_readable(print_output=False)))
             stage = "rewrite"
             plan = rewrite_graph(aten_gm, fakes, owner.spec, cp, record)
             readers = [line for _, part in plan.parts() for line in pad_readers(part, owner.spec)]

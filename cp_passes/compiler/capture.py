@@ -18,7 +18,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ..errors import CPCompileError, source_line
 from ..graph.analysis import INPUT_NAME, meta_val
-from .regions import schema_once
+from .regions import inline_writing_regions, schema_once
 
 _KEEP_SYMBOLIC = (
     "keep the sequence length symbolic there (no Python loop over chunks of the sequence, no int() of a size, "
@@ -197,6 +197,24 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local
     # make_fx converts the inputs into the backend's fake mode; later passes must use those values.
     return aten_gm, [meta_val(n) for n in aten_placeholders]
 
+
+
+def capture_regions_inlined_where_written(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]],
+                                          local_len: int, multiple: int = 1):
+    """:func:`capture`; where it fails and a nested compile region writes one of its operands in place (which
+    torch's ``invoke_subgraph`` cannot train through), those regions are inlined at their calls
+    (:func:`~.regions.inline_writing_regions`) and the graph captured again. Only a failed capture pays for
+    the search. Returns ``(aten_gm, fakes, lines)``, a line per region inlined."""
+    try:
+        return (*capture(gm, sharded, local_len, multiple), [])
+    except Exception:
+        lines = inline_writing_regions(gm)
+        if not lines:
+            raise
+    context = torch._guards.TracingContext.try_get()
+    if context is not None:  # the failed re-trace cached region graphs that no longer exist
+        context.hop_dispatch_set_cache = type(context.hop_dispatch_set_cache)()
+    return (*capture(gm, sharded, local_len, multiple), lines)
 
 
 def install_output_hooks(model: torch.nn.Module) -> None:

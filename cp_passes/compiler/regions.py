@@ -96,6 +96,45 @@ def inline(gm: torch.fx.GraphModule, name: str) -> int:
     return len(calls)
 
 
+def inline_writing_regions(gm: torch.fx.GraphModule) -> list[str]:
+    """Inline, at each of its calls, every region of dynamo's graph ``gm`` that writes one of its operands in place
+    (a block counting its calls in a buffer, BatchNorm's running statistics): torch's ``invoke_subgraph`` cannot
+    train through such a write, and cp_passes chose the region, not the user. The write is found by running the
+    region's subgraph once on fake copies of its first call's operands and reading their version counters, so
+    writes inside an op (``batch_norm(training=True)``) count too. Returns one line per region inlined, naming
+    what it writes."""
+    lines = []
+    for name, calls in calls_by_subgraph(gm).items():
+        written = _written_operands(getattr(gm, name), calls[0])
+        if written:
+            count = inline(gm, name)
+            lines.append(f"{name} inlined at its {count} calls: it writes {', '.join(written)} in place, which a "
+                         f"nested compile region cannot train through")
+    return lines
+
+
+def _written_operands(sub: torch.fx.GraphModule, call: torch.fx.Node) -> list[str]:
+    """The operands of ``call`` that running ``sub`` on them writes in place, each by the name dynamo's source gives
+    it (``L['self']._modules['layers']._modules['0']._buffers['calls']``)."""
+    values = [meta_val(p) for p in sub.graph.find_nodes(op="placeholder")]
+    fake_mode = next((v.fake_mode for v in values if isinstance(v, torch._subclasses.FakeTensor)), None)
+    if fake_mode is None:
+        return []
+    try:
+        with fake_mode, torch.no_grad():
+            copies = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in values]
+            versions = [c._version if isinstance(c, torch.Tensor) else None for c in copies]
+            sub(*copies)
+    except Exception:  # a probe only: where it cannot run, the re-trace reports what torch refuses, as before
+        return []
+    written = []
+    for operand, copy, version in zip(operands(call), copies, versions):
+        if version is not None and copy._version != version:
+            source = operand.meta.get("grapharg") if isinstance(operand, torch.fx.Node) else None
+            written.append(source.source.name if source is not None else str(operand))
+    return written
+
+
 def _block_path(call: torch.fx.Node) -> str | None:
     """The module path (as dynamo spells it) of the block a call runs."""
     stack = call.meta.get("nn_module_stack") or {}

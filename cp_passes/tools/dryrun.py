@@ -26,7 +26,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph.analysis import INPUT_NAME
 from ..compiler.backend import prepare_model
-from ..compiler.capture import capture, tracing_config
+from ..compiler.capture import capture_regions_inlined_where_written, tracing_config
 from ..compiler.pipeline import CompileRecord, plan_records, prepare_graph, rewrite_graph
 from ..compiler.regions import mark_gradients, mark_regions, repeated_blocks, schema_once
 from ..graph.analysis import meta_val, sequence_symbol
@@ -126,7 +126,8 @@ def _capture(build_model, inputs, spec: CPSpec, regions):
     held = {}
 
     def backend(gm, example_inputs):
-        held["graph"], fakes = capture(gm, sharded, seq_len, spec.pad_multiple)
+        held["graph"], fakes, held["inlined"] = capture_regions_inlined_where_written(gm, sharded, seq_len,
+                                                                                      spec.pad_multiple)
         for fake, example in zip(fakes, example_inputs):  # the re-trace's fakes lose it; the partition needs it
             if isinstance(example, torch.Tensor) and example.requires_grad:
                 fake.requires_grad_(True)
@@ -139,7 +140,7 @@ def _capture(build_model, inputs, spec: CPSpec, regions):
         if not isinstance(failed.inner_exception, _Captured):
             raise failed.inner_exception from None
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    return held["graph"], seq_len, parameter_bytes, list(kwargs)
+    return held["graph"], seq_len, parameter_bytes, list(kwargs), held["inlined"]
 
 
 def _heap_frozen(run):
@@ -178,9 +179,9 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
     cp = resolve_group(mesh, spec)
     install(spec.recurrences)
     if regions:
-        gm, seq_len, parameter_bytes, names = _capture(build_model, inputs, spec, regions)
+        gm, seq_len, parameter_bytes, names, inlined = _capture(build_model, inputs, spec, regions)
     else:
-        gm, seq_len, parameter_bytes, names = _export(build_model, inputs, spec)
+        (gm, seq_len, parameter_bytes, names), inlined = _export(build_model, inputs, spec), []
     # The single-device graph for the memory estimate: a copy of the capture, not a second one (dynamo traces
     # every layer's call again: half of a 45-layer model's dry run).
     single_gm = copy.deepcopy(gm) if memory and regions else None
@@ -190,8 +191,8 @@ def dry_run(build_model: Callable[[], torch.nn.Module], inputs: dict[str, tuple[
         if not regions and node.name in names:  # export names a forward argument's placeholder after it
             node.meta[INPUT_NAME] = node.name
     record = CompileRecord(cp.rank, cp.size, seq_len, "dry run (fake tensors)")
-    record.history.append((f"aten (pre-dispatch), {'captured by dynamo' if regions else 'exported'} on fake tensors",
-                           gm.print_readable(print_output=False)))
+    record.history.append((f"aten (pre-dispatch), {'captured by dynamo' if regions else 'exported'} on fake tensors"
+                           + "".join(f"; {line}" for line in inlined), gm.print_readable(print_output=False)))
     per_rank = {}
     if sym is not None:
         prepare_graph(gm, sym, spec, record.history)
