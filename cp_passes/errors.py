@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 import os
 import re
@@ -214,6 +215,19 @@ def experts_fix(model: torch.nn.Module | None, said: str) -> str | None:
     return None
 
 
+def _raised(observed: BaseException) -> tuple[str, str] | None:
+    """The name and message of the exception the traced code raised, from dynamo's text for it (``raised
+    exception ValueError("...")``: dynamo keeps no exception object), or None where that is not its form."""
+    found = re.search(r"raised exception (\w+)\((.*)\)\s*$", str(observed), re.DOTALL)
+    if found is None:
+        return None
+    try:
+        message = ast.literal_eval(found[2]) if found[2] else ""
+    except (ValueError, SyntaxError):
+        return None
+    return (found[1], message) if isinstance(message, str) else None
+
+
 def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> CPCompileError | None:
     """The CPCompileError for an error whose cause cp_passes can name, else None."""
     from torch._dynamo import exc
@@ -248,6 +262,12 @@ def _recognised(error: BaseException, model: torch.nn.Module | None = None) -> C
             "dynamo refused a construct in the model (typically Python control flow on tensor values, such as a "
             f"loop over the experts that nonzero() selects). {fix}. Dynamo said:\n{_trimmed(error)}"
         )
+    raised = next((_raised(e) for e in chain if isinstance(e, exc.ObservedException)), None)
+    if raised is not None:
+        name, message = raised
+        where = str(error).partition("from user code:")[2].partition("Set TORCHDYNAMO_VERBOSE")[0].rstrip()
+        return CPCompileError(f"the model raised {name} while dynamo traced it: {message}"
+                              + (f"\nat (innermost last):{where}" if where else ""))
     if isinstance(error, exc.Unsupported):
         said = _trimmed(error)
         # transformers logs when activation checkpointing turns a configured cache off: a graph break

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from .errors import CPCompileError
+
 _PACKING = ("cu_seqlens", "seq_idx")
 """Arguments that split a call into documents (flash-linear-attention's names)."""
 
@@ -153,7 +155,14 @@ def _shapes(kernel: str, args, initial_state, options: str) -> tuple:
             out, final = _call(kernel, _tiny(rec, args), state, options)
             value_axis = None
             if rec.form == "affine" and state is None:
-                _, wider = _call(kernel, _tiny(rec, args, extra=1), None, options)
+                try:
+                    _, wider = _call(kernel, _tiny(rec, args, extra=1), None, options)
+                except Exception as error:
+                    raise CPCompileError(
+                        f"Recurrence {kernel}: value_arg={rec.value_arg!r} must name the sequence argument whose "
+                        f"last dim is the state's V (the one the state widens with), but the kernel fails with that "
+                        f"argument one column wider ({type(error).__name__}: {str(error).splitlines()[0]}); name "
+                        f"the value among sequence_args={rec.sequence_args}") from error
                 grown = [d - final.dim() for d in range(final.dim()) if wider.shape[d] == final.shape[d] + 1]
                 value_axis = grown[0] if len(grown) == 1 and wider.dim() == final.dim() else None
         _SHAPES[key] = ((tuple(out.shape), out.dtype), (tuple(final.shape), final.dtype), value_axis)
@@ -260,6 +269,30 @@ def _check(rec, fn) -> None:
                              f"kernel ({params})")
 
 
+def _has_sequence(rec, tensor: torch.Tensor, first: torch.Tensor) -> bool:
+    """Whether ``tensor`` has the length of ``first`` (a sequence argument) on ``seq_dim``: the same symbol under
+    dynamo (compared as expressions, so that no guard is added on the length), the same number in eager."""
+    dim = rec.seq_dim
+    if tensor.dim() <= dim or first.dim() <= dim:
+        return False
+    a, b = tensor.shape[dim], first.shape[dim]
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
+
+
+def _undeclared(rec, name: str, tensor: torch.Tensor, first: torch.Tensor) -> str:
+    """The refusal of a call that passes ``name``, a tensor its Recurrence does not declare, and where it belongs:
+    among the sequence arguments when it has the first one's length on ``seq_dim``, else among the whole ones."""
+    dim = rec.seq_dim
+    where = (f"sequence_args (it has the sequence's length on seq_dim={dim}, as {rec.sequence_args[0]!r} does)"
+             if _has_sequence(rec, tensor, first) else "tensor_args (a tensor every rank passes whole, such as "
+             "Mamba-2's A)")
+    return (f"the recurrent kernel {rec.kernel} was called with the tensor {name!r} {tuple(tensor.shape)}, which its "
+            f"Recurrence declares in neither sequence_args={rec.sequence_args} nor tensor_args={rec.tensor_args}: "
+            f"add it to {where}")
+
+
 def _wrapper(rec, fn):
     signature = inspect.signature(fn)
     named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, rec.documents,
@@ -280,7 +313,17 @@ def _wrapper(rec, fn):
             # itself; under cp_compile its loop then pins the length, which is refused naming the line.
             return fn(*args, **kwargs)
         tensors = [a for a in rec.tensor_args if bound.get(a) is not None]
+        first = bound[rec.sequence_args[0]]
+        carrying = next((a for a in tensors if _has_sequence(rec, bound[a], first)), None)
+        if carrying is not None:
+            raise ValueError(f"the recurrent kernel {rec.kernel} was called with {carrying!r} "
+                             f"{tuple(bound[carrying].shape)}, which its Recurrence declares in tensor_args (passed "
+                             f"whole to every rank), but it has the sequence's length on seq_dim={rec.seq_dim}, as "
+                             f"{rec.sequence_args[0]!r} does: move it to sequence_args")
         options = {k: v for k, v in bound.items() if k in named and v is not None}
+        undeclared = next((k for k, v in options.items() if isinstance(v, torch.Tensor)), None)
+        if undeclared is not None:
+            raise ValueError(_undeclared(rec, undeclared, options[undeclared], first))
         if tensors:
             options[_TENSORS] = ",".join(tensors)
         out, state = torch.ops.cp_passes.recurrence(

@@ -383,3 +383,23 @@ def glm5_next_packed_parity(group, documents: list[list[int]], layer_types: tupl
     loss = out.pow(2).sum()
     loss.backward()
     return step_result(model, compiled, loss, out, layout)
+
+
+@pytest.mark.parametrize("declared,why", [
+    (dict(sequence_args=("query", "key", "value")),
+     r"^the model raised ValueError while dynamo traced it: the recurrent kernel test_recurrence:gated_scan was called "
+     r"with the tensor 'g' \(2, s\d+, 2\), which its Recurrence declares in neither .* add it to sequence_args"),
+    (dict(sequence_args=("query", "key", "value"), tensor_args=("g",)),
+     r"called with 'g' \(2, s\d+, 2\), which its Recurrence declares in tensor_args .* move it to sequence_args"),
+    (dict(sequence_args=("query", "key", "value", "g"), value_arg="key"),
+     r"^Recurrence test_recurrence:gated_scan: value_arg='key' must name the sequence argument whose last dim is "
+     r"the state's V .* einsum"),
+])
+def test_a_declaration_that_does_not_fit_the_call_is_refused_naming_the_argument(group, declared, why):
+    """A tensor the declaration leaves out (the gate), one declared whole that carries the sequence, and a
+    value_arg that is not the value: refusals that name the argument and the fix, not failures inside dynamo
+    (sorting a tensor among the constants), the length specialized, or the fake kernel's error."""
+    spec = cp_passes.CPSpec(recurrences=(cp_passes.Recurrence(SCAN_KERNEL, documents="cu_seqlens", **declared),))
+    compiled = cp_passes.cp_compile(PackedScan(), spec, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match=why):
+        compiled(torch.randint(0, 32, (2, 8)))
