@@ -403,3 +403,49 @@ def test_a_declaration_that_does_not_fit_the_call_is_refused_naming_the_argument
     compiled = cp_passes.cp_compile(PackedScan(), spec, mesh=group, backend="aot_eager", verbose=False)
     with pytest.raises(CPCompileError, match=why):
         compiled(torch.randint(0, 32, (2, 8)))
+
+
+class ShiftedScan(nn.Module):
+    """gated_scan fed token-shifted inputs, as RWKV feeds its WKV kernel: ``"value"`` shifted by one position
+    (a pad, then the first positions), ``"key"`` the same with the sequence last, ``"both"``."""
+
+    def __init__(self, shift: str):
+        super().__init__()
+        self.shift = shift
+        self.embed = nn.Embedding(32, 16)
+        self.qkv = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.gate = nn.Linear(16, 2)
+        self.out = nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        q, k, v = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkv]
+        if self.shift in ("value", "both"):
+            v = F.pad(v, (0, 0, 0, 0, 1, 0))[:, :-1]
+        if self.shift in ("key", "both"):
+            k = F.pad(k.transpose(1, 3), (1, 0))[..., :k.shape[1]].transpose(1, 3)
+        o, _ = gated_scan(q, k, v, F.logsigmoid(self.gate(h)))
+        out = self.out(o.flatten(-2))
+        return out.pow(2).sum(), out
+
+
+def shifted_scan_parity(group, shift: str, form: str) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, ShiftedScan(shift), scan_spec(form), [16])
+
+
+SHIFTED = [(4, "affine", "both")] + [pytest.param(P, form, shift, marks=pytest.mark.full) for P, form, shift in (
+    (4, "affine", "value"), (4, "affine", "key"), (2, "affine", "both"), (4, "sequential", "both"))]
+
+
+@pytest.mark.parametrize("P,form,shift", SHIFTED)
+def test_a_kernel_fed_a_token_shift_carries_its_state(pool, parity_report, P, form, shift):
+    """The kernel's sequence arguments straight from a token shift (the shift's halo rewrites them before the
+    carry reads them): the value, the key and both, as on one device."""
+    per_rank = pool.run(shifted_scan_parity, P, shift=shift, form=form)
+    torch.manual_seed(0)
+    model = ShiftedScan(shift)
+    loss, out = model(**mixer_batch(16))
+    loss.backward()
+    compare(f"shifted-{shift}-gated-scan-{form}-aot_eager", [r[0] for r in per_rank], loss.detach(), out.detach(),
+            {n: p.grad for n, p in model.named_parameters()}, 16, parity_report)

@@ -16,6 +16,7 @@ the ranks that produced it. Bytes are state-sized, independent of the sequence l
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,9 +44,11 @@ class Carry:
     def state(self) -> torch.Tensor:
         return meta_val(self.node)[1]
 
-    @property
+    @functools.cached_property
     def value_axis(self) -> int | None:
-        """The state's V axis for the affine form (read from the kernel: :func:`cp_passes.kernels.value_axis`)."""
+        """The state's V axis for the affine form (read from the kernel: :func:`cp_passes.kernels.value_axis`), read
+        once, when the rule plans the carry: by the time the carry is applied, an earlier transport may have fed
+        the kernel new nodes (a token shift's halo) that carry no fake values yet."""
         kernel, args, _, options, _, _ = self.node.args
         return kernel_value_axis(kernel, [meta_val(a) for a in args], options)
 
