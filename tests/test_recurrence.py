@@ -407,7 +407,8 @@ def test_a_declaration_that_does_not_fit_the_call_is_refused_naming_the_argument
 
 class ShiftedScan(nn.Module):
     """gated_scan fed token-shifted inputs, as RWKV feeds its WKV kernel: ``"value"`` shifted by one position
-    (a pad, then the first positions), ``"key"`` the same with the sequence last, ``"both"``."""
+    (a pad, then the first positions), ``"key"`` the same with the sequence last, ``"both"``; ``"crop"`` both by
+    a pad that crops (a negative width: RWKV's ``nn.ZeroPad2d((0, 0, 1, -1))``, and ``F.pad``)."""
 
     def __init__(self, shift: str):
         super().__init__()
@@ -424,6 +425,9 @@ class ShiftedScan(nn.Module):
             v = F.pad(v, (0, 0, 0, 0, 1, 0))[:, :-1]
         if self.shift in ("key", "both"):
             k = F.pad(k.transpose(1, 3), (1, 0))[..., :k.shape[1]].transpose(1, 3)
+        if self.shift == "crop":  # RWKV's time shift: nn.ZeroPad2d((0, 0, 1, -1)) on [B, T, C]
+            k = nn.ZeroPad2d((0, 0, 1, -1))(k.flatten(2)).unflatten(-1, (2, 8))
+            v = F.pad(v, (0, 0, 0, 0, 1, -1))
         o, _ = gated_scan(q, k, v, F.logsigmoid(self.gate(h)))
         out = self.out(o.flatten(-2))
         return out.pow(2).sum(), out
@@ -434,14 +438,16 @@ def shifted_scan_parity(group, shift: str, form: str) -> list[dict]:
     return small_parity(group, ShiftedScan(shift), scan_spec(form), [16])
 
 
-SHIFTED = [(4, "affine", "both")] + [pytest.param(P, form, shift, marks=pytest.mark.full) for P, form, shift in (
-    (4, "affine", "value"), (4, "affine", "key"), (2, "affine", "both"), (4, "sequential", "both"))]
+SHIFTED = [(4, "affine", "both"), (2, "affine", "crop")] + [
+    pytest.param(P, form, shift, marks=pytest.mark.full) for P, form, shift in (
+        (4, "affine", "value"), (4, "affine", "key"), (2, "affine", "both"), (4, "sequential", "both"),
+        (4, "affine", "crop"))]
 
 
 @pytest.mark.parametrize("P,form,shift", SHIFTED)
 def test_a_kernel_fed_a_token_shift_carries_its_state(pool, parity_report, P, form, shift):
     """The kernel's sequence arguments straight from a token shift (the shift's halo rewrites them before the
-    carry reads them): the value, the key and both, as on one device."""
+    carry reads them): the value, the key, both, and both by cropping pads, as on one device."""
     per_rank = pool.run(shifted_scan_parity, P, shift=shift, form=form)
     torch.manual_seed(0)
     model = ShiftedScan(shift)

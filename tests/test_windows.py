@@ -250,3 +250,71 @@ def overlapping_windows_parity(group, seq_lens: list[int]) -> list[dict]:
 def shifted_write_parity(group, seq_lens: list[int]) -> list[dict]:
     torch.manual_seed(0)
     return small_parity(group, ShiftedWrite(), None, seq_lens)
+
+
+@pytest.mark.parametrize("widths", [(1, -1), (-1, 1), (-2, -1), (0, -3), (2, -1), (-1, 0, 1, -2)])
+def test_a_pad_that_crops_is_the_same_value_as_a_pad_and_a_slice(widths):
+    """RWKV's time shift pads with a negative width (``nn.ZeroPad2d((0, 0, 1, -1))``); cp_passes rewrites such a
+    pad as a pad of the widths that are not negative and a slice of each cropped dim, which the shift rule reads.
+    The rewritten graph computes the same tensor for crops at either end, both, and of two dims."""
+    import functools
+
+    import torch.nn.functional as F
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from cp_passes.graph.shifted_writes import cropping_pads_as_slices
+
+    x = torch.randn(3, 7, 5)
+    pad = functools.partial(F.pad, pad=widths)
+    gm = make_fx(pad, tracing_mode="fake")(x)
+    assert cropping_pads_as_slices(gm) == 1
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "pad" in str(n.target)
+                and min(n.args[1]) < 0], gm.code
+    assert torch.equal(gm(x), pad(x))
+
+
+class TimeMix(torch.nn.Module):
+    """RWKV's token mix ``x + (shift(x) - x) * mix`` before causal attention, the shift a pad that crops:
+    ``"zeropad"`` (``nn.ZeroPad2d((0, 0, 1, -1))``), ``"two"`` (``F.pad`` two rows back) or ``"next"`` (the next
+    position's row, cropped from the front)."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+        self.embed = torch.nn.Embedding(32, 16)
+        self.mix = torch.nn.Parameter(torch.rand(16))
+        self.qkv = torch.nn.Linear(16, 48)
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        import torch.nn.functional as F
+
+        x = self.embed(input_ids)
+        shifted = {"zeropad": lambda: torch.nn.ZeroPad2d((0, 0, 1, -1))(x), "two": lambda: F.pad(x, (0, 0, 2, -2)),
+                   "next": lambda: F.pad(x, (0, 0, -1, 1))}[self.form]()
+        h = x + (shifted - x) * self.mix
+        q, k, v = self.qkv(h).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        out = self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2))
+        return out.pow(2).sum(), out
+
+
+def time_mix_parity(group, form: str) -> list[dict]:
+    torch.manual_seed(0)
+    return small_parity(group, TimeMix(form), cp_passes.CPSpec(), [16])
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("form", ["zeropad", "two", "next"])
+def test_a_token_mix_with_a_cropping_pad_matches_one_device(pool, parity_report, P, form):
+    """The cropping pad read as a shift (a halo of the rows it moves), on the balanced layout: as on one device."""
+    from parity import compare
+
+    per_rank = pool.run(time_mix_parity, P, form=form)
+    torch.manual_seed(0)
+    model = TimeMix(form)
+    loss, out = model(**mixer_batch(16))
+    loss.backward()
+    compare(f"time-mix-{form}-aot_eager", [r[0] for r in per_rank], loss.detach(), out.detach(),
+            {n: p.grad for n, p in model.named_parameters()}, 16, parity_report)
+    assert ("shift_stencil", "shift") in [r[:2] for r in per_rank[0][0]["records"]]

@@ -21,7 +21,7 @@ from ..graph.calls import calls_by_subgraph, operands
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
-from ..graph.shifted_writes import shifted_writes_as_shifts
+from ..graph.shifted_writes import cropping_pads_as_slices, shifted_writes_as_shifts
 from ..graph.unread import drop_unread_values
 from ..graph.propagate import propagate_changed, snapshot
 from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
@@ -165,6 +165,8 @@ def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]]
         history.append((f"{label}values only metadata checks read, removed", format_graph(gm)))
     if fills_out_of_place(gm):
         history.append((f"{label}fills out of place", format_graph(gm)))
+    if cropping_pads_as_slices(gm):
+        history.append((f"{label}pads with negative widths as pads and slices", format_graph(gm)))
     if shifted_writes_as_shifts(gm, sym, spec.pad_multiple):
         history.append((f"{label}shifted writes as shifts", format_graph(gm)))
     if scores_bias_split(gm, sym):

@@ -8,9 +8,15 @@ by ``k`` rows (``pad(x, k before)[:, :n]``, which the shift transport serves: on
 lacks move) and from the whole base instead of its rows ``k:``. That holds when every op between the
 slices and ``y`` treats the rows of ``dim`` alike (slices and scatters of other dims, broadcasts to the
 written view, dtype casts). Anything else is left for the planner, which refuses it naming the slice.
+
+A pad with a negative width crops: RWKV's time shift ``nn.ZeroPad2d((0, 0, 1, -1))`` (``F.pad(x, (.., 1, -1))``)
+is a pad of one row before and the last row dropped. :func:`cropping_pads_as_slices` writes it so, a pad with
+the widths that are not negative and a slice of what they crop, which is the form the shift transport serves.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx
@@ -153,3 +159,43 @@ def shifted_writes_as_shifts(gm: torch.fx.GraphModule, sym, multiple: int = 1) -
             rewritten += 1
     gm.recompile()
     return rewritten
+
+
+_PADS = (aten.pad.default, aten.constant_pad_nd.default)
+
+
+def cropping_pads_as_slices(gm: torch.fx.GraphModule) -> int:
+    """Rewrite every constant pad with a negative width as a pad of the other widths and a slice of each dim it
+    crops (the same value); returns how many were rewritten."""
+    rewritten = 0
+    for pad in [n for target in _PADS for n in gm.graph.find_nodes(op="call_function", target=target)]:
+        args = bind_args(pad)
+        widths, value = list(args["pad"]), args.get("value")
+        if args.get("mode", "constant") != "constant" or not all(isinstance(w, int) for w in widths) \
+                or min(widths, default=0) >= 0:
+            continue
+        graph, x = pad.graph, args[_first(args)]
+        ndim = meta_val(x).dim()
+        with graph.inserting_before(pad):
+            out = _emit(graph, pad, aten.constant_pad_nd.default,
+                        (x, [max(w, 0) for w in widths], 0.0 if value is None else value))
+            for i in range(0, len(widths), 2):
+                before, after = widths[i], widths[i + 1]
+                if before >= 0 and after >= 0:
+                    continue
+                dim = ndim - 1 - i // 2
+                end = _emit(graph, pad, aten.sym_size.int, (x, dim))  # the source's: the pad's users stay slices
+                if max(before, 0) + after:  # the padded length less what the end crops
+                    end = _emit(graph, pad, operator.add, (end, max(before, 0) + after))
+                out = _emit(graph, pad, aten.slice.Tensor, (out, dim, max(-before, 0), end))
+        pad.replace_all_uses_with(out)
+        graph.erase_node(pad)
+        rewritten += 1
+    if rewritten:
+        gm.recompile()
+    return rewritten
+
+
+def _first(args: dict) -> str:
+    """The padded tensor's parameter name (``self`` or ``input``)."""
+    return "self" if "self" in args else "input"
