@@ -16,7 +16,7 @@ from cp_passes.layout import resolve_layout
 import cp_passes
 from family_models import (HF_MODELS, deepseek_v4_batch, deepseek_v4_loss, deepseek_v4_spec, hf_batch, hf_deepseek_v4,
                            hf_glm5_next, hf_step3p7, step3p7_batch)
-from shared import in_global_order, toy_batch, toy_model
+from shared import in_global_order, mixer_batch, toy_batch, toy_model
 
 OUT_TOL = 1e-5
 GRAD_RTOL = 1e-5
@@ -57,6 +57,17 @@ def compare(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, rep
     assert out_err <= OUT_TOL, f"{name}: logits differ by {out_err}"
     assert loss_err <= OUT_TOL, f"{name}: loss differs by {loss_err} (relative)"
     assert grad_err <= grad_rtol, f"{name}: gradients differ by {grad_err} (relative, {worst})"
+
+
+def compare_small(name, results_by_rank, build, seq_len, report):
+    """:func:`compare` against ``build()`` (seeded with 0, as the ranks build it) run on one device on
+    ``mixer_batch(seq_len)``, the model called as ``loss, out = model(input_ids=...)``."""
+    torch.manual_seed(0)
+    model = build()
+    loss, out = model(**mixer_batch(seq_len))
+    loss.backward()
+    compare(name, results_by_rank, loss.detach(), out.detach(), {n: p.grad for n, p in model.named_parameters()},
+            seq_len, report)
 
 
 def compare_within_floor(name, results_by_rank, ref_loss, ref_logits, ref_grads, seq_len, report, floor):
