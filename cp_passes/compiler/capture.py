@@ -180,9 +180,7 @@ def capture(gm: torch.fx.GraphModule, sharded: dict[int, tuple[str, int]], local
     retracer = _Retracer(gm, shape_env, sym if sym.is_Symbol else None)
     with fx_traceback.preserve_node_meta(), schema_once():
         aten_gm = make_fx(retracer.run, pre_dispatch=True, tracing_mode="fake")(*[meta_val(n) for n in placeholders])
-    context = torch._guards.TracingContext.try_get()
-    if context is not None:  # the re-trace cached each region's graphs by name; AOTAutograd traces them afresh
-        context.hop_dispatch_set_cache = type(context.hop_dispatch_set_cache)()
+    _forget_region_graphs()  # the re-trace cached each region's graphs by name; AOTAutograd traces them afresh
     if shape_env.replace(sym).is_number:
         at = retracer.specialized_at
         where = source_line(at) if at is not None else "an unknown node"
@@ -211,10 +209,15 @@ def capture_regions_inlined_where_written(gm: torch.fx.GraphModule, sharded: dic
         lines = inline_writing_regions(gm)
         if not lines:
             raise
-    context = torch._guards.TracingContext.try_get()
-    if context is not None:  # the failed re-trace cached region graphs that no longer exist
-        context.hop_dispatch_set_cache = type(context.hop_dispatch_set_cache)()
+    _forget_region_graphs()  # the failed re-trace cached graphs of regions that no longer exist
     return (*capture(gm, sharded, local_len, multiple), lines)
+
+
+def _forget_region_graphs() -> None:
+    """Empty the tracing context's cache of region graphs (by region name), which a re-trace fills."""
+    context = torch._guards.TracingContext.try_get()
+    if context is not None:
+        context.hop_dispatch_set_cache = type(context.hop_dispatch_set_cache)()
 
 
 def install_output_hooks(model: torch.nn.Module) -> None:

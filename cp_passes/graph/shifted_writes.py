@@ -174,7 +174,7 @@ def cropping_pads_as_slices(gm: torch.fx.GraphModule) -> int:
         if args.get("mode", "constant") != "constant" or not all(isinstance(w, int) for w in widths) \
                 or min(widths, default=0) >= 0:
             continue
-        graph, x = pad.graph, args[_first(args)]
+        graph, x = pad.graph, args["self"]
         ndim = meta_val(x).dim()
         with graph.inserting_before(pad):
             out = _emit(graph, pad, aten.constant_pad_nd.default,
@@ -194,8 +194,3 @@ def cropping_pads_as_slices(gm: torch.fx.GraphModule) -> int:
     if rewritten:
         gm.recompile()
     return rewritten
-
-
-def _first(args: dict) -> str:
-    """The padded tensor's parameter name (``self`` or ``input``)."""
-    return "self" if "self" in args else "input"
