@@ -11,10 +11,10 @@ import torch.nn.functional as F
 
 import cp_passes
 from cp_passes import CPCompileError, CPSpec
-from cp_passes.compiler.batch_layout import read_batch
+from cp_passes.compiler.batch_layout import order_refusal, read_batch
 from cp_passes.data.batch import shard_for_rank
 from cp_passes.group import CPGroup
-from cp_passes.layout import BALANCED, CONTIGUOUS
+from cp_passes.layout import BALANCED, CONTIGUOUS, Layout
 from shared import error_text, toy_batch, toy_model
 
 SPEC = CPSpec()
@@ -29,6 +29,93 @@ def verdict(batch: dict, rank: int, size: int = 2, kind: str = BALANCED):
 def hand_cut(batch: dict, rank: int, size: int = 2) -> dict:
     local = batch["input_ids"].shape[1] // size
     return {k: v[:, rank * local:(rank + 1) * local] for k, v in batch.items()}
+
+
+def together(batches: list[dict], kind: str = BALANCED) -> str | None:
+    """What the ranks holding ``batches`` (one per rank) decide: a rank's own refusal, else the verdict on
+    their positions' order, from the rows every rank gathers (:func:`confirm_order`)."""
+    found = [verdict(batch, rank, len(batches), kind) for rank, batch in enumerate(batches)]
+    refusal = next((f.refusal for f in found if f.refusal is not None), None)
+    if refusal is not None or found[0].seams is None:
+        return refusal
+    return order_refusal(Layout(len(batches), kind), [f.seams for f in found], found[0].seam_names)
+
+
+def unmarked_shards(batch: dict, size: int, kind: str = BALANCED) -> list[dict]:
+    """Every rank's rows of the layout, cut by hand (shard_batch never saw them)."""
+    return [{k: Layout(size, kind).shard(v, 1, rank) for k, v in batch.items()} for rank in range(size)]
+
+
+def positions_batch(positions: torch.Tensor) -> dict:
+    ids = torch.randint(0, 100, positions.shape, generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "position_ids": positions, "labels": ids.clone()}
+
+
+def packed_positions(rows: int, seq_len: int, longest: int, seed: int = 0) -> torch.Tensor:
+    """Rows of documents of 1 to ``longest`` tokens, each document's positions from 0."""
+    g, out = torch.Generator().manual_seed(seed), []
+    for _ in range(rows):
+        lengths = torch.randint(1, longest + 1, (seq_len,), generator=g)
+        out.append(torch.cat([torch.arange(n) for n in lengths.tolist()])[:seq_len])
+    return torch.stack(out)
+
+
+def left_padded_positions(pads: list[int], seq_len: int) -> torch.Tensor:
+    """transformers' positions of a left-padded batch: ``cumsum(attention_mask) - 1`` (-1 on the padding)."""
+    mask = torch.stack([torch.arange(seq_len) >= pad for pad in pads]).long()
+    return mask.cumsum(1) - 1
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_hand_cut_positions_are_accepted_only_in_the_order_of_the_layout(size):
+    """Packed rows whose positions restart every few tokens and left-padded rows (positions from -1) never run
+    ahead of their rows, under either cut: only the order of the chunks, read from the positions at their
+    joins, tells a contiguous cut from the balanced layout."""
+    cases = {"packed": packed_positions(2, 96, 13), "left padded": left_padded_positions([50, 40], 96),
+             "one document a row": torch.arange(96).expand(2, 96)}
+    for name, positions in cases.items():
+        batch = positions_batch(positions)
+        by_hand = [hand_cut(batch, rank, size) for rank in range(size)]
+        refusal = together(by_hand)
+        assert refusal is not None, name
+        if name != "one document a row":  # refused by the positions ahead of their rows
+            assert refusal.startswith("input 'position_ids' follows the contiguous cut, not the module's layout "
+                                      "(balanced"), (name, refusal)
+            assert FIX in refusal and CONTIGUOUS_FIX in refusal
+        assert together(by_hand, CONTIGUOUS) is None, name
+        assert together(unmarked_shards(batch, size), BALANCED) is None, name
+        balanced = together(unmarked_shards(batch, size), CONTIGUOUS)
+        assert balanced is not None and "position" in balanced, name
+
+
+def test_positions_that_show_no_order_are_refused_under_the_balanced_layout():
+    """Documents that end exactly where the chunks do: the positions restart at every join, so they cannot
+    tell the chunks' order. The balanced module refuses them cut either way; the contiguous one takes them."""
+    for size in (2, 4):
+        chunk = 96 // (2 * size)
+        batch = positions_batch(torch.arange(chunk).repeat(2, 2 * size))
+        for cut in ([hand_cut(batch, rank, size) for rank in range(size)], unmarked_shards(batch, size)):
+            refusal = together(cut)
+            assert refusal.startswith("input 'position_ids' cannot show that this hand-cut batch follows the "
+                                      "module's layout"), refusal
+            assert together(cut, CONTIGUOUS) is None
+        batch["position_ids"] = packed_positions(2, 96, chunk, seed=3) * 0  # every token its own document
+        assert together([hand_cut(batch, rank, size) for rank in range(size)]) is not None
+
+
+def test_a_shard_cut_for_another_rank_or_from_another_batch_is_told():
+    """shard_batch's mark names the rank and world size it cut for; the global batch's fingerprint goes into
+    what the ranks agree on, so ranks that cut different batches disagree there."""
+    batch = toy_batch(128)
+    local, _ = shard_for_rank(batch, 0, 2)
+    refusal = verdict(local, 1).refusal
+    assert refusal.startswith("input 'input_ids' was cut by shard_batch for rank 0 of 2, but this module runs "
+                              "on rank 1 of 2"), refusal
+    assert verdict(shard_for_rank(batch, 1, 4)[0], 1).refusal is not None
+    lines = [verdict(shard_for_rank(batch, rank, 2)[0], rank).lines() for rank in range(2)]
+    assert lines[0] == lines[1]
+    other = verdict(shard_for_rank(toy_batch(128, seed=2), 1, 2)[0], 1).lines()
+    assert other != lines[1] and other[-1].startswith("the global batch shard_batch cut (its fingerprint): ")
 
 
 def test_a_contiguous_slice_with_positions_is_refused_where_its_positions_run_ahead():
@@ -61,13 +148,11 @@ def test_a_contiguous_slice_without_positions_is_refused_unless_the_layout_is_co
 
 
 def test_positions_cut_by_hand_in_the_layout_are_accepted():
-    batch = toy_batch(128)
-    for rank in range(2):
-        local, _ = shard_for_rank(batch, rank, 2)
-        by_hand = {k: v.clone() + 0 for k, v in local.items()}  # new contents' tensors, no mark
-        assert verdict(by_hand, rank).refusal is None
-        by_hand["position_ids"] = by_hand["position_ids"][:1]
-        assert verdict(by_hand, rank).refusal is None
+    by_hand = unmarked_shards(toy_batch(128, seed=5), 2)
+    assert together(by_hand) is None
+    for local in by_hand:
+        local["position_ids"] = local["position_ids"][:1]
+    assert together(by_hand) is None
 
 
 def test_shard_batch_output_is_recognised_after_a_copy():
@@ -96,6 +181,7 @@ def test_a_packed_batch_from_shard_batch_passes_the_position_check():
             local, _ = shard_for_rank(batch, rank, size)
             copy = {k: v.clone() + (0 if k == "position_ids" else 1) for k, v in local.items()}  # unmarked
             assert verdict(copy, rank, size).refusal is None
+            assert verdict(copy, rank, size).seams is not None
 
 
 def test_a_batch_cut_for_another_layout_is_refused():
@@ -115,6 +201,23 @@ def test_hand_cut_batches_fail_on_every_rank(pool, world):
             with_positions
         assert without.startswith("ValueError: cp_passes cannot tell which positions this batch holds"), without
         assert compiles == "0"
+
+
+def test_batches_cut_for_other_ranks_or_in_another_order_fail_on_every_rank(pool):
+    """Real gloo ranks, a dp 2 x cp 2 mesh: a batch shard_batch cut over the data-parallel group, ranks of one CP
+    group that cut different global batches, and packed rows cut contiguously by hand (each rank alone sees
+    nothing wrong) are refused on every rank before anything compiles; the same rows cut by hand in the
+    layout's order run."""
+    for rank, (dp_cut, different, packed, in_order) in enumerate(pool.run(batches_for_other_ranks, 4, timeout=240)):
+        members = [[0, 1], [2, 3]][rank // 2]
+        assert dp_cut.startswith(f"ValueError: input 'input_ids' was cut by shard_batch for rank {rank // 2} of 2 "
+                                 f"(the group of global ranks {[rank % 2, rank % 2 + 2]}), but this module runs on "
+                                 f"rank {rank % 2} of 2 (the group of global ranks {members})"), dp_cut
+        assert different.startswith("ValueError: the CP ranks were called with different inputs (rank 1 has the "
+                                    "global batch shard_batch cut (its fingerprint): "), different
+        assert packed.startswith("ValueError: input 'position_ids' follows the contiguous cut, not the module's "
+                                 "layout"), packed
+        assert in_order == "no error, 1 graph(s)"
 
 
 # -- padding the model would read ---------------------------------------------------------------------------
@@ -254,3 +357,24 @@ def hand_cut_batches(group) -> list[str]:
     with_positions = error_text(lambda: compiled(**local))
     local.pop("position_ids")
     return [with_positions, error_text(lambda: compiled(**local)), str(len(compiled.compile_records))]
+
+
+def batches_for_other_ranks(group) -> list[str]:
+    """Four ranks as dp 2 x cp 2 (CP groups [0, 1] and [2, 3]): the toy model on the CP group, fed batches cut
+    the wrong way (see test_batches_cut_for_other_ranks_or_in_another_order_fail_on_every_rank)."""
+    import torch.distributed as dist
+
+    cp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    world_rank = dist.get_rank()
+    cp, dp = cp_groups[world_rank // 2], dp_groups[world_rank % 2]
+    compiled = cp_passes.cp_compile(toy_model(), mesh=cp, backend="aot_eager", verbose=False)
+    batch = toy_batch(32)
+    dp_cut = error_text(lambda: compiled(**cp_passes.shard_batch(batch, dp)[0]))
+    own = toy_batch(32, seed=world_rank)  # a data loader each rank seeds its own way
+    different = error_text(lambda: compiled(**cp_passes.shard_batch(own, cp)[0]))
+    batch["position_ids"] = packed_positions(2, 32, 5)
+    rank = cp.rank()
+    packed = error_text(lambda: compiled(**hand_cut(batch, rank)))
+    in_order = error_text(lambda: compiled(**unmarked_shards(batch, 2)[rank]))
+    return [dp_cut, different, packed, f"{in_order}, {len(compiled.compile_records)} graph(s)"]

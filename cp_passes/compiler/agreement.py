@@ -88,8 +88,8 @@ def check_inputs(cp: CPGroup, lines: list[str], batch_lines: list[str] = (), ref
     raise ValueError(
         f"the CP ranks were called with different inputs "
         f"({_first_difference([inputs + cut for inputs, cut, _ in everyone])}); every rank must pass its shard of "
-        f"the same batch, with equal local lengths, batch sizes and dtypes: shard with cp_passes.shard_batch, which "
-        f"pads to equal shards"
+        f"the same batch (a data loader that feeds the ranks of a CP group the same global batches), with equal "
+        f"local lengths, batch sizes and dtypes: shard with cp_passes.shard_batch, which pads to equal shards"
     )
 
 

@@ -33,7 +33,7 @@ from ..report.memory import saved_for_backward
 from ..transports import collective_ops
 from .schedule import schedule_for_overlap
 from .agreement import agree_before_running, alone, check_inputs, collective_fingerprint, describe_inputs
-from .batch_layout import read_batch
+from .batch_layout import confirm_order, read_batch
 from ..experts import install as install_experts
 from .capture import capture_regions_inlined_where_written, install_output_hooks, tracing_config
 from .interleave import interleaved_refusal
@@ -329,6 +329,7 @@ class CPModule(torch.nn.Module):
         batch = read_batch(self.spec, self.cp, leaves, read_data=not alone(self.cp))
         # first: every rank then takes the same decisions
         check_inputs(self.cp, describe_inputs(leaves), batch.lines(), batch.refusal)
+        confirm_order(self.cp, batch)
         seq_len = self._mark_sequence_inputs(leaves)
         self._padding, self._interleaved = batch.padded, batch.interleaved
         self._local_len = seq_len

@@ -7,12 +7,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from ..group import resolve_group
 from ..layout import BALANCED, Layout, resolve_layout
 from ..spec import CPSpec, resolve_spec
 from .checks import check_batch
-from .marks import Mark, mark
+from .marks import Mark, batch_fingerprint, mark
 from .packing import pack
 
 
@@ -112,7 +113,8 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
     """
     cp = resolve_group(mesh)
     return shard_for_rank(batch, cp.rank, cp.size, spec, pad_multiple=pad_multiple,
-                          packed_alignment=packed_alignment, mask_keys=mask_keys, balance=balance)
+                          packed_alignment=packed_alignment, mask_keys=mask_keys, balance=balance,
+                          _group=tuple(dist.get_process_group_ranks(cp.group)))
 
 
 BALANCES = (None, "documents")
@@ -120,7 +122,7 @@ BALANCES = (None, "documents")
 
 def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | str | None = None, *,
                    pad_multiple: int = 1, packed_alignment: int = 1, mask_keys: tuple[str, ...] = (),
-                   balance: str | None = None) -> tuple[dict, ShardLayout]:
+                   balance: str | None = None, _group: tuple[int, ...] | None = None) -> tuple[dict, ShardLayout]:
     """:func:`shard_batch` for an explicit rank and world size (no process group needed)."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"shard_batch takes a mapping of named tensors, got {type(batch).__name__}")
@@ -151,7 +153,8 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
         seq_len = packed_valid.shape[1]
     padded = -(-seq_len // multiple) * multiple
     local = padded // world_size
-    out, cut = {}, Mark(layout.kind, seq_len, padded, order is not None)
+    fingerprint = batch_fingerprint([checked.batch[k] for k in sorted(checked.seq_keys)])
+    out, cut = {}, Mark(layout.kind, seq_len, padded, order is not None, _group, world_size, rank, fingerprint)
     for key, value in batch.items():
         added = key not in checked.batch  # doc_ids, position_ids, shift_labels from packing: always sharded
         if not (key in checked.seq_keys or added):

@@ -1,5 +1,6 @@
-"""What :func:`cp_passes.shard_batch` cut, for which layout and with how much padding: the compiled module
-reads it to know a batch's layout without asking the other ranks.
+"""What :func:`cp_passes.shard_batch` cut, for which layout, group and rank, with how much padding and from
+which global batch: the compiled module reads it to know a batch's layout without asking the other ranks, and
+puts the global batch's fingerprint in the inputs' digest the ranks agree on.
 
 A tensor shard_batch returned is known by identity; a copy of it (``.clone()``, ``.to(device)`` onto another
 device, ``{k: v.clone() ...}``) by a fingerprint of its contents, kept for the last :data:`REMEMBERED` tensors
@@ -30,6 +31,19 @@ class Mark:
     """The global length after padding."""
     interleaved: bool = False
     """Packed documents interleaved to balance their work (``shard_batch(..., balance="documents")``)."""
+    group: tuple[int, ...] | None = None
+    """The global ranks of the process group shard_batch cut for, in its order; None for
+    :func:`~cp_passes.data.batch.shard_for_rank` (an explicit rank and world size)."""
+    world_size: int = 1
+    rank: int = 0
+    """The rank the shard is for, in that group."""
+    batch: int = 0
+    """A fingerprint of the global batch (every sequence tensor, before padding): equal on every rank that cut
+    the same batch."""
+
+    def holder(self) -> str:
+        group = f" (the group of global ranks {list(self.group)})" if self.group is not None else ""
+        return f"rank {self.rank} of {self.world_size}{group}"
 
 
 _BY_ID: dict[int, tuple[weakref.ref, Mark]] = {}
@@ -78,10 +92,18 @@ SAMPLED = 1 << 16
 """A tensor of more elements is fingerprinted on that many, evenly strided (an embedding shard is large)."""
 
 
-def _fingerprint(tensor: torch.Tensor) -> torch.Tensor:
-    """A 0-d int64 hash of the bits of ``tensor`` (the same on any device; no host sync)."""
+def batch_fingerprint(tensors: list[torch.Tensor]) -> int:
+    """A hash of every element of ``tensors``, in order (one host read)."""
+    parts = [_fingerprint(t, sampled=False).cpu() for t in tensors]
+    return int(_fingerprint(torch.stack(parts))) if parts else 0
+
+
+def _fingerprint(tensor: torch.Tensor, sampled: bool = True) -> torch.Tensor:
+    """A 0-d int64 hash of the bits of ``tensor`` (the same on any device; no host sync), of at most
+    :data:`SAMPLED` of its elements unless not ``sampled``."""
     flat = tensor.detach().reshape(-1)
-    flat = flat[::max(1, -(-flat.numel() // SAMPLED))]
+    if sampled:
+        flat = flat[::max(1, -(-flat.numel() // SAMPLED))]
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     elif flat.is_floating_point() or flat.is_complex():
