@@ -193,31 +193,30 @@ def test_a_batch_cut_for_another_layout_is_refused():
 
 @pytest.mark.parametrize("world", [2])
 def test_hand_cut_batches_fail_on_every_rank(pool, world):
-    """Real gloo ranks: rank 0's positions look fine to it, rank 1's do not; both raise, before compiling."""
+    """Real gloo ranks: rank 0's positions look fine to it, rank 1's do not; both raise, before compiling. Packed
+    rows cut contiguously look fine to both: the order of their positions, gathered, is refused on both; the same
+    rows cut by hand in the layout's order run."""
     results = pool.run(hand_cut_batches, world, timeout=240)
-    for rank, (with_positions, without, compiles) in enumerate(results):
+    for rank, (with_positions, without, packed, in_order) in enumerate(results):
         head = "ValueError: " if rank == 1 else "ValueError: rank 1 refused its batch: "
         assert with_positions.startswith(head + "input 'position_ids' disagrees with the module's layout"), \
             with_positions
         assert without.startswith("ValueError: cp_passes cannot tell which positions this batch holds"), without
-        assert compiles == "0"
+        assert packed.startswith("ValueError: input 'position_ids' follows the contiguous cut, not the module's "
+                                 "layout"), packed
+        assert in_order == "no error, 1 graph(s)"
 
 
-def test_batches_cut_for_other_ranks_or_in_another_order_fail_on_every_rank(pool):
-    """Real gloo ranks, a dp 2 x cp 2 mesh: a batch shard_batch cut over the data-parallel group, ranks of one CP
-    group that cut different global batches, and packed rows cut contiguously by hand (each rank alone sees
-    nothing wrong) are refused on every rank before anything compiles; the same rows cut by hand in the
-    layout's order run."""
-    for rank, (dp_cut, different, packed, in_order) in enumerate(pool.run(batches_for_other_ranks, 4, timeout=240)):
+def test_batches_cut_for_other_ranks_fail_on_every_rank(pool):
+    """Real gloo ranks, a dp 2 x cp 2 mesh: a batch shard_batch cut over the data-parallel group, and ranks of one
+    CP group that cut different global batches, are refused on every rank before anything compiles."""
+    for rank, (dp_cut, different) in enumerate(pool.run(batches_for_other_ranks, 4, timeout=240)):
         members = [[0, 1], [2, 3]][rank // 2]
         assert dp_cut.startswith(f"ValueError: input 'input_ids' was cut by shard_batch for rank {rank // 2} of 2 "
                                  f"(the group of global ranks {[rank % 2, rank % 2 + 2]}), but this module runs on "
                                  f"rank {rank % 2} of 2 (the group of global ranks {members})"), dp_cut
         assert different.startswith("ValueError: the CP ranks were called with different inputs (rank 1 has the "
                                     "global batch shard_batch cut (its fingerprint): "), different
-        assert packed.startswith("ValueError: input 'position_ids' follows the contiguous cut, not the module's "
-                                 "layout"), packed
-        assert in_order == "no error, 1 graph(s)"
 
 
 # -- padding the model would read ---------------------------------------------------------------------------
@@ -350,13 +349,17 @@ def test_a_copy_known_by_content_speaks_only_for_a_whole_batch():
 def hand_cut_batches(group) -> list[str]:
     """Each rank passes its contiguous slice of a batch to a module on the (default) balanced layout, with
     positions and without: only the ranks after the first can see that their positions disagree, and every
-    rank must raise, before any graph exists."""
-    compiled = cp_passes.cp_compile(toy_model(), mesh=group, backend="aot_eager", verbose=False)
+    rank must raise, before any graph exists. Then packed rows, cut contiguously and in the layout's order."""
+    compiled = cp_passes.cp_compile(toy_model(n_layers=1), mesh=group, backend="aot_eager", verbose=False)
     batch, rank, size = toy_batch(16), group.rank(), group.size()
-    local = {k: v[:, rank * 16 // size:(rank + 1) * 16 // size] for k, v in batch.items()}
+    local = hand_cut(batch, rank, size)
     with_positions = error_text(lambda: compiled(**local))
     local.pop("position_ids")
-    return [with_positions, error_text(lambda: compiled(**local)), str(len(compiled.compile_records))]
+    without = error_text(lambda: compiled(**local))
+    batch["position_ids"] = packed_positions(2, 16, 5, seed=1)
+    packed = error_text(lambda: compiled(**hand_cut(batch, rank, size)))
+    in_order = error_text(lambda: compiled(**unmarked_shards(batch, size)[rank]))
+    return [with_positions, without, packed, f"{in_order}, {len(compiled.compile_records)} graph(s)"]
 
 
 def batches_for_other_ranks(group) -> list[str]:
@@ -373,8 +376,4 @@ def batches_for_other_ranks(group) -> list[str]:
     dp_cut = error_text(lambda: compiled(**cp_passes.shard_batch(batch, dp)[0]))
     own = toy_batch(32, seed=world_rank)  # a data loader each rank seeds its own way
     different = error_text(lambda: compiled(**cp_passes.shard_batch(own, cp)[0]))
-    batch["position_ids"] = packed_positions(2, 32, 5)
-    rank = cp.rank()
-    packed = error_text(lambda: compiled(**hand_cut(batch, rank)))
-    in_order = error_text(lambda: compiled(**unmarked_shards(batch, 2)[rank]))
-    return [dp_cut, different, packed, f"{in_order}, {len(compiled.compile_records)} graph(s)"]
+    return [dp_cut, different]

@@ -61,12 +61,13 @@ AUX = [("mixtral", 2), pytest.param("mixtral", 4, marks=pytest.mark.full),
 def test_router_aux_loss_is_global(pool, parity_report, family, P):
     """output_router_logits=True: the load-balancing loss (per-expert token fractions times mean router
     probabilities, summed over layers, each a sum over all rows divided by the row count) is the single-device
-    value on every rank, and its gradient reaches each rank's tokens: the sums and the count are all-reduced
-    before the product, and the loss adds its 1 / P to each rank's share of the cross-entropy."""
+    value on every rank, and its gradient reaches each rank's tokens: each mean is this rank's sum over the global
+    count (the count all-reduced), the two means are all-reduced before their product, and the loss adds its
+    1 / P to each rank's share of the cross-entropy."""
     per_rank = pool.run(moe_models.parity, P, family=family, seq_lens=[16], aux=True)
     _compare(f"hf-{family}-grouped_mm-router-aux", family, [r[0] for r in per_rank], 16, parity_report, aux=True)
     rules = [rule for rule, _, _, source in per_rank[0][0]["records"] if "load_balancing" in source]
-    assert rules.count("global_sum") >= 2, rules
+    assert rules.count("global_count") == 2 and rules.count("global_sum") == 1, rules
     moved = [(rule, source) for rule, _, _, source in per_rank[0][0]["records"] if "integrations/moe.py" in source]
     assert not moved, moved  # the experts move nothing between ranks
 

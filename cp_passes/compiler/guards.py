@@ -8,7 +8,10 @@ guards from the model's own Python (an ``if``, a conditional expression) are bra
 checks add (broadcasting, contiguity, a view's sizes) are not, and an op that reads rows by the length
 (``table[S // 8]``) is refused by the planner.
 
-A guard is checked at every candidate length: each ``s`` up to ``_DENSE`` and, around every integer ``c`` the
+A guard that the global length of this call decides as the local one does is accepted and guarded at the global
+length too (``P * s <= c`` beside ``s <= c``): the older rotary caches' ``if seq_len > self.max_seq_len_cached``
+recompute nothing at any length the cache covers, and a call past it compiles again, where it is refused. Any
+other guard is checked at every candidate length: each ``s`` up to ``_DENSE`` and, around every integer ``c`` the
 guard's expression names, the lengths near ``c / k`` and ``c`` for every ``k`` up to ``2P`` (where a threshold,
 a multiple or a modulus changes its answer). A linear threshold (``s <= c``, ``2 * s > c``) or a divisibility
 (``s % m == 0``) is decided exactly by those lengths; any guard that fails at one of them is refused naming the
@@ -63,6 +66,12 @@ def check_length_guards(shape_env, sym: sympy.Symbol, world: int) -> None:
         if sym not in expr.free_symbols or expr.free_symbols != {sym}:
             continue
         n = _counterexample(expr, sym, world, max(int(shape_env.var_to_range[sym].lower), 1))
+        now = shape_env.backed_var_to_val.get(sym)
+        if n is not None and now is not None and bool(expr.subs(sym, now)) and bool(expr.subs(sym, world * now)):
+            # this call's global length decides as its local one does: the graph holds while the global length
+            # keeps deciding so, and a length where it would not compiles again (and is refused there)
+            shape_env.evaluate_expr(expr.subs(sym, world * sym))
+            continue
         if n is not None:
             problems.append(f"the code at {guard.sloc} decides on the sequence length: the graph dynamo compiled "
                             f"holds while {expr} for the local length {sym}, but at a local length of {n} the "

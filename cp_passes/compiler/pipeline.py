@@ -22,6 +22,9 @@ from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
 from ..graph.scores_bias import scores_bias_split
 from ..graph.shifted_writes import cropping_pads_as_slices, shifted_writes_as_shifts
+from ..graph.normal_forms import (aranges_from_zero, einsums_as_matmuls, masked_selections_reduced,
+                                  means_as_sums)
+from ..graph.trimmed_losses import trimmed_losses_as_ignored_rows
 from ..graph.unread import drop_unread_values
 from ..graph.propagate import propagate_changed, snapshot
 from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
@@ -167,6 +170,13 @@ def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]]
         history.append((f"{label}fills out of place", format_graph(gm)))
     if cropping_pads_as_slices(gm):
         history.append((f"{label}pads with negative widths as pads and slices", format_graph(gm)))
+    if masked_selections_reduced(gm, sym) + means_as_sums(gm, sym) + aranges_from_zero(gm, sym) \
+            + einsums_as_matmuls(gm):
+        gm.recompile()
+        history.append((f"{label}means as sums over counts, masked selections as masked sums, aranges from 0, "
+                        f"einsums as matmuls", format_graph(gm)))
+    if trimmed_losses_as_ignored_rows(gm, sym):
+        history.append((f"{label}losses over trimmed rows as losses that ignore them", format_graph(gm)))
     if shifted_writes_as_shifts(gm, sym, spec.pad_multiple):
         history.append((f"{label}shifted writes as shifts", format_graph(gm)))
     if scores_bias_split(gm, sym):

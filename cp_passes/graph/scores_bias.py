@@ -13,24 +13,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._dispatch.python import enable_python_dispatcher
 
-from .analysis import meta_val, seq_dims
+from .analysis import seq_dims
+from .emit import emit
 
 aten = torch.ops.aten
 
 
-def _emit(graph: torch.fx.Graph, like: torch.fx.Node, target, args) -> torch.fx.Node:
-    node = graph.call_function(target, args)
-    node.meta.update({key: value for key, value in like.meta.items() if key != "val"})
-    fake_args = torch.fx.map_arg(args, lambda n: n.meta["val"])
-    with meta_val(like).fake_mode, enable_python_dispatcher():
-        node.meta["val"] = target(*fake_args)
-    return node
-
-
 def _scaled(graph: torch.fx.Graph, like: torch.fx.Node, x: torch.fx.Node, factor) -> torch.fx.Node:
-    return x if factor == 1 else _emit(graph, like, aten.mul.Tensor, (x, factor))
+    return x if factor == 1 else emit(graph, like, aten.mul.Tensor, (x, factor))
 
 
 def scores_bias_split(gm: torch.fx.GraphModule, sym) -> int:
@@ -43,8 +34,8 @@ def scores_bias_split(gm: torch.fx.GraphModule, sym) -> int:
             continue
         beta, alpha = node.kwargs.get("beta", 1), node.kwargs.get("alpha", 1)
         with graph.inserting_before(node):
-            product = _scaled(graph, node, _emit(graph, node, aten.bmm.default, (a, b)), alpha)
-            summed = product if beta == 0 else _emit(graph, node, aten.add.Tensor,
+            product = _scaled(graph, node, emit(graph, node, aten.bmm.default, (a, b)), alpha)
+            summed = product if beta == 0 else emit(graph, node, aten.add.Tensor,
                                                      (_scaled(graph, node, bias, beta), product))
         node.replace_all_uses_with(summed)
         graph.erase_node(node)

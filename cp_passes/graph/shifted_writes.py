@@ -20,9 +20,9 @@ import operator
 
 import torch
 import torch.fx
-from torch._dispatch.python import enable_python_dispatcher
 
 from .analysis import bind_args, expr_of, meta_val, window
+from .emit import emit
 
 aten = torch.ops.aten
 
@@ -93,17 +93,6 @@ def _chain(write: torch.fx.Node, dim: int, k: int, sym):
     return sorted(chain, key=order.get), sources, regions
 
 
-def _emit(graph: torch.fx.Graph, like: torch.fx.Node, target, args, kwargs=None) -> torch.fx.Node:
-    node = graph.call_function(target, args, kwargs or {})
-    node.meta.update({key: value for key, value in like.meta.items() if key != "val"})
-    fake_args, fake_kwargs = torch.fx.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    # In the fake mode (arange makes a tensor from sizes alone) and through the Python dispatcher, as the
-    # tracer ran: the C++ pad kernel would read the length as an int, pinning it with a guard.
-    with meta_val(like).fake_mode, enable_python_dispatcher():
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
-    return node
-
-
 def _rewrite(write: torch.fx.Node, dim: int, k: int, found) -> None:
     chain, sources, regions = found
     absorbed = set(chain)
@@ -118,22 +107,22 @@ def _rewrite(write: torch.fx.Node, dim: int, k: int, found) -> None:
                 (user,) = last.users
                 if user.target is not aten.slice.Tensor or bind_args(user)["dim"] % meta_val(user).dim() == dim:
                     break
-                x = _emit(graph, user, aten.slice.Tensor, (x, *user.args[1:]), dict(user.kwargs))
+                x = emit(graph, user, aten.slice.Tensor, (x, *user.args[1:]), dict(user.kwargs))
                 chain.remove(user)
                 last = user
             widths = [0, 0] * (meta_val(x).dim() - dim - 1) + [k, 0]
-            padded = _emit(graph, write, aten.constant_pad_nd.default, (x, widths, 0.0))
-            rows = _emit(graph, write, aten.sym_size.int, (x, dim))
-            new[last] = _emit(graph, write, aten.slice.Tensor, (padded, dim, 0, rows))
+            padded = emit(graph, write, aten.constant_pad_nd.default, (x, widths, 0.0))
+            rows = emit(graph, write, aten.sym_size.int, (x, dim))
+            new[last] = emit(graph, write, aten.slice.Tensor, (padded, dim, 0, rows))
         for node in chain:
             args, kwargs = torch.fx.map_arg((node.args, node.kwargs), lambda n: new.get(n, n))
-            new[node] = _emit(graph, node, node.target, args, kwargs)
+            new[node] = emit(graph, node, node.target, args, kwargs)
         y = new[write.args[1]]
-        rows = _emit(graph, write, aten.sym_size.int, (base, dim))
-        index = _emit(graph, write, aten.arange.default, (rows,), {"device": meta_val(base).device})
-        later = _emit(graph, write, aten.ge.Scalar, (index, k))
-        later = _emit(graph, write, aten.view.default, (later, [-1 if d == dim else 1 for d in range(base_dims)]))
-        result = _emit(graph, write, aten.where.self, (later, y, base))
+        rows = emit(graph, write, aten.sym_size.int, (base, dim))
+        index = emit(graph, write, aten.arange.default, (rows,), {"device": meta_val(base).device})
+        later = emit(graph, write, aten.ge.Scalar, (index, k))
+        later = emit(graph, write, aten.view.default, (later, [-1 if d == dim else 1 for d in range(base_dims)]))
+        result = emit(graph, write, aten.where.self, (later, y, base))
     write.replace_all_uses_with(result)
     graph.erase_node(write)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -177,17 +166,17 @@ def cropping_pads_as_slices(gm: torch.fx.GraphModule) -> int:
         graph, x = pad.graph, args["self"]
         ndim = meta_val(x).dim()
         with graph.inserting_before(pad):
-            out = _emit(graph, pad, aten.constant_pad_nd.default,
+            out = emit(graph, pad, aten.constant_pad_nd.default,
                         (x, [max(w, 0) for w in widths], 0.0 if value is None else value))
             for i in range(0, len(widths), 2):
                 before, after = widths[i], widths[i + 1]
                 if before >= 0 and after >= 0:
                     continue
                 dim = ndim - 1 - i // 2
-                end = _emit(graph, pad, aten.sym_size.int, (x, dim))  # the source's: the pad's users stay slices
+                end = emit(graph, pad, aten.sym_size.int, (x, dim))  # the source's: the pad's users stay slices
                 if max(before, 0) + after:  # the padded length less what the end crops
-                    end = _emit(graph, pad, operator.add, (end, max(before, 0) + after))
-                out = _emit(graph, pad, aten.slice.Tensor, (out, dim, max(-before, 0), end))
+                    end = emit(graph, pad, operator.add, (end, max(before, 0) + after))
+                out = emit(graph, pad, aten.slice.Tensor, (out, dim, max(-before, 0), end))
         pad.replace_all_uses_with(out)
         graph.erase_node(pad)
         rewritten += 1

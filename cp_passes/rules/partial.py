@@ -69,6 +69,9 @@ def partial_rule(ctx: RuleContext, origin: torch.fx.Node, lengths: tuple[str, ..
     elif packet is aten.div:  # over a row count from the length (``lengths``) it needs the global count
         ok = (not lengths and reads == [first] and not any(ctx.is_seq(t) for t in others)
               and ctx.args.get("rounding_mode") is None)
+        count = _count_divisor(ctx, first, reads, lengths)
+        if count is not None:
+            return count
     elif packet in (aten.add, aten.sub):
         ok = not others and not scalars
     if ok:
@@ -89,6 +92,26 @@ def partial_rule(ctx: RuleContext, origin: torch.fx.Node, lengths: tuple[str, ..
     what = "a sum over the sequence" + (" over a row count from the length" if lengths else "")
     return Rewrite("global_sum", "reductions", GlobalSum(ctx.node, partial, origin, lengths),
                    note=f"{what} read by a non-linear op: its global value (all-reduced; backward all-reduced)")
+
+
+def _count_divisor(ctx: RuleContext, first, reads, lengths) -> Rewrite | None:
+    """A share divided by a count, a row count from the local length (``sum / x.shape[0]``, a mean over the
+    sequence) or an integer partial sum (``where(mask, x, 0).sum() / mask.sum()``), is a share of the mean: this
+    rank's sum over the global count (the count all-reduced; it has no gradient). The ranks' values add up to
+    the single-device mean, as a loss's ``reduction="mean"`` does."""
+    divisor = ctx.args.get("other")
+    if ctx.args.get("rounding_mode") is not None or not reads or reads[0] is not first:
+        return None
+    counted = [d for d in reads[1:] if d is divisor]
+    if reads[1:] != counted or (not lengths and not counted):
+        return None
+    if counted and (meta_val(divisor).is_floating_point() or meta_val(divisor).is_complex()
+                    or meta_val(divisor).dtype == torch.bool):
+        return None
+    what = "a row count from the sequence length" if lengths else "an integer sum over the sequence (a count)"
+    return Rewrite("global_count", "reductions", GlobalSum(ctx.node, counted, first, lengths), output=Value.PARTIAL,
+                   note=f"a sum over the sequence divided by {what}: this rank's sum over the global count "
+                        f"(all-reduced); the ranks' values add up to the mean")
 
 
 def row_counts(ctx: RuleContext) -> tuple[str, ...]:

@@ -74,3 +74,13 @@ def _embedding(ctx: RuleContext):
     if ctx.is_seq(ctx.arg("weight")):
         ctx.refuse("the embedding table itself is sharded along the sequence", NO_RULE_FIX)
     return None
+
+
+@register_rule(aten.one_hot)
+def _one_hot(ctx: RuleContext):
+    """``F.one_hot(x, num_classes)`` (a router's expert mask) reads each element alone; without ``num_classes``
+    the class count is the largest value, which a shard sees only for its own rows."""
+    if ctx.args.get("num_classes", -1) < 0:
+        ctx.refuse("it takes F.one_hot without num_classes: the number of classes is counted from the largest value "
+                   "in this rank's rows, not the sequence's", "pass num_classes= (the router's number of experts)")
+    return None

@@ -1,0 +1,265 @@
+"""Ordinary training code that cp_passes used to refuse (issue 53): each a one-layer causal LM written the way
+people write it, and the parity task the worker pool runs for them (``pool.run(common_code.parity, P, names=...)``).
+The model's own loss: a sum over ranks of each rank's value is the single-device loss."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cp_passes
+
+V, D, H = 64, 16, 2
+
+
+def _heads(x):
+    return x.view(x.shape[0], x.shape[1], H, -1).transpose(1, 2)
+
+
+def _causal(length):
+    i = torch.arange(length)
+    return i[:, None] >= i[None, :]
+
+
+class Base(nn.Module):
+    """Embeddings, causal SDPA over two heads, a head and a cross-entropy over pre-shifted labels."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.qkv, self.out = nn.Embedding(V, D), nn.Linear(D, 3 * D), nn.Linear(D, V)
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+    def loss(self, h, labels):
+        return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+    def hidden(self, input_ids):
+        return self.attend(self.emb(input_ids))
+
+    def forward(self, input_ids, labels):
+        return self.loss(self.hidden(input_ids), labels)
+
+
+# -- attention written with einsum --------------------------------------------------------------------------
+
+
+class EinsumHeadsFirst(Base):
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / 4
+        probs = scores.masked_fill(~_causal(x.shape[1]), float("-inf")).softmax(-1)
+        return x + torch.einsum("bhqk,bhkd->bhqd", probs, v).transpose(1, 2).reshape(x.shape)
+
+
+class EinsumSequenceFirst(Base):
+    def attend(self, x):
+        q, k, v = (t.view(x.shape[0], x.shape[1], H, -1) for t in self.qkv(x).chunk(3, -1))
+        scores = torch.einsum("bqhd,bkhd->bqhk", q, k) / 4
+        probs = scores.masked_fill(~_causal(x.shape[1])[None, :, None, :], float("-inf")).softmax(-1)
+        return x + torch.einsum("bqhk,bkhd->bqhd", probs, v).reshape(x.shape)
+
+
+class EinsumGateAndProjection(Base):
+    """A per-position dot product (``"bsd,bsd->bs"``) and a projection (``"bsd,ed->bse"``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D) / 4)
+
+    def attend(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        x = x + v * torch.einsum("bsd,bsd->bs", q, k).sigmoid()[..., None]
+        return super().attend(torch.einsum("bsd,ed->bse", x, self.w))
+
+
+# -- losses over trimmed rows ---------------------------------------------------------------------------------
+
+
+class NanoGPTLoss(Base):
+    def forward(self, input_ids, labels):
+        logits = self.out(self.hidden(input_ids))
+        return F.cross_entropy(logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1))
+
+
+class Transformers4Loss(Base):
+    """transformers 4.x: shift_logits / shift_labels, CrossEntropyLoss on views, logits cast to float."""
+
+    def forward(self, input_ids, labels):
+        logits = self.out(self.hidden(input_ids)).float()
+        shift_logits, shift_labels = logits[..., :-1, :].contiguous(), input_ids[..., 1:].contiguous()
+        return nn.CrossEntropyLoss()(shift_logits.view(-1, V), shift_labels.view(-1))
+
+
+class HeadAfterTrimSummed(Base):
+    """The head applied after the trim, a log-softmax, nll_loss with reduction="sum" over labels."""
+
+    def forward(self, input_ids, labels):
+        logp = F.log_softmax(self.out(self.hidden(input_ids)[:, :-1]), -1)
+        return F.nll_loss(logp.reshape(-1, V), labels[:, 1:].reshape(-1), reduction="sum") / 100
+
+
+class SmoothedBackwardLoss(Base):
+    """Each position predicts the token two before it, with label smoothing."""
+
+    def forward(self, input_ids, labels):
+        logits = self.out(self.hidden(input_ids))
+        return F.cross_entropy(logits[:, 2:].flatten(0, 1), input_ids[:, :-2].flatten(), label_smoothing=0.1)
+
+
+# -- means, masked selections, routers --------------------------------------------------------------------------
+
+
+class ZLoss(Base):
+    def forward(self, input_ids, labels):
+        logits = self.out(self.hidden(input_ids))
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten()) + 1e-2 * logits.logsumexp(-1).pow(2).mean()
+
+
+class MaskedMean(Base):
+    def forward(self, input_ids, labels):
+        logits = self.out(self.hidden(input_ids))
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+        return per_token[labels.flatten() != -100].mean()
+
+
+class MaskedRowsSummed(Base):
+    """``h[mask]`` of a [batch, seq] mask over [batch, seq, dim] rows, summed; a mean of squares beside it."""
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        return self.loss(h, labels) + h[labels != -100].sum() * 1e-3 + (h.mean(1) ** 2).sum()
+
+
+class OneHotRouter(Base):
+    """A Switch-style load-balancing loss: top-2 experts as F.one_hot, fractions times mean probabilities."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(D, 4)
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        probs = self.router(h).softmax(-1)
+        hits = F.one_hot(probs.topk(2, -1).indices, 4).sum(-2).float()
+        return self.loss(h, labels) + 0.4 * (hits.mean(dim=(0, 1)) * probs.mean(dim=(0, 1))).sum()
+
+
+class CumulativeMean(Base):
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        steps = torch.arange(1, h.shape[1] + 1)[None, :, None]
+        evens = torch.arange(2, 2 * h.shape[1] + 2, 2)[None, :, None]
+        return self.loss(h + h.cumsum(1) / steps + h / evens, labels)
+
+
+# -- the older rotary cache check -------------------------------------------------------------------------------
+
+
+class CachedRotary(nn.Module):
+    """transformers 4.x's rotary embedding: a cache of ``max_len`` rows, checked against the length."""
+
+    def __init__(self, dim: int, max_len: int):
+        super().__init__()
+        self.max_seq_len_cached = max_len
+        freqs = torch.outer(torch.arange(max_len).float(), 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.register_buffer("cos_cached", torch.cat([freqs, freqs], -1).cos(), persistent=False)
+        self.register_buffer("sin_cached", torch.cat([freqs, freqs], -1).sin(), persistent=False)
+
+    def forward(self, x, seq_len):
+        if seq_len > self.max_seq_len_cached:
+            raise ValueError(f"{seq_len} positions are more than the {self.max_seq_len_cached} cached")
+        return self.cos_cached[:seq_len], self.sin_cached[:seq_len]
+
+
+def _rotate(x):
+    a, b = x.chunk(2, -1)
+    return torch.cat([-b, a], -1)
+
+
+class CachedRotaryModel(Base):
+    def __init__(self, max_len: int = 256):
+        super().__init__()
+        self.rotary = CachedRotary(D // H, max_len)
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        cos, sin = self.rotary(v, seq_len=x.shape[1])
+        q, k = q * cos + _rotate(q) * sin, k * cos + _rotate(k) * sin
+        return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+
+
+class Everyday(OneHotRouter):
+    """Every kind above in one model (one compile): einsum attention, a running mean over ``arange(1, S + 1)``, a
+    one-hot router's balancing loss, the nanoGPT loss over trimmed rows, a z-loss and a masked mean."""
+
+    attend = EinsumSequenceFirst.attend
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        h = h + h.cumsum(1) / torch.arange(1, h.shape[1] + 1)[None, :, None]
+        probs = self.router(h).softmax(-1)
+        hits = F.one_hot(probs.topk(2, -1).indices, 4).sum(-2).float()
+        logits = self.out(h)
+        per_token = F.cross_entropy(logits.flatten(0, 1), labels.flatten().clamp(min=0), reduction="none")
+        return (F.cross_entropy(logits[:, :-1].reshape(-1, V), input_ids[:, 1:].reshape(-1))
+                + 0.4 * (hits.mean(dim=(0, 1)) * probs.mean(dim=(0, 1))).sum()
+                + 1e-2 * logits.logsumexp(-1).pow(2).mean() + per_token[labels.flatten() != -100].mean())
+
+
+MODELS = {c.__name__: c for c in (
+    EinsumHeadsFirst, EinsumSequenceFirst, EinsumGateAndProjection, NanoGPTLoss, Transformers4Loss,
+    HeadAfterTrimSummed, SmoothedBackwardLoss, ZLoss, MaskedMean, MaskedRowsSummed, OneHotRouter, CumulativeMean,
+    CachedRotaryModel, Everyday)}
+
+
+def batch(seq_len: int) -> dict:
+    """Token ids (the last 5 of row 1 are 0) and labels shifted before sharding, 4 of row 0 ignored."""
+    ids = torch.randint(1, V, (2, seq_len), generator=torch.Generator().manual_seed(1))
+    ids[1, -5:] = 0
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    labels[0, 3:7] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def parity(group, names: list[str], seq_len: int, layout: str | None = None) -> dict:
+    """Per model: the relative difference of the ranks' summed losses and of their summed gradients from one
+    device's."""
+    found = {}
+    spec = cp_passes.CPSpec(layout=layout) if layout else None
+    for name in names:
+        torch._dynamo.reset()
+        model, reference = MODELS[name](), MODELS[name]()
+        inputs = batch(seq_len)
+        expected = reference(**inputs)
+        expected.backward()
+        compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+        loss = compiled(**cp_passes.shard_batch(inputs, group, spec)[0])
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        grads = 0.0
+        for p, r in zip(model.parameters(), reference.parameters()):
+            g = p.grad.clone()
+            dist.all_reduce(g, group=group)
+            grads = max(grads, ((g - r.grad).norm() / r.grad.norm()).item())
+        found[name] = (abs(total - expected).item() / abs(expected).item(), grads)
+    return found
+
+
+def rotary_lengths(group, lengths: list[int], max_len: int) -> list[str]:
+    """CachedRotaryModel with a cache of ``max_len`` rows called at each global length in turn: what happened."""
+    torch._dynamo.reset()
+    compiled = cp_passes.cp_compile(CachedRotaryModel(max_len), mesh=group, backend="aot_eager", verbose=False)
+    out = []
+    for seq_len in lengths:
+        try:
+            compiled(**cp_passes.shard_batch(batch(seq_len), group)[0])
+            out.append(f"ran ({len(compiled.compile_records)} graphs)")
+        except Exception as error:
+            out.append(f"{type(error).__name__}: {error}")
+    return out
