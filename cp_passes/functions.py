@@ -94,3 +94,52 @@ def install(names: tuple[str, ...]) -> None:
                              f"torch.autograd.Function subclass")
         _FUNCTIONS[name] = original
         setattr(module, attr, _Declared(name, original))
+
+
+_CHECKED: dict[tuple, float | None] = {}
+
+
+def split_error(name: str, inputs: list[tuple[list[int], torch.dtype]], dims: list[int | None], out_dim: int):
+    """The declared Function on random inputs (``inputs``: each one's shape and dtype; ``dims``: its sequence dim,
+    of the same even length in each, None for an input without) against the same inputs cut in two along it: the
+    largest difference of the output and of the gradients (a random cotangent; a whole input's halves' gradients
+    added) relative to the whole's largest value. None where the Function does not run on such inputs."""
+    key = (name, *((str(shape), dtype, d) for (shape, dtype), d in zip(inputs, dims)), out_dim)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    fn, found = _FUNCTIONS[name], None
+    length = next(shape[d] for (shape, _), d in zip(inputs, dims) if d is not None)
+    generator = torch.Generator().manual_seed(0)
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.enable_grad():
+        inputs = [(torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
+                   else torch.zeros(shape, dtype=dtype)).requires_grad_(dtype.is_floating_point)
+                  for shape, dtype in inputs]
+        try:
+            whole = fn.apply(*inputs)
+            cotangent = torch.randn(whole.shape, generator=generator).to(whole.dtype)
+            floating = [x for x in inputs if x.requires_grad]
+            grads = torch.autograd.grad(whole, floating, cotangent, allow_unused=True)
+            halves, half_grads = [], []
+            for lo in (0, length // 2):
+                part = [x.detach().narrow(d, lo, length // 2).requires_grad_(x.requires_grad) if d is not None
+                        else x.detach().requires_grad_(x.requires_grad) for x, d in zip(inputs, dims)]
+                out = fn.apply(*part)
+                halves.append(out)
+                half_grads.append(torch.autograd.grad(out, [x for x in part if x.requires_grad],
+                                                      cotangent.narrow(out_dim, lo, length // 2), allow_unused=True))
+        except Exception:
+            _CHECKED[key] = None
+            return None
+        found = _relative(torch.cat(halves, out_dim), whole)
+        seq = [d for x, d in zip(inputs, dims) if x.requires_grad]
+        for i, (g, d) in enumerate(zip(grads, seq)):
+            parts = [h[i] for h in half_grads]
+            if g is None or any(p is None for p in parts):
+                continue
+            found = max(found, _relative(torch.cat(parts, d) if d is not None else parts[0] + parts[1], g))
+    _CHECKED[key] = found
+    return found
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))

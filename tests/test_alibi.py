@@ -94,6 +94,58 @@ def test_an_undeclared_function_is_refused_naming_the_declaration(group):
         compiled(input_ids=torch.arange(4).expand(2, 4))
 
 
+class CumulativeSum(torch.autograd.Function):
+    """A running sum over the sequence with its own backward (the reversed running sum of the gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.cumsum(1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.flip(1).cumsum(1).flip(1)
+
+
+class NormalizedGradient(torch.autograd.Function):
+    """Position-wise forward; the backward scales the gradient by its norm over the sequence."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return 2 * grad / grad.norm(dim=1, keepdim=True)
+
+
+class Declared(nn.Module):
+    """Calls the Function this module names (read at call time, as the declaration replaces it)."""
+
+    def __init__(self, function: str):
+        super().__init__()
+        self.embed, self.function = nn.Embedding(32, 8), function
+
+    def forward(self, input_ids):
+        import test_alibi
+
+        return getattr(test_alibi, self.function).apply(self.embed(input_ids)).pow(2).sum()
+
+
+@pytest.mark.parametrize("function", ["CumulativeSum", "NormalizedGradient"])
+def test_a_function_declared_position_wise_that_mixes_positions_is_refused(group, function):
+    """A running sum (0.59 to 0.99 off before), and a position-wise forward whose backward reads the whole
+    sequence: run on random inputs cut in two, their outputs or gradients differ from the whole's."""
+    spec = cp_passes.CPSpec(positionwise_functions=(f"{__name__}:{function}",))
+    compiled = cp_passes.cp_compile(Declared(function), spec, mesh=group, backend="aot_eager",
+                                    verbose=False)
+    with pytest.raises(cp_passes.CPCompileError) as info:
+        compiled(input_ids=torch.arange(8).expand(2, 8))
+    (problem,) = info.value.problems
+    assert problem.reason.startswith(f"it runs the autograd.Function {__name__}:{function}, which the spec declares "
+                                     f"position-wise, but on random inputs cut in two"), problem.reason
+    assert f"remove '{__name__}:{function}' from CPSpec.positionwise_functions" in problem.fix
+
+
 def test_a_table_sliced_from_its_end_on_a_padded_batch_is_refused(group):
     """17 positions padded to 24: the slice from the end would start 7 rows earlier than on one device."""
     compiled = cp_passes.cp_compile(build("table_suffix"), mesh=group, backend="aot_eager", verbose=False)

@@ -405,6 +405,65 @@ def test_a_declaration_that_does_not_fit_the_call_is_refused_naming_the_argument
         compiled(torch.randint(0, 32, (2, 8)))
 
 
+def reverse_scan(query, key, value, g, initial_state=None, output_final_state=False):
+    """gated_scan from the last position to the first: a recurrence, but not one a left-to-right carry composes."""
+    flipped = gated_scan(query.flip(1), key.flip(1), value.flip(1), g.flip(1), initial_state, output_final_state)
+    return flipped[0].flip(1), flipped[1]
+
+
+def tanh_scan(query, key, value, g, initial_state=None, output_final_state=False):
+    """gated_scan with the state squashed by a tanh at every step: a left-to-right recurrence whose final state is
+    no affine map of the initial one."""
+    state = initial_state if initial_state is not None else key.new_zeros(key.shape[0], key.shape[2], key.shape[3],
+                                                                          value.shape[-1])
+    outs = []
+    for t in range(key.shape[1]):
+        state = torch.tanh(g[:, t].exp()[..., None, None] * state + key[:, t, :, :, None] * value[:, t, :, None, :])
+        outs.append(torch.einsum("bhk,bhkv->bhv", query[:, t], state))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+class ScanWith(nn.Module):
+    """One call of the kernel ``test_recurrence:<name>`` on projections of the embeddings."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.embed = nn.Embedding(32, 16)
+        self.qkv = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.gate = nn.Linear(16, 2)
+
+    def forward(self, input_ids):
+        import test_recurrence
+
+        h = self.embed(input_ids)
+        q, k, v = [layer(h).unflatten(-1, (2, 8)) for layer in self.qkv]
+        o, _ = getattr(test_recurrence, self.name)(q, k, v, F.logsigmoid(self.gate(h)))
+        return o.pow(2).sum()
+
+
+@pytest.mark.parametrize("name,form,refused", [
+    ("reverse_scan", "affine", True), ("reverse_scan", "sequential", True), ("tanh_scan", "affine", True),
+    ("tanh_scan", "sequential", False), ("gated_scan", "affine", False), ("gated_scan", "sequential", False)])
+def test_a_kernel_that_does_not_compose_as_declared_is_refused(group, name, form, refused):
+    """The carry's algorithm runs once on random inputs cut in two (from a random state) against the whole: a
+    right-to-left scan is refused in either form (1.08 off before), a tanh state declared affine too (exact at
+    P = 2, where the second rank starts from h alone, 7.4e-3 off at P = 4); declared sequential it composes, and
+    the linear scan passes in both forms."""
+    rec = cp_passes.Recurrence(f"test_recurrence:{name}", ("query", "key", "value", "g"), form=form)
+    spec = cp_passes.CPSpec(recurrences=(rec,), layout="contiguous")
+    compiled = cp_passes.cp_compile(ScanWith(name), spec, mesh=group, backend="aot_eager", verbose=False)
+    if not refused:
+        compiled(torch.randint(0, 32, (2, 8)))
+        return
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    (problem,) = info.value.problems
+    assert problem.reason.startswith(f"the recurrent kernel test_recurrence:{name} does not compose as its "
+                                     f"Recurrence(form={form!r}) declares"), problem.reason
+    assert "form='sequential' for any other state" in problem.fix
+
+
 class ShiftedScan(nn.Module):
     """gated_scan fed token-shifted inputs, as RWKV feeds its WKV kernel: ``"value"`` shifted by one position
     (a pad, then the first positions), ``"key"`` the same with the sequence last, ``"both"``; ``"crop"`` both by

@@ -7,7 +7,8 @@ import operator
 import torch
 
 from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
-from ..transports.carry import Carry
+from ..graph.analysis import hint, meta_val
+from ..transports.carry import Carry, split_error
 from .registry import Rewrite, RuleContext, register_rule
 
 
@@ -34,6 +35,8 @@ def recurrence_rule(ctx: RuleContext):
                    f"one of the state's last two axes {tuple(request.state.shape)} grows with it",
                    "name the argument whose last dim is the state's V in value_arg, or declare form='sequential' "
                    "(any state; P kernel calls per rank)")
+    if documents is None:
+        _check_declaration(ctx, rec, request)
     if initial_state is not None and ctx.is_seq(initial_state):
         ctx.refuse("its initial state is sharded along the sequence", "pass one state for the whole sequence")
     if documents is not None and ctx.is_seq(documents):
@@ -50,3 +53,28 @@ def recurrence_rule(ctx: RuleContext):
            else f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
     return Rewrite(f"carry_{rec.form}", "carry", request,
                    note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")
+
+
+_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
+"""Of a split's difference from the whole sequence, relative to its largest value (half types: 2e-2)."""
+
+
+def _check_declaration(ctx: RuleContext, rec, request: Carry) -> None:
+    """Refuse a kernel that does not compose as its Recurrence says (a right-to-left scan, a state through a
+    tanh declared affine): the carry's algorithm, run on random inputs cut in two, must give the whole's outputs
+    and final state."""
+    kernel, args, _, options, _, _ = ctx.node.args
+    args = [meta_val(a) for a in args]
+    local = hint(args[0].shape[rec.seq_dim])
+    error = split_error(kernel, rec, args, options, request.state, request.value_axis,
+                        tuple(dict.fromkeys((16, local - local % 2))))
+    tolerance = _TOLERANCE.get(request.state.dtype, 2e-2)
+    if error is not None and error > tolerance:
+        how = ("the fold of each half's [h | M] (the state's affine map)" if rec.form == "affine"
+               else "the first half's final state")
+        ctx.refuse(f"the recurrent kernel {rec.kernel} does not compose as its Recurrence(form={rec.form!r}) declares: "
+                   f"on random inputs cut in two, the second half run from {how} differs from the whole sequence by "
+                   f"{error:.2g} of its largest value (outputs or final state)",
+                   "declare a kernel that scans the sequence left to right, with form='affine' only where the final "
+                   "state is an affine map of the initial one (linear attention, the delta rule, Mamba-2), "
+                   "form='sequential' for any other state; or keep the kernel outside the compiled module")

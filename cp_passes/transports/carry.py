@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
-from ..graph.analysis import meta_val
+from ..graph.analysis import hint, meta_val
 from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
 from ..kernels import value_axis as kernel_value_axis
 from ..layout import Layout
@@ -156,3 +156,59 @@ class CarryTransport(Transport):
 
 
 CARRY = register_transport(CarryTransport())
+
+
+_CHECKED: dict[tuple, float | None] = {}
+
+
+def _random_like(value: torch.Tensor, shape: list[int], generator: torch.Generator) -> torch.Tensor:
+    if value.is_floating_point():
+        return (torch.randn(shape, generator=generator) * 0.3).to(value.dtype).to(value.device)
+    return torch.zeros(shape, dtype=value.dtype, device=value.device)
+
+
+def split_error(kernel: str, rec, args: list[torch.Tensor], options: str, state: torch.Tensor, value_axis,
+                lengths: tuple[int, ...]) -> float | None:
+    """What the carry assumes of the kernel, tried on random inputs (``args`` give the shapes) from a random state:
+    the kernel on a sequence cut in two, the second half starting from the state the carry hands it (for the
+    affine form, the fold of the halves' ``[h | M]``; else the first half's final state), against the kernel on the
+    whole. The largest difference of outputs and final states relative to the whole's largest value, at the first
+    of ``lengths`` the kernel runs at; None where it runs at none of them (or not on this machine's devices)."""
+    n = len(rec.sequence_args)
+    key = (kernel, options, rec.form, *((str(tuple(a.shape[:rec.seq_dim] + a.shape[rec.seq_dim + 1:])) if i < n else
+                                         str(tuple(a.shape)), a.dtype, a.device) for i, a in enumerate(args)))
+    if key in _CHECKED:
+        return _CHECKED[key]
+    if any(a.device.type == "cuda" for a in args) and not torch.cuda.is_available():
+        return None
+    found = None
+    with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.no_grad():
+        for length in lengths:
+            generator = torch.Generator().manual_seed(0)
+            whole = [_random_like(a, [length if i < n and d == rec.seq_dim else hint(s) for d, s in enumerate(a.shape)],
+                                  generator) for i, a in enumerate(args)]
+            start = _random_like(state, [hint(s) for s in state.shape], generator)
+            half = length // 2
+            parts = [[a.narrow(rec.seq_dim, lo, hi - lo) if i < n else a for i, a in enumerate(whole)]
+                     for lo, hi in ((0, half), (half, length))]
+            try:
+                out, final = torch.ops.cp_passes.recurrence(kernel, whole, start, options, None, 0)
+                first_out, first_final = torch.ops.cp_passes.recurrence(kernel, parts[0], start, options, None, 0)
+                if rec.form == "affine":
+                    value = rec.sequence_args.index(rec.value_arg)
+                    every = torch.stack([affine_summary(kernel, part, options, value, list(final.shape), value_axis,
+                                                        final.dtype, None, 0) for part in parts])
+                    handed = affine_fold(every, start, int(final.shape[value_axis]), 1, value_axis)
+                else:
+                    handed = first_final
+                second_out, second_final = torch.ops.cp_passes.recurrence(kernel, parts[1], handed, options, None, 0)
+            except Exception:
+                continue
+            if not (out.isfinite().all() and final.isfinite().all()):
+                continue
+            joined = torch.cat([first_out, second_out], rec.seq_dim)
+            found = max(float((joined - out).abs().max() / out.abs().max().clamp_min(1e-12)),
+                        float((second_final - final).abs().max() / final.abs().max().clamp_min(1e-12)))
+            break
+    _CHECKED[key] = found
+    return found
