@@ -5,11 +5,11 @@ The model's own loss: a sum over ranks of each rank's value is the single-device
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import cp_passes
+from shared import summed_errors
 
 V, D, H = 64, 16, 2
 
@@ -240,14 +240,7 @@ def parity(group, names: list[str], seq_len: int, layout: str | None = None) -> 
         compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
         loss = compiled(**cp_passes.shard_batch(inputs, group, spec)[0])
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        grads = 0.0
-        for p, r in zip(model.parameters(), reference.parameters()):
-            g = p.grad.clone()
-            dist.all_reduce(g, group=group)
-            grads = max(grads, ((g - r.grad).norm() / r.grad.norm()).item())
-        found[name] = (abs(total - expected).item() / abs(expected).item(), grads)
+        found[name] = summed_errors(group, loss, model, expected.detach(), reference)
     return found
 
 

@@ -47,6 +47,22 @@ def toy_model(seed: int = 0, **config) -> ToyLlama:
     return ToyLlama(ToyLlamaConfig(**config))
 
 
+def summed_errors(group, loss, model, expected, reference) -> tuple[float, float]:
+    """The ranks' ``loss`` values added against one device's ``expected``, and the ranks' gradients of ``model``
+    added against ``reference``'s: the largest relative differences (of the loss, of a parameter's gradient by
+    norm)."""
+    import torch.distributed as dist
+
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    grads = 0.0
+    for p, r in zip(model.parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads = max(grads, ((g - r.grad).norm() / r.grad.norm()).item())
+    return (abs(total - expected) / abs(expected)).item(), grads
+
+
 def param_grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

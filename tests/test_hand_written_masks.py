@@ -11,6 +11,7 @@ from torch import nn
 import cp_passes
 from cp_passes.graph.analysis import meta_val
 from cp_passes.tools.dryrun import dry_run, partition
+from shared import summed_errors
 
 NEG = torch.finfo(torch.float32).min
 
@@ -157,19 +158,13 @@ def parity(group, names: list[str], seq_len: int, documents: list) -> dict:
         torch._dynamo.reset()
         inputs = batch(seq_len, documents)
         model, reference = Attend(name), Attend(name)
-        reference(**inputs).backward()
+        expected = reference(**inputs)
+        expected.backward()
         compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
         local, _ = cp_passes.shard_batch(inputs, group)
         loss = compiled(**local)
         loss.backward()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        grads = 0.0
-        for p, r in zip(model.parameters(), reference.parameters()):
-            g = p.grad.clone()
-            dist.all_reduce(g, group=group)
-            grads = max(grads, ((g - r.grad).norm() / r.grad.norm()).item())
-        found[name] = ((total - reference(**inputs)).abs() / total.abs()).item(), grads
+        found[name] = summed_errors(group, loss, model, expected.detach(), reference)
     return found
 
 
