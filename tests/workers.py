@@ -1,8 +1,8 @@
 """A pool of real gloo processes shared by every multi-process test.
 
 Spawning a rank costs ~13 s on 2 cores, so one pool of 4 ranks serves the whole session: a task for
-P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (size-1 and size-2
-subgroups are made once at start-up). A task is a module-level function, kept next to the test that runs it
+P ranks runs on ranks 0..P-1 over a process group of exactly those ranks (one group of ranks 0..P-1 for
+every P below the world, made once at start-up). A task is a module-level function, kept next to the test that runs it
 (shared builders and tasks live in ``shared.py``); results come back per rank, and a failure on any rank
 re-raises here with that rank's traceback.
 """
@@ -46,9 +46,8 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     raise_recompile_limits()
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
     groups = {world: dist.group.WORLD}
-    for size in (1, 2):
-        if size < world:
-            groups[size] = dist.new_subgroups(group_size=size)[0]
+    for size in range(1, world):  # every rank takes part in making each group, members or not
+        groups[size] = dist.new_group(list(range(size)))
     while True:
         task = tasks.get()
         if task is None:
@@ -95,7 +94,7 @@ class WorkerPool:
         A task that has not finished on every rank after ``timeout`` seconds is a hang: the pool is replaced
         (hung ranks cannot take another task) and the test fails. A task that failed on some rank also
         replaces the pool, so that one failure does not leave the next test's collectives mismatched."""
-        assert size in (1, 2, self.world), size
+        assert 1 <= size <= self.world, size
         name = f"{task.__module__}:{task.__qualname__}"
         for r in range(size):
             self.tasks[r].put((name, size, kwargs))
