@@ -43,7 +43,8 @@ CASES = {
                       "x.transpose(1, 2) @ x"),
     "scores_softmax_over_queries": (lambda x: (x @ x.transpose(1, 2)).softmax(1) @ x, "aten.softmax.int",
                                     "softmax(1)"),
-    "mean_over_seq": (lambda x: x - x.mean(1, keepdim=True), "aten.mean.dim", "x.mean(1, keepdim=True)"),
+    # the mean is this rank's share of it; read with this rank's rows, the share is refused where it is read
+    "mean_over_seq": (lambda x: x - x.mean(1, keepdim=True), "aten.sub.Tensor", "x.mean(1, keepdim=True)"),
     "length_as_value": (lambda x: x * x.shape[1], "aten.mul.Tensor", "x * x.shape[1]"),
     "model_built_band_not_a_mask": (
         lambda x: torch.ones(x.shape[1], x.shape[1]).tril() @ x,
