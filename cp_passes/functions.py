@@ -107,7 +107,7 @@ def split_error(name: str, inputs: list[tuple[list[int], torch.dtype]], dims: li
     key = (name, *((str(shape), dtype, d) for (shape, dtype), d in zip(inputs, dims)), out_dim)
     if key in _CHECKED:
         return _CHECKED[key]
-    fn, found = _FUNCTIONS[name], None
+    fn = _FUNCTIONS[name]
     length = next(shape[d] for (shape, _), d in zip(inputs, dims) if d is not None)
     generator = torch.Generator().manual_seed(0)
     with torch._subclasses.fake_tensor.unset_fake_temporarily(), torch.enable_grad():
