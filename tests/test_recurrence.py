@@ -149,7 +149,8 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     device by 3.80e-4, and one device computing as CP does by 3.76e-4.) Every KDA layer's short conv goes by
     halo and its recurrence by the affine carry; the indexed layer receives the other ranks' rows of what its
     indexer reads besides its own nodes (the layer input, 64 wide, and q's low-rank input, 16) and the earlier
-    ranks' rows of K and V (2 heads x 16 each): batch 2, fp32."""
+    ranks' rows of the latent its K and V derive from (kv_lora_rank 16, moved in place of K and V's 2 heads x
+    (16 + 16)): batch 2, fp32."""
     loss, out, grads = glm5_next_reference(batch, GLM5_LAYERS)
     seq_len = out.shape[1]
     # At P = 1 the split is no split; the model's sensitivity to rounding is read from a split in two.
@@ -160,9 +161,9 @@ def _glm5_next_check(name, P, results_by_rank, batch, parity_report) -> None:
     assert rules.count("carry_affine") == 3 and rules.count("causal_conv_slice") == 3, rules
     assert rules.count("sdpa_data_mask") == 1, rules
     local = seq_len // P
-    for rank, results in enumerate(results_by_rank):  # contiguous: rank r's causal prefix is r shards of K, V
+    for rank, results in enumerate(results_by_rank):  # contiguous: rank r's causal prefix is r shards of the latent
         (indexed,) = [rec for rec in results["records"] if rec[0] == "sdpa_data_mask"]
-        assert indexed[2] == ((P - 1) * (64 + 16) + rank * 64) * local * 2 * 4, indexed
+        assert indexed[2] == indexed[3] == ((P - 1) * (64 + 16) + rank * 16) * local * 2 * 4, indexed
 
 
 @pytest.mark.parametrize("P", [pytest.param(P, marks=pytest.mark.full) for P in (1, 2, 4)])
