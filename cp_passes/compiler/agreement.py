@@ -28,7 +28,8 @@ from ..group import CPGroup
 _DIGEST_BYTES = 7  # fits a non-negative int64
 
 
-def _device(cp: CPGroup) -> str:
+def collective_device(cp: CPGroup) -> str:
+    """Where the group's collectives take their tensors: the GPU for NCCL, else the CPU."""
     return "cuda" if dist.get_backend(cp.group) == "nccl" else "cpu"
 
 
@@ -74,7 +75,7 @@ def check_inputs(cp: CPGroup, lines: list[str], batch_lines: list[str] = (), ref
             raise ValueError(refusal)
         return
     digest = _digest("\n".join([*lines, *batch_lines]))
-    both = torch.tensor([digest, -digest], dtype=torch.int64, device=_device(cp))
+    both = torch.tensor([digest, -digest], dtype=torch.int64, device=collective_device(cp))
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=cp.group)
     if int(both[0]) == digest and -int(both[1]) == digest:
         if refusal is not None:
@@ -131,7 +132,7 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
         return
     fp = _digest("\n".join(fingerprint)) if compiled else 0
     flags = torch.tensor([int(error is not None), int(compiled), -int(compiled), fp, -fp], dtype=torch.int64,
-                         device=_device(cp))
+                         device=collective_device(cp))
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=cp.group)
     failed, some_compiled, all_compiled, fp_max, fp_min = (int(flags[0]), int(flags[1]), -int(flags[2]),
                                                           int(flags[3]), -int(flags[4]))

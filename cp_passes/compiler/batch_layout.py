@@ -31,7 +31,7 @@ from ..data.marks import Mark, mark_of, marked
 from ..group import CPGroup
 from ..layout import BALANCED, CONTIGUOUS, Layout, resolve_layout
 from ..spec import CPSpec
-from .agreement import _device
+from .agreement import collective_device
 
 _FIX = ("cut the batch with cp_passes.shard_batch(batch, mesh, spec) (the spec cp_compile has), or, to keep "
         "each rank's contiguous slice, compile with CPSpec(layout=\"contiguous\")")
@@ -149,7 +149,7 @@ def confirm_order(cp: CPGroup, batch: BatchLayout) -> None:
     there are seams), and every rank decides from the same gathered rows."""
     if batch.seams is None:
         return
-    local = batch.seams.to(_device(cp))
+    local = batch.seams.to(collective_device(cp))
     everyone = [torch.empty_like(local) for _ in range(cp.size)]
     dist.all_gather(everyone, local, group=cp.group)
     refusal = order_refusal(cp.layout, [t.cpu() for t in everyone], batch.seam_names)
