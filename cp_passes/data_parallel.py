@@ -53,7 +53,7 @@ def global_loss(loss: torch.Tensor, mesh) -> torch.Tensor:
     """The value to log for a loss each CP rank holds its share of (a summed loss, or ``out.loss`` of a
     transformers model called with ``labels=``): the ranks' shares added up over ``mesh`` (a DeviceMesh or a
     ProcessGroup), detached. It is the single-device value, on every rank; ``loss.item()`` alone shows about 1/P
-    of it."""
+    of it. A loss every rank holds whole (a classifier's over pooled rows) is logged as it is, not through this."""
     return _sum_over(loss.detach().clone(), mesh)
 
 

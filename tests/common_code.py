@@ -193,6 +193,77 @@ class CachedRotaryModel(Base):
         return x + F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
 
 
+# -- one row owned by one rank: pooling -------------------------------------------------------------------------
+
+
+class Classifier(Base):
+    """A classification head over pooled rows; the label of a row is its first label's class (of 3). The loss is
+    whole: every rank holds the single-device value."""
+
+    def __init__(self):
+        super().__init__()
+        self.cls = nn.Linear(D, 3)
+
+    def classify(self, pooled, labels):
+        return F.cross_entropy(self.cls(pooled), labels[:, 0] % 3)
+
+
+class LastToken(Classifier):
+    def forward(self, input_ids, labels):
+        return self.classify(self.hidden(input_ids)[:, -1], labels)
+
+
+class FirstAndSecondLast(Classifier):
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        return self.classify(h[:, 0] + h[:, -2], labels)
+
+
+class LastNonPadding(Classifier):
+    """transformers' sequence-classification pick: the argmax of ``arange * (ids != pad)``, then an index."""
+
+    def forward(self, input_ids, labels):
+        logits = self.cls(self.hidden(input_ids))
+        last = (torch.arange(input_ids.shape[-1], dtype=torch.int32) * (input_ids != 0).to(torch.int32)).argmax(-1)
+        return F.cross_entropy(logits[torch.arange(input_ids.shape[0]), last], labels[:, 0] % 3)
+
+
+class GatheredLength(Classifier):
+    """The row at the count of non-padding tokens minus one, read with gather; a weight penalty beside it."""
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        last = (input_ids != 0).sum(-1) - 1
+        pooled = h.gather(1, last[:, None, None].expand(-1, 1, h.shape[-1])).squeeze(1)
+        return self.classify(pooled, labels) + 1e-2 * self.cls.weight.pow(2).sum()
+
+
+class PooledAndTokens(Classifier):
+    """A per-token loss (a share) and a pooled classification loss (whole) added: the whole one enters as 1/P."""
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        return self.loss(h, labels) + 0.5 * self.classify(h.index_select(1, torch.tensor([0, 5])).mean(1), labels)
+
+
+class Pooled(Classifier):
+    """Every pick in one model (one compile): the last row, the first, the argmax pick, gather and a weight
+    penalty, in one whole loss."""
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        last = (torch.arange(input_ids.shape[-1]) * (input_ids != 0)).argmax(-1)
+        count = (input_ids != 0).sum(-1) - 1
+        gathered = h.gather(1, count[:, None, None].expand(-1, 1, h.shape[-1])).squeeze(1)
+        pooled = h[:, -1] + h[:, 0] + h[torch.arange(h.shape[0]), last] * gathered
+        return self.classify(pooled, labels) + 1e-2 * self.cls.weight.pow(2).sum()
+
+
+POOLED = {c.__name__: c for c in (LastToken, FirstAndSecondLast, LastNonPadding, GatheredLength, PooledAndTokens,
+                                  Pooled)}
+"""Models whose loss is whole (each rank holds the single-device value) or a share that adds a whole term."""
+
+
 class Everyday(OneHotRouter):
     """Every kind above in one model (one compile): einsum attention, a running mean over ``arange(1, S + 1)``, a
     one-hot router's balancing loss, the nanoGPT loss over trimmed rows, a z-loss and a masked mean."""
@@ -242,6 +313,59 @@ def parity(group, names: list[str], seq_len: int, layout: str | None = None) -> 
         loss.backward()
         found[name] = summed_errors(group, loss, model, expected.detach(), reference)
     return found
+
+
+def pooled_parity(group, names: list[str], seq_len: int, layout: str | None = None) -> dict:
+    """Per model: the relative difference from one device's loss of this rank's loss (whole) or of the ranks'
+    losses added (a share: ``PooledAndTokens``), and of the ranks' summed gradients."""
+    found = {}
+    spec = cp_passes.CPSpec(layout=layout) if layout else None
+    for name in names:
+        torch._dynamo.reset()
+        model, reference = POOLED[name](), POOLED[name]()
+        inputs = batch(seq_len)
+        expected = reference(**inputs)
+        expected.backward()
+        compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+        loss = compiled(**cp_passes.shard_batch(inputs, group, spec)[0])
+        loss.backward()
+        shares, grads = summed_errors(group, loss, model, expected.detach(), reference)
+        whole = (abs(loss.detach() - expected.detach()) / abs(expected.detach())).item()
+        found[name] = (shares if name == "PooledAndTokens" else whole, grads)
+    return found
+
+
+def sequence_classification(group, seq_len: int, padded_rows: int) -> tuple[float, float, float]:
+    """transformers' LlamaForSequenceClassification as shipped (the last non-padding token's logits, picked by an
+    argmax over the sequence), row 1 ending in ``padded_rows`` pad tokens, ``labels=`` and ``attention_mask``:
+    this rank's loss and logits against one device's, and the ranks' summed gradients."""
+    import torch.distributed as dist
+    import transformers
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.LlamaForSequenceClassification(transformers.LlamaConfig(
+            vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, num_labels=3, pad_token_id=0))
+
+    torch._dynamo.reset()
+    inputs = batch(seq_len)
+    ids = inputs["input_ids"]
+    ids[1, ids.shape[1] - padded_rows:] = 0
+    mask, labels = (ids != 0).long(), torch.tensor([1, 2])
+    model, reference = make(), make()
+    expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    expected.loss.backward()
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    out = compiled(**cp_passes.shard_batch({"input_ids": ids, "attention_mask": mask}, group)[0], labels=labels)
+    out.loss.backward()
+    grads = 0.0
+    for p, r in zip(model.parameters(), reference.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g, group=group)
+        grads = max(grads, ((g - r.grad).norm() / r.grad.norm()).item())
+    loss = (abs(out.loss - expected.loss) / expected.loss).item()
+    return loss, (out.logits - expected.logits).abs().max().item(), grads
 
 
 def rotary_lengths(group, lengths: list[int], max_len: int) -> list[str]:

@@ -30,6 +30,46 @@ def test_common_code_matches_one_device(pool, P, seq_len, layout, names):
             assert loss < 1e-5 and grads < 1e-5, (rank, name, loss, grads)
 
 
+@pytest.mark.parametrize("P,seq_len,layout,names", [
+    pytest.param(2, 32, None, ["Pooled"], id="P2"),
+    pytest.param(2, 32, None, list(common_code.POOLED), marks=pytest.mark.full, id="P2-every-model"),
+    pytest.param(4, 64, None, list(common_code.POOLED), marks=pytest.mark.full, id="P4-every-model"),
+    pytest.param(2, 36, "contiguous", list(common_code.POOLED), marks=pytest.mark.full, id="P2-contiguous"),
+])
+def test_pooled_rows_match_one_device(pool, P, seq_len, layout, names):
+    """``h[:, -1]``, ``h[:, 0]``, the argmax pick, ``gather`` and ``index_select`` by a whole index: every rank's
+    whole loss is one device's, and the ranks' gradients add up to one device's (a whole output passes back
+    1 / P of its gradient on each rank); added to a per-token loss, the pooled loss enters as its 1 / P."""
+    for rank, found in enumerate(pool.run(common_code.pooled_parity, P, names=names, seq_len=seq_len,
+                                          layout=layout)):
+        for name, (loss, grads) in found.items():
+            assert loss < 1e-5 and grads < 1e-5, (rank, name, loss, grads)
+
+
+@pytest.mark.parametrize("P,seq_len,padded_rows", [
+    pytest.param(2, 32, 5, id="P2"),
+    pytest.param(4, 64, 20, marks=pytest.mark.full, id="P4-padding-on-three-ranks"),
+])
+def test_transformers_sequence_classification_matches_one_device(pool, P, seq_len, padded_rows):
+    """LlamaForSequenceClassification as shipped, a row ending in pad tokens: every rank's loss and logits are one
+    device's, and the summed gradients match."""
+    for rank, (loss, logits, grads) in enumerate(pool.run(common_code.sequence_classification, P, seq_len=seq_len,
+                                                          padded_rows=padded_rows)):
+        assert loss < 1e-5 and logits < 1e-5 and grads < 1e-5, (rank, loss, logits, grads)
+
+
+@pytest.mark.parametrize("name,op,why", [
+    ("LastToken", "aten.select.int", "a row counted from the end of the sequence"),
+    ("LastNonPadding", "aten.argmax.default", "the position of the max over the sequence"),
+])
+def test_a_pick_from_the_end_on_a_padded_batch_is_refused(group, name, op, why):
+    """shard_batch's padding moves the global end and can hold the max: refused, naming the op."""
+    compiled = cp_passes.cp_compile(common_code.POOLED[name](), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match="shard_batch padded the sequence") as info:
+        compiled(**cp_passes.shard_batch(common_code.batch(30), group)[0])
+    assert f"{op} at" in str(info.value) and why in str(info.value), str(info.value)
+
+
 def test_the_rotary_cache_check_holds_until_the_global_length_passes_the_cache(pool):
     """``if seq_len > self.max_seq_len_cached`` with 40 cached rows: 32 and 36 positions (16 and 18 a rank) run
     on one graph; at 64 (32 a rank, under the cache locally, past it on one device) the guard on the global

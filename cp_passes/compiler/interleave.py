@@ -260,6 +260,8 @@ def interleave_readers(plan: Plan, spec: CPSpec) -> list[str]:
         elif rw.rule == "share":
             _check_losses(frozenset().union(*(plan.partial_sources.get(t, frozenset())
                                               for t in node.all_input_nodes)), spec, add)
+        elif rw.rule == "whole_output":
+            continue
         elif rw.rule == "arange_positions":
             if node.users:  # one that only fed a mask the attention evaluates itself is gone by then
                 add(node, "positions from an arange over the sequence, outside an attention mask")

@@ -10,8 +10,8 @@ shift that reads later rows (the last real rows read the padding in place of the
 an input shard_batch pads with that fill (labels shifted with ``ignore_index``), a mean over the sequence that
 ignores nothing, a sum over the sequence returned as this rank's share or read whole (it adds the padded rows)
 unless it is a loss that ignores the padded labels or a count of a mask, a division by a row count, and a table
-sliced from its end by the sequence length (``table[n - S:]``), and a max, min, any or all over the sequence
-(padded positions continue the count).
+sliced from its end by the sequence length (``table[n - S:]``), a row picked from the end (``hidden[:, -1]``), and
+a max, min, any or all over the sequence or the position of one (padded positions continue the count).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
 from ..spec import CPSpec
 from ..transports.keys import KeyMask, KeyOperand
+from ..transports.picks import GlobalArgExtreme, Pick
 from ..transports.positions import TableRows
 from ..transports.reductions import GlobalExtreme, GlobalMean, GlobalSum
 from ..transports.shift import Shift
@@ -105,6 +106,10 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
                     "reads")
         elif isinstance(request, GlobalExtreme):
             what = f"a {request.op} over the sequence read as a whole: it reads the padded rows"
+        elif isinstance(request, GlobalArgExtreme):
+            what = f"the position of the {request.op} over the sequence: it reads the padded rows"
+        elif isinstance(request, Pick) and request.from_end:
+            what = "a row counted from the end of the sequence: the padded length moves it"
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
         elif isinstance(request, GlobalSum) and not all(_counts_a_mask(o) or ignores_padding(o, spec)

@@ -217,7 +217,7 @@ def _alone(sub: torch.fx.GraphModule, calls: list, sym, spec, cp, regions: list)
                for p in sub.graph.find_nodes(op="placeholder")):
         return "it reads no sequence-sharded tensor"
     try:
-        region_plan = plan_graph(sub, sym, spec, cp)
+        region_plan = plan_graph(sub, sym, spec, cp, module_outputs=False)
     except CPCompileError:
         return "its plan refuses it on its own; planned in place, the refusal names the model's code"
     if region_plan.partial_outputs:

@@ -28,6 +28,7 @@ from ..rules.registry import ALWAYS, out_of_place, registered
 from ..rules.views import table_start
 from ..transports import TRANSPORTS, Cost
 from ..transports.attention import FLOPS_PER_BYTE, AttentionKV, recompute_pays
+from ..transports.reductions import WholeOutput
 from .regions import InlineRegion
 
 aten = torch.ops.aten
@@ -189,10 +190,11 @@ def _check_transport(ctx: RuleContext, rewrite: Rewrite) -> None:
                    if transport.layouts else "register the transport with the layouts it supports")
 
 
-def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
+def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp, module_outputs: bool = True) -> Plan:
     """Match every node that touches the sequence to a rule; raise one error listing every refusal. A call of a
     nested compile region (:mod:`.regions`, planned on its own) runs as it is; one whose operands the region cannot
-    read on its own raises :class:`~.regions.InlineRegion`."""
+    read on its own raises :class:`~.regions.InlineRegion`. ``module_outputs``: the graph's outputs are the
+    compiled module's (not a region's), and a whole one passes back ``1 / P`` of its gradient."""
     plan = Plan()
     problems: list[Problem] = []
     refused: set[torch.fx.Node] = set()
@@ -249,6 +251,12 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
         raise CPCompileError(problems)
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
+        if module_outputs and _whole_with_gradient(value, values, sym) and value not in flat[:i]:
+            note = "a value every rank holds whole, returned: its backward passes 1 / P of the gradient on each rank"
+            plan.records.append(RewriteRecord.of(value, "whole_output", "reductions", Cost(
+                collective="none: backward passes 1 / P of the gradient"), note, name=f"output[{i}]"))
+            plan.rewrites.append((value, Rewrite("whole_output", "reductions", WholeOutput(value), note=note),
+                                  plan.records[-1]))
         if isinstance(value, torch.fx.Node) and values.get(value) is Value.PARTIAL:
             plan.partial_outputs.append(PartialOutput(i, value, origins[value]))
             share = Cost(collective="none (caller sums over ranks)")
@@ -256,6 +264,15 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp) -> Plan:
                 origins[value], "partial_sum", "none", share,
                 "a sum over the sequence: this rank's share; add the ranks' values for the total", name=f"output[{i}]"))
     return plan
+
+
+def _whole_with_gradient(value, values: dict, sym) -> bool:
+    """A floating value the graph computes (it may need a gradient: the graph as captured does not say), held
+    whole on every rank (no sequence dim, no partial sum)."""
+    val = meta_val(value) if isinstance(value, torch.fx.Node) else None
+    return (isinstance(val, torch.Tensor) and value.op == "call_function"
+            and (val.is_floating_point() or val.is_complex()) and values.get(value) is not Value.PARTIAL
+            and not seq_dims(value, sym))
 
 
 def _narrowest_keys(rewrite: Rewrite, sym, local_len: int, plan: Plan, spec) -> None:

@@ -13,8 +13,8 @@ find multi-node patterns first; transports (:mod:`cp_passes.transports`) edit th
 Importing this package registers the built-in rules: one module per op family.
 """
 
-from . import (attention, contractions, conv, eager_modules, permutations, pointwise, positions,  # noqa: F401
-               recurrence, reductions, splice, views)
+from . import (attention, contractions, conv, eager_modules, permutations, picks, pointwise,  # noqa: F401
+               positions, recurrence, reductions, splice, views)
 from .registry import (NO_RULE_FIX, Refusal, Rewrite, RuleContext, Value, lookup_rule, positionwise,
                        positionwise_rule, register_rule)
 from .views import VIEW_OPS

@@ -10,6 +10,7 @@ from ..match.blocks import concat_reads
 from ..transports.reductions import GlobalExtreme, GlobalMean, MaskedCount
 from ..transports.scan import SCANS, Scan
 from ..transports.shift import Diff
+from .picks import pick
 from .registry import RuleContext, Rewrite, Value, out_of_place, register_rule
 
 aten = torch.ops.aten
@@ -85,7 +86,7 @@ def _dim_rule(ctx: RuleContext):
     packet = target.overloadpacket.__name__
     if "other" in ctx.args:  # binary max/min are elementwise
         return None
-    extreme = _global_extreme(ctx, tensors[0], dims)
+    extreme = _global_extreme(ctx, tensors[0], dims) or pick(ctx)
     if extreme is not None:
         return extreme
     if packet == "cat":

@@ -14,6 +14,7 @@ from torch.utils._sympy.functions import FloorDiv
 from ..errors import kernel_call, op_name, source_line
 from ..graph.analysis import expr_of, hint, meta_val, seq_ratio, sizes_equal, static_int, window
 from ..spec import shipped_spec_declaring
+from .picks import pick
 from .reductions import masked_count
 from ..transports.positions import TableRows
 from .registry import NO_RULE_FIX, Rewrite, RuleContext, register_rule
@@ -344,7 +345,7 @@ def _triangle(ctx: RuleContext):
 @register_rule(aten.index, aten.index_put, aten.index_put_, aten.masked_select, aten.nonzero,
                aten.take, aten._local_scalar_dense, aten.item, aten.embedding_bag)
 def _data_dependent(ctx: RuleContext):
-    count = masked_count(ctx)
+    count = masked_count(ctx) or pick(ctx)
     if count is not None:
         return count
     # Looking positions up in a table (table[position_ids]) is fine; indexing the sharded tensor is not.

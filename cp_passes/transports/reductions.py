@@ -10,10 +10,12 @@ global count the same way; and the length of ``x[mask]`` when only that length i
 of integer or boolean metadata over the sequence (longrope's ``torch.max(position_ids) + 1``) is this rank's
 value reduced over the ranks, no autograd: every rank sees the single-device value.
 
-Gradients follow the objective cp_passes trains, the sum of the ranks' losses: the backward of an all-reduce
-is the all-reduce of the ranks' gradients, and a value every rank holds whole (a global sum, anything free of
-the sequence) added to a per-rank share enters as its ``1 / P`` share (:class:`Share`), so that the ranks'
-losses still add up to the single-device loss.
+Gradients follow the objective cp_passes trains: the ranks' shares added, and each value every rank holds
+whole counted once. The backward of an all-reduce is the all-reduce of the ranks' gradients; a value every rank
+holds whole (a global sum, anything free of the sequence) added to a per-rank share enters as its ``1 / P``
+share (:class:`Share`), so that the ranks' losses still add up to the single-device loss; and a whole value the
+compiled module returns passes back ``1 / P`` of its gradient on every rank (:class:`WholeOutput`): every rank
+runs the backward from it, and the ranks' gradients add up to one device's.
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ class Share:
     whole: tuple[str, ...]
 
 
+@dataclass
+class WholeOutput:
+    """``node``, a value every rank holds whole, is returned by the compiled module: every rank runs the backward
+    from it, so the gradient it passes back is ``1 / P`` of what it is given and it counts once in the objective."""
+
+    node: torch.fx.Node
+
+
+@torch.library.custom_op("cp_passes::whole_output", mutates_args=())
+def whole_output_op(value: torch.Tensor, world: int) -> torch.Tensor:
+    """``value`` as it is; its gradient is ``1 / world`` of the one it is given."""
+    return value.clone()
+
+
+@whole_output_op.register_fake
+def _(value, world):
+    return torch.empty_like(value)
+
+
+gradient_by(whole_output_op, lambda grad, world: grad / world)
+
+
 @torch.library.custom_op("cp_passes::global_extreme", mutates_args=())
 def global_extreme_op(local: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
     """The max (``op="max"``) or min over the ranks of an integer or boolean per-rank max, min, any or all."""
@@ -151,8 +175,15 @@ class Reductions(Transport):
     runtime = (torch.ops.cp_passes.global_count.default, torch.ops.cp_passes.global_sum.default,
                torch.ops.cp_passes.global_length.default, torch.ops.cp_passes.global_extreme.default)
 
-    def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount | GlobalExtreme) -> None:
+    def apply(self, edit, request: GlobalMean | GlobalSum | MaskedCount | GlobalExtreme | WholeOutput) -> None:
         node = request.node
+        if isinstance(request, WholeOutput):
+            (output,) = edit.graph.find_nodes(op="output")
+            value = edit.current(node)
+            share = edit.insert(torch.ops.cp_passes.whole_output.default, (value, edit.world),
+                                name="cp_whole_output", before=output)
+            output.replace_input_with(value, share)
+            return
         if isinstance(request, GlobalExtreme):
             total = edit.insert(torch.ops.cp_passes.global_extreme.default, (node, request.op, edit.group_name),
                                 name=f"cp_global_{request.op}", before=node.next)
@@ -213,6 +244,8 @@ class Reductions(Transport):
             return Cost("all_reduce of partial sums (backward: all_reduce)", elements, moved, moved, moved, moved)
         if isinstance(request, Share):
             return Cost("none: 1 / P of a value every rank holds")
+        if isinstance(request, WholeOutput):
+            return Cost("none: backward passes 1 / P of the gradient")
         moved = 8 * (layout.world - 1)
         return Cost("all_reduce of one count (no autograd)", 1, moved, moved, moved, moved)
 
