@@ -157,6 +157,87 @@ class CumulativeMean(Base):
         return self.loss(h + h.cumsum(1) / steps + h / evens, labels)
 
 
+# -- SDPA with a float mask that adds a bias, and memory keys in front of the sequence's ---------------------------
+
+
+def _alibi(length, slopes, window=None, causal=True):
+    """ALiBi's ``slope * (j - i)`` per head, later keys (and keys a window or more behind) at ``-inf``."""
+    i = torch.arange(length)
+    distance = (i[None, :] - i[:, None]).float()
+    bias = slopes[:, None, None] * (distance if causal else -distance.abs())
+    hidden = i[None, :] > i[:, None] if causal else torch.zeros(length, length, dtype=torch.bool)
+    if window is not None:
+        hidden = hidden | (i[:, None] - i[None, :] >= window)
+    return bias.masked_fill(hidden, float("-inf"))
+
+
+class AlibiSDPA(Base):
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        bias = _alibi(x.shape[1], torch.tensor([0.5, 0.25]))[None]
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(x.shape)
+
+
+class AlibiSDPAGroupedWindow(Base):
+    """One K/V head for two query heads (``enable_gqa``), slopes from ``pow``, keys 8 or more behind hidden."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(D, 2 * D)
+
+    def attend(self, x):
+        q, kv = self.qkv(x).split([D, D], -1)
+        k, v = kv.view(x.shape[0], x.shape[1], 1, D).transpose(1, 2).chunk(2, -1)
+        slopes = torch.pow(2.0, -torch.arange(1, H + 1).float())
+        bias = _alibi(x.shape[1], slopes, window=8)
+        out = F.scaled_dot_product_attention(_heads(q), k, v, attn_mask=bias, enable_gqa=True)
+        return x + out.transpose(1, 2).reshape(x.shape)
+
+
+class AlibiSDPABidirectional(Base):
+    """An encoder's ALiBi: ``-slope * |i - j|``, no key hidden."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        bias = _alibi(x.shape[1], torch.tensor([0.5, 0.25]), causal=False)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).reshape(x.shape)
+
+
+class MemoryKeys(Base):
+    """Four learned memory K/V rows in front of the sequence's keys, every query sees them; causal otherwise."""
+
+    def __init__(self):
+        super().__init__()
+        self.mem_k, self.mem_v = nn.Parameter(torch.randn(1, H, 4, D // H)), nn.Parameter(torch.randn(1, H, 4, D // H))
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        b, s = x.shape[:2]
+        k = torch.cat([self.mem_k.expand(b, -1, -1, -1), k], 2)
+        v = torch.cat([self.mem_v.expand(b, -1, -1, -1), v], 2)
+        mask = torch.cat([torch.ones(s, 4, dtype=torch.bool), _causal(s)], 1)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+
+class MemoryKeysAfterFloatMask(MemoryKeys):
+    """The memory after the sequence's keys, a float 0 / -inf causal mask padded with zeros for it."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        b, s = x.shape[:2]
+        k = torch.cat([k, self.mem_k.expand(b, -1, -1, -1)], 2)
+        v = torch.cat([v, self.mem_v.expand(b, -1, -1, -1)], 2)
+        mask = F.pad(torch.zeros(s, s).masked_fill(~_causal(s), float("-inf")), (0, 4))
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+
+class WrittenOut(MemoryKeys):
+    """ALiBi over SDPA, then memory keys (one compile)."""
+
+    def attend(self, x):
+        return MemoryKeys.attend(self, AlibiSDPA.attend(self, x))
+
+
 # -- the older rotary cache check -------------------------------------------------------------------------------
 
 
@@ -285,7 +366,8 @@ class Everyday(OneHotRouter):
 MODELS = {c.__name__: c for c in (
     EinsumHeadsFirst, EinsumSequenceFirst, EinsumGateAndProjection, NanoGPTLoss, Transformers4Loss,
     HeadAfterTrimSummed, SmoothedBackwardLoss, ZLoss, MaskedMean, MaskedRowsSummed, OneHotRouter, CumulativeMean,
-    CachedRotaryModel, Everyday)}
+    CachedRotaryModel, AlibiSDPA, AlibiSDPAGroupedWindow, AlibiSDPABidirectional, MemoryKeys,
+    MemoryKeysAfterFloatMask, WrittenOut, Everyday)}
 
 
 def batch(seq_len: int) -> dict:

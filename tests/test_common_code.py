@@ -12,9 +12,9 @@ import cp_passes
 import common_code
 from cp_passes import CPCompileError
 
-DEFAULT = ["Everyday"]
-"""The default run: one model with one of each kind (the rotary cache check runs in its own test); every model
-on its own under -m full."""
+DEFAULT = ["Everyday", "WrittenOut"]
+"""The default run: one model with one of each kind (the rotary cache check runs in its own test) and one with
+SDPA written out (an ALiBi bias, memory keys); every model on its own under -m full."""
 
 
 @pytest.mark.parametrize("P,seq_len,layout,names", [

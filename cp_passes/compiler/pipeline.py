@@ -17,6 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, seq_dims, sequence_symbol
+from ..graph.written_attention import biased_sdpa_as_scores, memory_keys_as_scores
 from ..graph.calls import calls_by_subgraph, operands
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
@@ -175,6 +176,9 @@ def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]]
         gm.recompile()
         history.append((f"{label}means as sums over counts, masked selections as masked sums, aranges from 0, "
                         f"einsums as matmuls", format_graph(gm)))
+    if biased_sdpa_as_scores(gm, sym, spec.pad_multiple) + memory_keys_as_scores(gm, sym):
+        history.append((f"{label}SDPA whose float mask adds a bias or whose keys hold memory, written out",
+                        format_graph(gm)))
     if trimmed_losses_as_ignored_rows(gm, sym):
         history.append((f"{label}losses over trimmed rows as losses that ignore them", format_graph(gm)))
     if shifted_writes_as_shifts(gm, sym, spec.pad_multiple):
