@@ -340,9 +340,34 @@ class Pooled(Classifier):
         return self.classify(pooled, labels) + 1e-2 * self.cls.weight.pow(2).sum()
 
 
+class ReturnsWeight(Classifier):
+    """The loss and a parameter as it is, the objective over both: dynamo hands the parameter back from the
+    module, outside any graph."""
+
+    def forward(self, input_ids, labels):
+        return self.classify(self.hidden(input_ids)[:, 0], labels), self.cls.weight
+
+
+class PickedRows(Classifier):
+    """Rows by an index tensor of constants and negative ones, sequence-first ``[S, B, D]`` picks, rows of 4-D
+    heads: the adversarial round's exact cases."""
+
+    def forward(self, input_ids, labels):
+        h = self.hidden(input_ids)
+        heads = _heads(h)
+        first = h.transpose(0, 1)
+        pooled = h[:, torch.tensor([-1, -2, 3])].sum(1) + first[-1] + first[5] + heads[..., -3, :].flatten(1)
+        return self.classify(pooled + h.select(1, -3), labels)
+
+
 POOLED = {c.__name__: c for c in (LastToken, FirstAndSecondLast, LastNonPadding, GatheredLength, PooledAndTokens,
-                                  Pooled)}
+                                  Pooled, ReturnsWeight, PickedRows)}
 """Models whose loss is whole (each rank holds the single-device value) or a share that adds a whole term."""
+
+
+def _objective(out):
+    """The loss, or the loss and ``1e-2 * |w|^2`` of a returned weight."""
+    return out[0] + 1e-2 * out[1].pow(2).sum() if isinstance(out, tuple) else out
 
 
 class Everyday(OneHotRouter):
@@ -406,10 +431,10 @@ def pooled_parity(group, names: list[str], seq_len: int, layout: str | None = No
         torch._dynamo.reset()
         model, reference = POOLED[name](), POOLED[name]()
         inputs = batch(seq_len)
-        expected = reference(**inputs)
+        expected = _objective(reference(**inputs))
         expected.backward()
         compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-        loss = compiled(**cp_passes.shard_batch(inputs, group, spec)[0])
+        loss = _objective(compiled(**cp_passes.shard_batch(inputs, group, spec)[0]))
         loss.backward()
         shares, grads = summed_errors(group, loss, model, expected.detach(), reference)
         whole = (abs(loss.detach() - expected.detach()) / abs(expected.detach())).item()

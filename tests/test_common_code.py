@@ -70,6 +70,44 @@ def test_a_pick_from_the_end_on_a_padded_batch_is_refused(group, name, op, why):
     assert f"{op} at" in str(info.value) and why in str(info.value), str(info.value)
 
 
+class Picks(nn.Module):
+    """Reads of sequence rows the adversarial round made silently wrong, each now refused."""
+
+    def __init__(self, read):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.read = nn.Embedding(32, 8), read
+
+    def forward(self, input_ids):
+        return self.read(self.emb(input_ids).clone()).pow(2).sum()
+
+
+def _write_row(h):
+    h[:, 0] = 0.0
+    return h
+
+
+def _add_to_last(h):
+    h[:, -1] += 1.5
+    return h
+
+
+@pytest.mark.parametrize("read,seq_len,match", [
+    (lambda h: h[:, h.shape[1] // 2], 32, r"holds while Eq\(\(s\d+//2\), \d+\)"),
+    (_write_row, 32, "aten.fill_.Tensor writes in place into rows of the sequence this op reads"),
+    (_add_to_last, 32, "aten.add_.Tensor writes in place into rows of the sequence this op reads"),
+    (lambda h: h[:, torch.tensor([-1, -2])], 30, "rows picked by an index tensor: a negative index counts from the "
+                                                  "padded end"),
+], ids=["row-at-half-the-length", "row-written-in-place", "row-added-to-in-place", "negative-index-padded"])
+def test_picks_that_cannot_be_proven_are_refused(group, read, seq_len, match):
+    """A row at ``S // 2`` (the op pins the index to this length's value), an in-place write into a picked row
+    (each rank holds only its own rows), an index tensor on a padded batch (a negative index counts from the
+    padded end): refused, not wrong."""
+    compiled = cp_passes.cp_compile(Picks(read), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match=match):
+        compiled(**cp_passes.shard_batch({"input_ids": torch.randint(1, 32, (2, seq_len))}, group)[0])
+
+
 def test_the_rotary_cache_check_holds_until_the_global_length_passes_the_cache(pool):
     """``if seq_len > self.max_seq_len_cached`` with 40 cached rows: 32 and 36 positions (16 and 18 a rank) run
     on one graph; at 64 (32 a rank, under the cache locally, past it on one device) the guard on the global

@@ -354,7 +354,19 @@ class CPModule(torch.nn.Module):
                 "it eagerly (torch.compiler.set_stance(\"force_eager\") or a stance that falls back to eager) or "
                 "skipped the model's forward. Let dynamo compile the CP model"
             )
-        return out
+        return self._whole_parameters(out)
+
+    def _whole_parameters(self, out):
+        """A parameter the model returns as it is (dynamo hands it back from the module, not from a graph) is whole
+        on every rank: like a whole output the graph computes, it passes back ``1 / P`` of its gradient."""
+        parameters = {id(p) for p in self.module.parameters()}
+
+        def share(leaf):
+            if isinstance(leaf, torch.Tensor) and id(leaf) in parameters and leaf.requires_grad:
+                return torch.ops.cp_passes.whole_output(leaf, self.cp.size)
+            return leaf
+
+        return torch.utils._pytree.tree_map(share, out)
 
 
 def prepare_model(model: torch.nn.Module, spec: CPSpec) -> dict:

@@ -6,7 +6,9 @@ the single-device one only if every guard the model's code put on the length als
 local length ``s`` the guard admits (the graph is reused for all of them), it must still be true at ``P * s``. Only
 guards from the model's own Python (an ``if``, a conditional expression) are branches; the guards an op's shape
 checks add (broadcasting, contiguity, a view's sizes) are not, and an op that reads rows by the length
-(``table[S // 8]``) is refused by the planner.
+(``table[S // 8]``) is refused by the planner. One kind an op adds is checked too: ``Eq(f(s), c)``, an int the
+op needed computed from the length (``h[:, h.shape[1] // 2]`` selects the constant row 8 for every local length
+with ``s // 2 == 8``), which the global length decides the other way.
 
 A guard that the global length of this call decides as the local one does is accepted and guarded at the global
 length too (``P * s <= c`` beside ``s <= c``): the older rotary caches' ``if seq_len > self.max_seq_len_cached``
@@ -56,12 +58,22 @@ def _decided_by_model_code(guard) -> bool:
     return "_dynamo/variables/" in filename.replace("\\", "/")
 
 
+def _pins(expr: sympy.Basic, sym: sympy.Symbol) -> bool:
+    """``Eq(f(s), c)``: an op that needed an int took one computed from the length (``h[:, h.shape[1] // 2]``
+    selects row 8 of every local length 16 or 17), which pins ``f(s)`` to this length's value."""
+    return (isinstance(expr, sympy.Eq) and any(side.is_Integer for side in expr.args)
+            and any(sym in side.free_symbols for side in expr.args))
+
+
 def check_length_guards(shape_env, sym: sympy.Symbol, world: int) -> None:
     """Refuse the graph if a guard on the local length could be decided differently by the global length."""
-    problems = []
+    problems, seen = [], set()
     for guard in shape_env.guards:
         expr = shape_env.replace(guard.expr)
-        if not _decided_by_model_code(guard):
+        if expr in seen:  # the same guard added again (by the op the first one's line called)
+            continue
+        seen.add(expr)
+        if not _decided_by_model_code(guard) and not _pins(expr, sym):
             continue
         if sym not in expr.free_symbols or expr.free_symbols != {sym}:
             continue

@@ -109,7 +109,8 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
         elif isinstance(request, GlobalArgExtreme):
             what = f"the position of the {request.op} over the sequence: it reads the padded rows"
         elif isinstance(request, Pick) and request.from_end:
-            what = "a row counted from the end of the sequence: the padded length moves it"
+            what = ("a row counted from the end of the sequence: the padded length moves it" if request.kind == "select"
+                    else "rows picked by an index tensor: a negative index counts from the padded end")
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
         elif isinstance(request, GlobalSum) and not all(_counts_a_mask(o) or ignores_padding(o, spec)

@@ -38,8 +38,11 @@ def _select(ctx: RuleContext, dim: int) -> Rewrite | None:
     expr = sympy.expand(expr_of(meta_val(ctx.arg("index"))) if isinstance(ctx.arg("index"), torch.fx.Node)
                         else sympy.Integer(ctx.arg("index")))
     per_length, first = expr.coeff(ctx.sym, 1), expr.coeff(ctx.sym, 0)
-    if not (per_length.is_Integer and first.is_Integer and expr.free_symbols <= {ctx.sym}):
-        return None
+    if not (per_length.is_Integer and first.is_Integer and expr.free_symbols <= {ctx.sym}
+            and sympy.expand(expr - per_length * ctx.sym - first) == 0):
+        ctx.refuse(f"it reads the row at {expr} of the local length {ctx.sym} along the sequence: only a row at a "
+                   f"constant or at a * length + b is read at its global position (a floor division of the length "
+                   f"is not)", "pick the row by an index tensor every rank holds whole, or by a constant")
     per_length, first = int(per_length), int(first)
     if per_length == 0 and first < 0:
         per_length = 1
@@ -50,6 +53,23 @@ def _select(ctx: RuleContext, dim: int) -> Rewrite | None:
                    output=Value.REPLICATED, note=f"row at {where}: {_NOTE}")
 
 
+def _written(node: torch.fx.Node) -> torch.fx.Node | None:
+    """An op that writes into ``node`` in place, or into a view of it (``h[:, 0] = 0``), if any."""
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        for user in n.users:
+            schema = getattr(user.target, "_schema", None)
+            if user in seen or schema is None:
+                continue
+            seen.add(user)
+            if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+                return user
+            if any(r.alias_info is not None for r in schema.returns):
+                stack.append(user)
+    return None
+
+
 def pick(ctx: RuleContext) -> Rewrite | None:
     """The picks transport's rewrite when this node reads sequence rows by global position; None otherwise."""
     target = ctx.node.target
@@ -57,6 +77,12 @@ def pick(ctx: RuleContext) -> Rewrite | None:
     x = ctx.args.get("self")
     if ctx.is_partial(x) if isinstance(x, torch.fx.Node) else True:
         return None
+    if target in (aten.select.int, aten.index.Tensor, aten.gather.default, aten.index_select.default) \
+            and ctx.is_seq(x) and (write := _written(ctx.node)) is not None:
+        ctx.refuse(f"{write.target} writes in place into rows of the sequence this op reads; each rank holds only "
+                   f"its own rows, and the row written may be another rank's",
+                   "write out of place over every position: torch.where(positions == i, value, h), with positions "
+                   "an arange over the sequence")
     if packet is aten.select and target is aten.select.int:
         dim = _sequence_dim(ctx, x, ctx.arg("dim"))
         return _select(ctx, dim) if dim is not None else None

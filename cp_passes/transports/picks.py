@@ -106,8 +106,9 @@ class Pick:
 
     @property
     def from_end(self) -> bool:
-        """Whether the pick counts from the end of the sequence (it reads the padding shard_batch adds)."""
-        return self.kind == "select" and self.per_length != 0
+        """Whether the pick may count from the end of the sequence (then it reads the padding shard_batch adds):
+        a row at the length, or an index tensor (a negative index counts from the end)."""
+        return self.kind != "select" or self.per_length != 0
 
 
 @dataclass
