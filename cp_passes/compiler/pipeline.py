@@ -176,7 +176,7 @@ def _prepare(gm: torch.fx.GraphModule, sym, spec, history: list[tuple[str, str]]
         gm.recompile()
         history.append((f"{label}means as sums over counts, masked selections as masked sums, aranges from 0, "
                         f"einsums as matmuls", format_graph(gm)))
-    if biased_sdpa_as_scores(gm, sym, spec.pad_multiple) + memory_keys_as_scores(gm, sym):
+    if memory_keys_as_scores(gm, sym) + biased_sdpa_as_scores(gm, sym, spec.pad_multiple):
         history.append((f"{label}SDPA whose float mask adds a bias or whose keys hold memory, written out",
                         format_graph(gm)))
     if trimmed_losses_as_ignored_rows(gm, sym):

@@ -4,13 +4,14 @@
   (ALiBi's ``slope * (j - i)`` with the later keys masked), is no mask the attention rule can cut into allowed
   and disallowed pairs: it changes the scores. Written out, ``softmax(q @ k^T * scale + bias) @ v`` is the form
   hand-written attention has, which the key rules read (the keys brought, the bias evaluated at this rank's rows
-  and those keys). A mask of 0 and ``-inf`` only stays on SDPA; so do masks from data, learned biases and
-  attention with dropout, which the attention rule decides about.
+  and those keys); a row that sees no key is 0, as SDPA answers. A mask of 0 and ``-inf`` only stays on SDPA;
+  so do masks from data, learned biases and attention with dropout, which the attention rule decides about.
 - Memory keys: ``k = cat([mem_k, k], -2)`` (and ``v`` so) with ``mem_k`` held whole on every rank (learned
   memory tokens, a sink) puts keys that are no position in front of the sequence's. Written out over the two
   parts, every query reads the memory's scores locally and the sequence's keys as hand-written attention does,
   and one softmax runs over both: ``m = max(max(s_mem), max(s_seq))``, ``(e^(s_mem - m) @ mem_v + e^(s_seq - m)
-  @ v) / (sum e^(s_mem - m) + sum e^(s_seq - m))``, the mask taken apart where it is built as the two
+  @ v) / (sum e^(s_mem - m) + sum e^(s_seq - m))`` (``m`` the shift only, without a gradient; a row that sees no
+  key is 0, as SDPA answers), the mask taken apart where it is built as the two
   parts (``cat([mem_mask, mask], -1)``, ``F.pad(mask, (M, 0), value=True)``).
 """
 
@@ -29,8 +30,7 @@ aten = torch.ops.aten
 
 
 def _adds_a_bias(mask: torch.fx.Node, sym, multiple: int, length: int) -> bool:
-    """Whether ``mask`` is built from positions alone and, at ``length``, holds a finite value other than 0 in
-    rows that each keep a finite entry (a row of ``-inf`` only is SDPA's to answer)."""
+    """Whether ``mask`` is built from positions alone and, at ``length``, holds a finite value other than 0."""
     found = model_mask(mask, sym, multiple=multiple)
     if not isinstance(found, PositionMask):
         return False
@@ -41,7 +41,7 @@ def _adds_a_bias(mask: torch.fx.Node, sym, multiple: int, length: int) -> bool:
     if not isinstance(value, torch.Tensor) or not value.is_floating_point():
         return False
     finite = torch.isfinite(value) & (value > torch.finfo(value.dtype).min)
-    return bool(((value != 0) & finite).any()) and bool(finite.any(-1).all())
+    return bool(((value != 0) & finite).any())
 
 
 def _plain(args: dict) -> bool:
@@ -59,6 +59,11 @@ def _scores(graph, node, q, k, scale, mask):
         hidden = emit(graph, node, aten.logical_not.default, (mask,))
         return emit(graph, node, aten.masked_fill.Scalar, (scores, hidden, -math.inf))
     return emit(graph, node, aten.add.Tensor, (scores, mask))
+
+
+def _hidden_rows(graph, node, scores):
+    """Which query rows see no key (every score ``-inf``): SDPA answers 0 there, a softmax NaN."""
+    return emit(graph, node, aten.all.dim, (emit(graph, node, aten.eq.Scalar, (scores, -math.inf)), -1, True))
 
 
 def _operands(graph, node, args: dict):
@@ -98,7 +103,11 @@ def biased_sdpa_as_scores(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> i
         graph = node.graph
         with graph.inserting_before(node):
             q, k, v, scale = _operands(graph, node, args)
-            probs = emit(graph, node, aten.softmax.int, (_scores(graph, node, q, k, scale, mask), -1))
+            scores = _scores(graph, node, q, k, scale, mask)
+            hidden = _hidden_rows(graph, node, scores)
+            scores = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, scores))
+            probs = emit(graph, node, aten.softmax.int, (scores, -1))
+            probs = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, probs))
             out = emit(graph, node, aten.matmul.default, (probs, v))
         _replace(gm, node, out)
         rewritten += 1
@@ -165,13 +174,17 @@ def memory_keys_as_scores(gm: torch.fx.GraphModule, sym) -> int:
             parts = [(_scores(graph, node, q, mem_k, scale, mem_mask), mem_v),
                      (_scores(graph, node, q, seq_k, scale, seq_mask), seq_v)]
             top = [emit(graph, node, aten.amax.default, (s, [-1], True)) for s, _ in parts]
-            top = emit(graph, node, aten.maximum.default, tuple(top))
+            top = emit(graph, node, aten.detach.default, (emit(graph, node, aten.maximum.default, tuple(top)),))
+            top = emit(graph, node, aten.where.ScalarSelf,
+                       (emit(graph, node, aten.eq.Scalar, (top, -math.inf)), 0.0, top))
             weights = [emit(graph, node, aten.exp.default, (emit(graph, node, aten.sub.Tensor, (s, top)),))
                        for s, _ in parts]
             total = emit(graph, node, aten.add.Tensor, tuple(
                 emit(graph, node, aten.sum.dim_IntList, (w, [-1], True)) for w in weights))
             out = emit(graph, node, aten.add.Tensor, tuple(
                 emit(graph, node, aten.matmul.default, (w, v)) for w, (_, v) in zip(weights, parts)))
+            empty = emit(graph, node, aten.eq.Scalar, (total, 0))
+            total = emit(graph, node, aten.where.ScalarSelf, (empty, 1.0, total))
             out = emit(graph, node, aten.div.Tensor, (out, total))
         _replace(gm, node, out)
         rewritten += 1
