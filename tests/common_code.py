@@ -440,21 +440,28 @@ def batch(seq_len: int) -> dict:
     return {"input_ids": ids, "labels": labels}
 
 
+def _run(group, model_class, seq_len: int, layout: str | None, objective=lambda out: out):
+    """``model_class`` on one device and compiled on this rank's shard, each backward from ``objective`` of its
+    output: ``(compiled model, reference, this rank's objective, one device's)``."""
+    torch._dynamo.reset()
+    spec = cp_passes.CPSpec(layout=layout) if layout else None
+    model, reference = model_class(), model_class()
+    inputs = batch(seq_len)
+    expected = objective(reference(**inputs))
+    expected.backward()
+    compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
+    loss = objective(compiled(**cp_passes.shard_batch(inputs, group, spec)[0]))
+    loss.backward()
+    return model, reference, loss, expected.detach()
+
+
 def parity(group, names: list[str], seq_len: int, layout: str | None = None) -> dict:
     """Per model: the relative difference of the ranks' summed losses and of their summed gradients from one
     device's."""
     found = {}
-    spec = cp_passes.CPSpec(layout=layout) if layout else None
     for name in names:
-        torch._dynamo.reset()
-        model, reference = MODELS[name](), MODELS[name]()
-        inputs = batch(seq_len)
-        expected = reference(**inputs)
-        expected.backward()
-        compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-        loss = compiled(**cp_passes.shard_batch(inputs, group, spec)[0])
-        loss.backward()
-        found[name] = summed_errors(group, loss, model, expected.detach(), reference)
+        model, reference, loss, expected = _run(group, MODELS[name], seq_len, layout)
+        found[name] = summed_errors(group, loss, model, expected, reference)
     return found
 
 
@@ -462,18 +469,10 @@ def pooled_parity(group, names: list[str], seq_len: int, layout: str | None = No
     """Per model: the relative difference from one device's loss of this rank's loss (whole) or of the ranks'
     losses added (a share: ``PooledAndTokens``), and of the ranks' summed gradients."""
     found = {}
-    spec = cp_passes.CPSpec(layout=layout) if layout else None
     for name in names:
-        torch._dynamo.reset()
-        model, reference = POOLED[name](), POOLED[name]()
-        inputs = batch(seq_len)
-        expected = _objective(reference(**inputs))
-        expected.backward()
-        compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
-        loss = _objective(compiled(**cp_passes.shard_batch(inputs, group, spec)[0]))
-        loss.backward()
-        shares, grads = summed_errors(group, loss, model, expected.detach(), reference)
-        whole = (abs(loss.detach() - expected.detach()) / abs(expected.detach())).item()
+        model, reference, loss, expected = _run(group, POOLED[name], seq_len, layout, _objective)
+        shares, grads = summed_errors(group, loss, model, expected, reference)
+        whole = (abs(loss.detach() - expected) / abs(expected)).item()
         found[name] = (shares if name == "PooledAndTokens" else whole, grads)
     return found
 

@@ -91,29 +91,42 @@ def _replace(gm: torch.fx.GraphModule, node: torch.fx.Node, out: torch.fx.Node) 
         stack.extend(inputs)
 
 
-def biased_sdpa_as_scores(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> int:
-    """Write out each SDPA whose float mask adds a bias (see the module doc); returns how many."""
+def _each_sdpa(gm: torch.fx.GraphModule, write) -> int:
+    """``write(node, args)`` for each SDPA without dropout or ``is_causal``, at the node: the written-out output,
+    or None (it emits nothing then); each output replaces its SDPA. Returns how many were written out."""
     rewritten = 0
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)):
         args = bind_args(node)
-        mask = args.get("attn_mask")
-        if not isinstance(mask, torch.fx.Node) or not meta_val(mask).is_floating_point() or not _plain(args) \
-                or not _adds_a_bias(mask, sym, multiple, hint(meta_val(args["query"]).shape[-2])):
+        if not _plain(args):
             continue
-        graph = node.graph
-        with graph.inserting_before(node):
-            q, k, v, scale = _operands(graph, node, args)
-            scores = _scores(graph, node, q, k, scale, mask)
-            hidden = _hidden_rows(graph, node, scores)
-            scores = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, scores))
-            probs = emit(graph, node, aten.softmax.int, (scores, -1))
-            probs = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, probs))
-            out = emit(graph, node, aten.matmul.default, (probs, v))
-        _replace(gm, node, out)
-        rewritten += 1
+        with gm.graph.inserting_before(node):
+            out = write(node, args)
+        if out is not None:
+            _replace(gm, node, out)
+            rewritten += 1
     if rewritten:
         gm.recompile()
     return rewritten
+
+
+def biased_sdpa_as_scores(gm: torch.fx.GraphModule, sym, multiple: int = 1) -> int:
+    """Write out each SDPA whose float mask adds a bias (see the module doc); returns how many."""
+
+    def write(node, args):
+        mask = args.get("attn_mask")
+        if not isinstance(mask, torch.fx.Node) or not meta_val(mask).is_floating_point() \
+                or not _adds_a_bias(mask, sym, multiple, hint(meta_val(args["query"]).shape[-2])):
+            return None
+        graph = node.graph
+        q, k, v, scale = _operands(graph, node, args)
+        scores = _scores(graph, node, q, k, scale, mask)
+        hidden = _hidden_rows(graph, node, scores)
+        scores = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, scores))
+        probs = emit(graph, node, aten.softmax.int, (scores, -1))
+        probs = emit(graph, node, aten.where.ScalarSelf, (hidden, 0.0, probs))
+        return emit(graph, node, aten.matmul.default, (probs, v))
+
+    return _each_sdpa(gm, write)
 
 
 def _memory_split(node, sym) -> tuple[torch.fx.Node, torch.fx.Node, bool] | None:
@@ -156,38 +169,30 @@ def _mask_parts(mask, memory: int, first: bool) -> tuple | None:
 def memory_keys_as_scores(gm: torch.fx.GraphModule, sym) -> int:
     """Write out each SDPA whose keys and values put memory held whole beside the sequence (see the module doc);
     returns how many."""
-    rewritten = 0
-    for node in list(gm.graph.find_nodes(op="call_function", target=aten.scaled_dot_product_attention.default)):
-        args = bind_args(node)
+
+    def write(node, args):
         keys, values = _memory_split(args["key"], sym), _memory_split(args["value"], sym)
-        if keys is None or values is None or not _plain(args) or keys[2] != values[2] \
+        if keys is None or values is None or keys[2] != values[2] \
                 or meta_val(keys[0]).shape[-2] != meta_val(values[0]).shape[-2]:
-            continue
+            return None
         masks = _mask_parts(args.get("attn_mask"), meta_val(keys[0]).shape[-2], keys[2])
         if masks is None:
-            continue
-        mem_mask, seq_mask = masks
+            return None
         graph = node.graph
-        with graph.inserting_before(node):
-            q, mem_k, mem_v, scale = _operands(graph, node, {**args, "key": keys[0], "value": values[0]})
-            _, seq_k, seq_v, _ = _operands(graph, node, {**args, "key": keys[1], "value": values[1]})
-            parts = [(_scores(graph, node, q, mem_k, scale, mem_mask), mem_v),
-                     (_scores(graph, node, q, seq_k, scale, seq_mask), seq_v)]
-            top = [emit(graph, node, aten.amax.default, (s, [-1], True)) for s, _ in parts]
-            top = emit(graph, node, aten.detach.default, (emit(graph, node, aten.maximum.default, tuple(top)),))
-            top = emit(graph, node, aten.where.ScalarSelf,
-                       (emit(graph, node, aten.eq.Scalar, (top, -math.inf)), 0.0, top))
-            weights = [emit(graph, node, aten.exp.default, (emit(graph, node, aten.sub.Tensor, (s, top)),))
-                       for s, _ in parts]
-            total = emit(graph, node, aten.add.Tensor, tuple(
-                emit(graph, node, aten.sum.dim_IntList, (w, [-1], True)) for w in weights))
-            out = emit(graph, node, aten.add.Tensor, tuple(
-                emit(graph, node, aten.matmul.default, (w, v)) for w, (_, v) in zip(weights, parts)))
-            empty = emit(graph, node, aten.eq.Scalar, (total, 0))
-            total = emit(graph, node, aten.where.ScalarSelf, (empty, 1.0, total))
-            out = emit(graph, node, aten.div.Tensor, (out, total))
-        _replace(gm, node, out)
-        rewritten += 1
-    if rewritten:
-        gm.recompile()
-    return rewritten
+        q, mem_k, mem_v, scale = _operands(graph, node, {**args, "key": keys[0], "value": values[0]})
+        _, seq_k, seq_v, _ = _operands(graph, node, {**args, "key": keys[1], "value": values[1]})
+        parts = [(_scores(graph, node, q, mem_k, scale, masks[0]), mem_v),
+                 (_scores(graph, node, q, seq_k, scale, masks[1]), seq_v)]
+        top = [emit(graph, node, aten.amax.default, (s, [-1], True)) for s, _ in parts]
+        top = emit(graph, node, aten.detach.default, (emit(graph, node, aten.maximum.default, tuple(top)),))
+        top = emit(graph, node, aten.where.ScalarSelf, (emit(graph, node, aten.eq.Scalar, (top, -math.inf)), 0.0, top))
+        weights = [emit(graph, node, aten.exp.default, (emit(graph, node, aten.sub.Tensor, (s, top)),))
+                   for s, _ in parts]
+        total = emit(graph, node, aten.add.Tensor, tuple(
+            emit(graph, node, aten.sum.dim_IntList, (w, [-1], True)) for w in weights))
+        out = emit(graph, node, aten.add.Tensor, tuple(
+            emit(graph, node, aten.matmul.default, (w, v)) for w, (_, v) in zip(weights, parts)))
+        total = emit(graph, node, aten.where.ScalarSelf, (emit(graph, node, aten.eq.Scalar, (total, 0)), 1.0, total))
+        return emit(graph, node, aten.div.Tensor, (out, total))
+
+    return _each_sdpa(gm, write)
