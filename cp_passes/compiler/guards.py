@@ -6,8 +6,9 @@ the single-device one only if every guard the model's code put on the length als
 local length ``s`` the guard admits (the graph is reused for all of them), it must still be true at ``P * s``. Only
 guards from the model's own Python (an ``if``, a conditional expression) are branches; the guards an op's shape
 checks add (broadcasting, contiguity, a view's sizes) are not, and an op that reads rows by the length
-(``table[S // 8]``) is refused by the planner. One kind an op adds is checked too: ``Eq(f(s), c)``, an int the
-op needed computed from the length (``h[:, h.shape[1] // 2]`` selects the constant row 8 for every local length
+(``table[S // 8]``) is refused by the planner. One kind an op adds is checked too: ``Eq(f(s), c)`` added where dynamo
+runs the op (its argument parser made an int of it, not a meta kernel's size check), an int the op needed
+computed from the length (``h[:, h.shape[1] // 2]`` selects the constant row 8 for every local length
 with ``s // 2 == 8``), which the global length decides the other way.
 
 A guard that the global length of this call decides as the local one does is accepted and guarded at the global
@@ -65,6 +66,14 @@ def _pins(expr: sympy.Basic, sym: sympy.Symbol) -> bool:
             and any(sym in side.free_symbols for side in expr.args))
 
 
+def _int_argument(guard) -> bool:
+    """A guard dynamo added running an op on an int argument computed from the length (the op's argument parser
+    specialised it), not one a meta kernel's shape check added (a copy's sizes: those hold for local shapes)."""
+    where = guard.sloc.framework_loc
+    filename = where.filename if hasattr(where, "filename") else str(where or "")
+    return filename.replace("\\", "/").endswith("_dynamo/utils.py") and getattr(where, "name", "") == "run_node"
+
+
 def check_length_guards(shape_env, sym: sympy.Symbol, world: int) -> None:
     """Refuse the graph if a guard on the local length could be decided differently by the global length."""
     problems, seen = [], set()
@@ -73,7 +82,7 @@ def check_length_guards(shape_env, sym: sympy.Symbol, world: int) -> None:
         if expr in seen:  # the same guard added again (by the op the first one's line called)
             continue
         seen.add(expr)
-        if not _decided_by_model_code(guard) and not _pins(expr, sym):
+        if not _decided_by_model_code(guard) and not (_pins(expr, sym) and _int_argument(guard)):
             continue
         if sym not in expr.free_symbols or expr.free_symbols != {sym}:
             continue

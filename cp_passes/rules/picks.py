@@ -71,18 +71,23 @@ def _written(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def pick(ctx: RuleContext) -> Rewrite | None:
-    """The picks transport's rewrite when this node reads sequence rows by global position; None otherwise."""
+    """The picks transport's rewrite when this node reads sequence rows by global position; None otherwise. Rows
+    written in place after the pick (``h[:, 0] = 0``) are refused: the pick is a copy on every rank."""
+    rewrite = _pick(ctx)
+    if rewrite is not None and isinstance(rewrite.request, Pick) and (write := _written(ctx.node)) is not None:
+        ctx.refuse(f"{write.target} writes in place into rows of the sequence this op reads; each rank holds only "
+                   f"its own rows, and the row written may be another rank's",
+                   "write out of place over every position: torch.where(positions == i, value, h), with positions "
+                   "an arange over the sequence")
+    return rewrite
+
+
+def _pick(ctx: RuleContext) -> Rewrite | None:
     target = ctx.node.target
     packet = target.overloadpacket
     x = ctx.args.get("self")
     if ctx.is_partial(x) if isinstance(x, torch.fx.Node) else True:
         return None
-    if target in (aten.select.int, aten.index.Tensor, aten.gather.default, aten.index_select.default) \
-            and ctx.is_seq(x) and (write := _written(ctx.node)) is not None:
-        ctx.refuse(f"{write.target} writes in place into rows of the sequence this op reads; each rank holds only "
-                   f"its own rows, and the row written may be another rank's",
-                   "write out of place over every position: torch.where(positions == i, value, h), with positions "
-                   "an arange over the sequence")
     if packet is aten.select and target is aten.select.int:
         dim = _sequence_dim(ctx, x, ctx.arg("dim"))
         return _select(ctx, dim) if dim is not None else None
