@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, seq_dims, sequence_symbol
-from ..graph.written_attention import biased_sdpa_as_scores, memory_keys_as_scores
+from ..match.written_attention import biased_sdpa_as_scores, memory_keys_as_scores
 from ..graph.calls import calls_by_subgraph, operands
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place

@@ -22,9 +22,9 @@ import math
 import torch
 import torch.fx
 
-from ..match.masks import PositionMask, evaluate_position_mask, model_mask
-from .analysis import bind_args, hint, meta_val, seq_dims
-from .emit import emit
+from ..graph.analysis import bind_args, hint, meta_val, seq_dims
+from ..graph.emit import emit
+from .masks import PositionMask, evaluate_position_mask, model_mask
 
 aten = torch.ops.aten
 
