@@ -359,6 +359,10 @@ class CPModule(torch.nn.Module):
     def _whole_parameters(self, out):
         """A parameter the model returns as it is (dynamo hands it back from the module, not from a graph) is whole
         on every rank: like a whole output the graph computes, it passes back ``1 / P`` of its gradient."""
+        leaves = [leaf for leaf in torch.utils._pytree.tree_leaves(out)
+                  if isinstance(leaf, torch.nn.Parameter) and leaf.requires_grad]
+        if not leaves:  # the usual call: the outputs untouched
+            return out
         parameters = {id(p) for p in self.module.parameters()}
 
         def share(leaf):

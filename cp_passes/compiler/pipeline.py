@@ -17,7 +17,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import meta_val, seq_dims, sequence_symbol
-from ..match.written_attention import biased_sdpa_as_scores, memory_keys_as_scores
 from ..graph.calls import calls_by_subgraph, operands
 from ..graph.checkpoint import tag_transport
 from ..graph.fills import fills_out_of_place
@@ -29,6 +28,7 @@ from ..graph.trimmed_losses import trimmed_losses_as_ignored_rows
 from ..graph.unread import drop_unread_values
 from ..graph.propagate import propagate_changed, snapshot
 from ..graph.provenance import Edit, eliminate_dead_code, format_graph, request_nodes
+from ..match.written_attention import biased_sdpa_as_scores, memory_keys_as_scores
 from ..layout import AUTO, BALANCED, CONTIGUOUS, resolve_layout
 from ..transports import TRANSPORTS, in_order
 from .guards import check_length_guards

@@ -267,10 +267,11 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp, module_outputs: bool = T
 
 
 def _whole_with_gradient(value, values: dict, sym) -> bool:
-    """A floating value the graph computes or returns as given (a parameter: it may need a gradient, which the
-    graph as captured does not say), held whole on every rank (no sequence dim, no partial sum)."""
+    """A floating value the graph computes (it may need a gradient, which the graph as captured does not say), held
+    whole on every rank (no sequence dim, no partial sum). A parameter returned as it is never leaves a graph:
+    :class:`~cp_passes.compiler.backend.CPModule` shares its gradient."""
     val = meta_val(value) if isinstance(value, torch.fx.Node) else None
-    return (isinstance(val, torch.Tensor) and value.op in ("call_function", "placeholder", "get_attr")
+    return (isinstance(val, torch.Tensor) and value.op == "call_function"
             and (val.is_floating_point() or val.is_complex()) and values.get(value) is not Value.PARTIAL
             and not seq_dims(value, sym))
 

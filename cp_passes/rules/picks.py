@@ -4,11 +4,10 @@
 
 from __future__ import annotations
 
-import sympy
 import torch
 import torch.fx
 
-from ..graph.analysis import expr_of, meta_val
+from ..graph.analysis import meta_val
 from ..transports.picks import GlobalArgExtreme, Pick
 from .registry import Rewrite, RuleContext, Value
 
@@ -33,23 +32,14 @@ def _whole_index(ctx: RuleContext, index) -> bool:
 
 
 def _select(ctx: RuleContext, dim: int) -> Rewrite | None:
-    """``x.select(dim, i)``, ``i`` a constant (``-1`` counts from the global end) or ``a * s + b`` of the local
-    length ``s`` (``x[:, x.shape[1] - 1]``), read at ``a * S + b`` of the global length."""
-    expr = sympy.expand(expr_of(meta_val(ctx.arg("index"))) if isinstance(ctx.arg("index"), torch.fx.Node)
-                        else sympy.Integer(ctx.arg("index")))
-    per_length, first = expr.coeff(ctx.sym, 1), expr.coeff(ctx.sym, 0)
-    if not (per_length.is_Integer and first.is_Integer and expr.free_symbols <= {ctx.sym}
-            and sympy.expand(expr - per_length * ctx.sym - first) == 0):
-        ctx.refuse(f"it reads the row at {expr} of the local length {ctx.sym} along the sequence: only a row at a "
-                   f"constant or at a * length + b is read at its global position (a floor division of the length "
-                   f"is not)", "pick the row by an index tensor every rank holds whole, or by a constant")
-    per_length, first = int(per_length), int(first)
-    if per_length == 0 and first < 0:
-        per_length = 1
-    where = (f"position {first}" if per_length == 0 else
-             f"the global length {'+' if first >= 0 else '-'} {abs(first)}" if per_length == 1 else
-             f"{per_length} x the global length + {first}")
-    return Rewrite("pick_row", "picks", Pick(ctx.node, ctx.arg("self"), dim, "select", first, per_length),
+    """``x.select(dim, i)`` with a constant ``i`` (``-1`` counts from the global end). An index computed from the
+    length never arrives: dynamo makes it a constant and guards on the length (:mod:`~cp_passes.compiler.guards`
+    checks that guard at the global length)."""
+    index = ctx.arg("index")
+    if not isinstance(index, int):
+        return None
+    where = f"position {index}" if index >= 0 else f"the global length - {-index}"
+    return Rewrite("pick_row", "picks", Pick(ctx.node, ctx.arg("self"), dim, "select", index),
                    output=Value.REPLICATED, note=f"row at {where}: {_NOTE}")
 
 

@@ -59,12 +59,11 @@ def pick_index(x: torch.Tensor, indices: list, dim: int, rank: int, world: int, 
     return _whole(out, held, group_name)
 
 
-def pick_select(x: torch.Tensor, dim: int, per_length: int, first: int, rank: int, world: int, kind: str,
+def pick_select(x: torch.Tensor, dim: int, index: int, rank: int, world: int, kind: str,
                 group_name: str) -> torch.Tensor:
-    """``x.select(dim, first + per_length * S)`` at the global length ``S`` along ``x``'s sequence dim ``dim``."""
-    position = per_length * Layout(world, kind).global_len(x.shape[dim]) + first
-    index = torch.full((), position, dtype=torch.int64, device=x.device)
-    return pick_index(x, [None] * dim + [index], dim, rank, world, kind, group_name)
+    """``x.select(dim, index)`` along ``x``'s sequence dim ``dim`` (a negative index counts from the global end)."""
+    position = torch.full((), index, dtype=torch.int64, device=x.device)
+    return pick_index(x, [None] * dim + [position], dim, rank, world, kind, group_name)
 
 
 def pick_gather(x: torch.Tensor, dim: int, index: torch.Tensor, rank: int, world: int, kind: str,
@@ -95,20 +94,19 @@ def global_arg_extreme(x: torch.Tensor, dim: int, keepdim: bool, op: str, rank: 
 @dataclass
 class Pick:
     """``node`` reads rows of ``x`` along its sequence dim ``dim`` by global position: ``kind`` "index" (the index
-    tensor at ``indices[dim]``), "select" (``first + per_length * S``), "gather" or "index_select"."""
+    tensor at ``indices[dim]``), "select" (the constant ``index``), "gather" or "index_select"."""
 
     node: torch.fx.Node
     x: torch.fx.Node
     dim: int
     kind: str
-    first: int = 0
-    per_length: int = 0
+    index: int = 0
 
     @property
     def from_end(self) -> bool:
         """Whether the pick may count from the end of the sequence (then it reads the padding shard_batch adds):
-        a row at the length, or an index tensor (a negative index counts from the end)."""
-        return self.kind != "select" or self.per_length != 0
+        a negative constant, or an index tensor (whose negative entries count from the end)."""
+        return self.kind != "select" or self.index < 0
 
 
 @dataclass
@@ -136,7 +134,7 @@ class Picks(Transport):
         else:
             x = edit.current(request.x)
             if request.kind == "select":
-                args = (x, request.dim, request.per_length, request.first, *layout)
+                args = (x, request.dim, request.index, *layout)
                 new = edit.insert(pick_select, args, name="cp_pick_select", before=node)
             elif request.kind == "index":
                 indices = [edit.current(i) if isinstance(i, torch.fx.Node) else i for i in node.args[1]]
