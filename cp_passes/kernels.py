@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from . import selective_scan
 from .errors import CPCompileError
 
 _PACKING = ("cu_seqlens", "seq_idx")
@@ -84,12 +85,27 @@ def _segments(documents: torch.Tensor, offset: int, length: int) -> tuple[torch.
     return local, starts
 
 
-def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
-    fn, rec = _KERNELS[kernel]
+def _arguments(kernel: str, args: list[torch.Tensor], options: str) -> tuple[list[torch.Tensor], dict]:
+    """The op's ``args`` and ``options`` as the kernel takes them: its sequence arguments, and its other arguments
+    by name."""
+    _, rec = _KERNELS[kernel]
     kwargs = decode_options(options)
     tensors = [t for t in kwargs.pop(_TENSORS, "").split(",") if t]
     sequence, rest = args[:len(rec.sequence_args)], args[len(rec.sequence_args):]
     kwargs.update(zip(tensors, rest))
+    return sequence, kwargs
+
+
+def selective_roles(kernel: str, args: list[torch.Tensor], options: str) -> dict:
+    """A ``form="selective"`` kernel's arguments under their ``selective_scan_fn`` roles."""
+    fn, rec = _KERNELS[kernel]
+    sequence, kwargs = _arguments(kernel, args, options)
+    return selective_scan.roles(fn, {**dict(zip(rec.sequence_args, sequence)), **kwargs})
+
+
+def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
+    fn, rec = _KERNELS[kernel]
+    sequence, kwargs = _arguments(kernel, args, options)
     kwargs[rec.output_final_state] = True
     if documents is not None:
         local, starts = _segments(documents, offset, sequence[0].shape[rec.seq_dim])
@@ -97,12 +113,16 @@ def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, do
         if initial_state is not None:  # one state per segment: the carried one (or zeros) first
             first = initial_state * 0 if starts else initial_state
             initial_state = torch.cat([first, first.new_zeros(len(local) - 2, *first.shape[1:])])
-    kwargs[rec.initial_state] = initial_state
+    if rec.initial_state is not None:
+        kwargs[rec.initial_state] = initial_state
     if _leading(rec, fn):  # by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v
         out = fn(*sequence, **kwargs)
     else:
         out = fn(**dict(zip(rec.sequence_args, sequence)), **kwargs)
-    return out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
+    out, final = out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
+    if rec.form == "selective" and initial_state is not None:  # the kernel takes no state: add its part
+        return selective_scan.from_state(selective_roles(kernel, args, options), out, final, initial_state)
+    return out, final
 
 
 @functools.cache
@@ -263,7 +283,10 @@ def _check(rec, fn) -> None:
         if missing:
             raise ValueError(f"Recurrence {rec.kernel}: {field} {missing} are not parameters of the kernel; it "
                              f"takes {params}")
-    for field in ("initial_state", "output_final_state", *(("documents",) if rec.documents else ())):
+    if rec.form == "selective" and selective_scan.signature_error(fn):
+        raise ValueError(f"Recurrence {rec.kernel}: {selective_scan.signature_error(fn)}")
+    for field in (*(("initial_state",) if rec.initial_state else ()), "output_final_state",
+                  *(("documents",) if rec.documents else ())):
         if getattr(rec, field) not in params:
             raise ValueError(f"Recurrence {rec.kernel}: {field}={getattr(rec, field)!r} is not a parameter of the "
                              f"kernel ({params})")

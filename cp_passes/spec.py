@@ -75,9 +75,13 @@ class Recurrence:
     axis that grows when ``value_arg`` does). Every rank reads its ``[h | M]`` from one extra call (values
     extended with K zero columns from the state ``[0 | I]``), one all-gather, then folds its predecessors'
     maps. ``"sequential"``: any state; P - 1 rounds, in each of which every rank runs from its predecessor's
-    last final state (P calls of the kernel per rank)."""
-    initial_state: str = "initial_state"
-    """The parameter that takes the initial state."""
+    last final state (P calls of the kernel per rank). ``"selective"``: Mamba-1's selective scan
+    (``selective_scan_fn(u, delta, A, B, C, D, z, delta_bias, delta_softplus, ...)``, parameters read by place),
+    which takes no initial state: cp_passes adds the state's part by the scan's math
+    (:mod:`cp_passes.selective_scan`); every rank gathers each rank's final state and elementwise decay, state-sized
+    (``initial_state=None``)."""
+    initial_state: str | None = "initial_state"
+    """The parameter that takes the initial state (None: the kernel takes none; ``form="selective"``)."""
     output_final_state: str = "output_final_state"
     """The flag that asks for the final state (returned second)."""
     value_arg: str = "value"
@@ -108,8 +112,14 @@ class Recurrence:
         if both:
             raise ValueError(f"Recurrence names {sorted(both)} in both sequence_args and tensor_args; an argument "
                              f"either carries the sequence or not")
-        if self.form not in ("affine", "sequential"):
-            raise ValueError(f"Recurrence.form must be 'affine' or 'sequential', got {self.form!r}")
+        if self.form not in ("affine", "sequential", "selective"):
+            raise ValueError(f"Recurrence.form must be 'affine', 'sequential' or 'selective', got {self.form!r}")
+        if (self.initial_state is None) != (self.form == "selective"):
+            raise ValueError(f"Recurrence(form={self.form!r}, initial_state={self.initial_state!r}): a kernel without "
+                             f"an initial state (initial_state=None) is carried as Mamba-1's selective scan "
+                             f"(form='selective'), which is the only form that needs none")
+        if self.form == "selective" and self.documents is not None:
+            raise ValueError("Recurrence(form='selective') takes no document boundaries (selective_scan_fn has none)")
         if self.form == "affine" and self.value_arg not in self.sequence_args:
             raise ValueError(f"an affine Recurrence needs value_arg {self.value_arg!r} among sequence_args "
                              f"{self.sequence_args!r}")

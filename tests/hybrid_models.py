@@ -102,9 +102,35 @@ def kimi_linear():
         layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"]))
 
 
+def mamba():
+    """Mamba-1: a causal convolution and the selective scan (the sequence last) in each layer."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    return MambaForCausalLM(MambaConfig(**TINY, num_hidden_layers=2, state_size=8, expand=1, conv_kernel=4,
+                                        time_step_rank=8))
+
+
+def falcon_mamba():
+    """Mamba-1 with RMS-normalised B, C and time steps."""
+    from transformers import FalconMambaConfig, FalconMambaForCausalLM
+
+    return FalconMambaForCausalLM(FalconMambaConfig(**TINY, num_hidden_layers=2, state_size=8, expand=1,
+                                                    conv_kernel=4, time_step_rank=8))
+
+
+def jamba():
+    """A Mamba-1 layer, then an attention layer with an MoE MLP (Jamba's pattern, periods of 2)."""
+    from transformers import JambaConfig, JambaForCausalLM
+
+    return JambaForCausalLM(JambaConfig(
+        **TINY, **ATTENTION, num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+        expert_layer_offset=1, num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=1, mamba_dt_rank=8, use_mamba_kernels=False))
+
+
 FAMILIES = {"mamba2": mamba2, "bamba": bamba, "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
             "granitemoehybrid": granitemoehybrid, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid,
-            "kimi_linear": kimi_linear}
+            "kimi_linear": kimi_linear, "mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba}
 
 
 def bloom():
@@ -173,7 +199,8 @@ OTHERS = {"bloom": bloom, "gpt2": gpt2, "mpt": mpt,
 """Models without a recurrence that run the same parity task."""
 
 
-STATES = {"mamba2": (4, 8, 32), "qwen3_next": (2, 8, 8), "olmo_hybrid": (2, 8, 8), "kimi_linear": (2, 8, 8)}
+STATES = {"mamba2": (4, 8, 32), "qwen3_next": (2, 8, 8), "olmo_hybrid": (2, 8, 8), "kimi_linear": (2, 8, 8),
+          "mamba": (64, 8, 1), "falcon_mamba": (64, 8, 1), "jamba": (64, 8, 1)}
 """(heads, K, V) of each family's recurrent state per layer, as the configs above make it: Mamba-2's K is its
 d_state and V its head_dim; the other Mamba-2 hybrids here have 4 heads of 16 with a d_state of 8."""
 

@@ -14,17 +14,22 @@ from cp_passes.kernels import decode_options, encode_options
 from hybrid_models import FAMILIES, build, reference, state_shape
 from parity import compare_valid
 
-DEFAULT = {("bamba", 2)}
-"""One Mamba-2 hybrid in the default run (the gated delta rule takes KDA's carry, which the Glm5Next default case
-runs); every family at P = 2 and 4 in the full."""
+DEFAULT = {("bamba", 2), ("jamba", 2)}
+"""One Mamba-2 hybrid and one Mamba-1 hybrid in the default run (the gated delta rule takes KDA's carry, which the
+Glm5Next default case runs); every family at P = 2 and 4 in the full."""
 CASES = [pytest.param(f, P, marks=() if (f, P) in DEFAULT else pytest.mark.full) for f in FAMILIES for P in (2, 4)]
+
+
+SELECTIVE = ("mamba", "falcon_mamba", "jamba")
+"""Mamba-1's selective scan: its state decays elementwise, so its ``[h, M]`` is twice the state."""
 
 
 def _state_bytes(family: str) -> tuple[int, int]:
     """Bytes of one layer's recurrent state for a batch of 2 (fp32) and of its ``[h | M]`` (``M`` maps the key
-    axis: K x K more per head)."""
+    axis: K x K more per head; twice the state for the selective scan)."""
     heads, k, v = state_shape(family)
-    return 2 * heads * k * v * 4, 2 * heads * k * (v + k) * 4
+    state = 2 * heads * k * v * 4
+    return state, 2 * state if family in SELECTIVE else 2 * heads * k * (v + k) * 4
 
 
 @pytest.mark.parametrize("family,P", CASES, ids=[f"{c.values[0]}-P{c.values[1]}" for c in CASES])

@@ -293,8 +293,12 @@ def test_a_recurrence_declaration_is_checked():
         cp_passes.Recurrence("no_colon", ("query",))
     with pytest.raises(ValueError, match="needs value_arg"):
         cp_passes.Recurrence("m:f", ("q", "v"))
-    with pytest.raises(ValueError, match="'affine' or 'sequential'"):
+    with pytest.raises(ValueError, match="'affine', 'sequential' or 'selective'"):
         cp_passes.Recurrence("m:f", ("key", "value"), form="parallel")
+    with pytest.raises(ValueError, match="without an initial state .*form='selective'"):
+        cp_passes.Recurrence("m:f", ("key", "value"), initial_state=None)
+    with pytest.raises(ValueError, match="form='selective'"):
+        cp_passes.Recurrence("m:f", ("u", "delta"), form="selective")
 
 
 def test_the_carry_moves_state_sized_bytes_whatever_the_length(group):
@@ -466,6 +470,72 @@ def test_a_kernel_that_does_not_compose_as_declared_is_refused(group, name, form
     assert problem.reason.startswith(f"the recurrent kernel test_recurrence:{name} does not compose as its "
                                      f"Recurrence(form={form!r}) declares"), problem.reason
     assert "form='sequential' for any other state" in problem.fix
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, return_last_state=False):
+    """Mamba-1's selective scan as ``selective_scan_fn`` computes it (``[batch, D, seq]``, the sequence last), one
+    position at a time from a zero state: the kernel takes none."""
+    dt = delta if delta_bias is None else delta + delta_bias[..., None]
+    dt = F.softplus(dt) if delta_softplus else dt
+    state = u.new_zeros(u.shape[0], u.shape[1], A.shape[1])
+    ys = []
+    for t in range(u.shape[2]):
+        state = torch.exp(A * dt[:, :, t, None]) * state + dt[:, :, t, None] * B[:, None, :, t] * u[:, :, t, None]
+        ys.append((state * C[:, None, :, t]).sum(-1))
+    y = torch.stack(ys, -1) + (0 if D is None else u * D[:, None])
+    y = y if z is None else y * F.silu(z)
+    return (y, state) if return_last_state else y
+
+
+def reverse_selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                           return_last_state=False):
+    """selective_scan from the last position to the first."""
+    y, state = selective_scan(u.flip(-1), delta.flip(-1), A, B.flip(-1), C.flip(-1), D, z.flip(-1), delta_bias,
+                              delta_softplus, True)
+    return (y.flip(-1), state) if return_last_state else y.flip(-1)
+
+
+class SelectiveWith(nn.Module):
+    """One call of the selective kernel ``test_recurrence:<name>`` as Mamba-1's mixer makes it: ``[batch, D, seq]``
+    projections, ``A`` negative, a time-step bias and softplus, ``D`` and a gate."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.name = name
+        self.embed = nn.Embedding(32, 16)
+        self.proj = nn.Linear(16, 16 * 3 + 2 * 4)
+        self.A_log = nn.Parameter(torch.rand(16, 4))
+        self.D = nn.Parameter(torch.ones(16))
+        self.dt_bias = nn.Parameter(torch.rand(16))
+
+    def forward(self, input_ids):
+        u, delta, z, B, C = self.proj(self.embed(input_ids)).transpose(1, 2).split([16, 16, 16, 4, 4], 1)
+        kernel = selective_scan if self.name == "selective_scan" else reverse_selective_scan
+        y = kernel(u, delta, -torch.exp(self.A_log), B, C, D=self.D, z=z, delta_bias=self.dt_bias,
+                   delta_softplus=True)
+        return y.pow(2).sum()
+
+
+@pytest.mark.parametrize("name,refused", [("selective_scan", False), ("reverse_selective_scan", True)])
+def test_a_selective_kernel_is_checked_against_the_scan_s_math(group, name, refused):
+    """form='selective' adds the initial state's part by the selective scan's math, which the kernel never sees:
+    the split check runs that math against the kernel itself (on random inputs cut in two), so a kernel that is not
+    a left-to-right selective scan is refused."""
+    rec = cp_passes.Recurrence(f"test_recurrence:{name}", ("u", "delta", "B", "C", "z"), form="selective",
+                               tensor_args=("A", "D", "delta_bias"), initial_state=None,
+                               output_final_state="return_last_state", output_alone=True, seq_dim=2)
+    spec = cp_passes.CPSpec(recurrences=(rec,), layout="contiguous")
+    compiled = cp_passes.cp_compile(SelectiveWith(name), spec, mesh=group, backend="aot_eager", verbose=False)
+    if not refused:
+        compiled(torch.randint(0, 32, (2, 8)))
+        (carry,) = [r for r in compiled.compile_records[-1].records if r.transport == "carry"]
+        assert carry.bytes == 7 * 2 * (2 * 16 * 4 * 4)  # 7 other ranks' [h, M], each twice a [2, 16, 4] fp32 state
+        return
+    with pytest.raises(CPCompileError) as info:
+        compiled(torch.randint(0, 32, (2, 8)))
+    (problem,) = info.value.problems
+    assert problem.reason.startswith(f"the recurrent kernel test_recurrence:{name} does not compose as its "
+                                     "Recurrence(form='selective') declares"), problem.reason
 
 
 class ShiftedScan(nn.Module):

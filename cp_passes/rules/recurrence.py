@@ -48,9 +48,11 @@ def recurrence_rule(ctx: RuleContext):
             ctx.refuse(f"the model reads the final state of {rec.kernel}; under CP each rank's final state is "
                        f"that of its shard (only the last rank's is the sequence's)",
                        "read the final state outside the compiled module, or only in inference without CP")
-    how = ("every rank's [h | M] gathered and folded; the kernel runs twice per rank, once on K more value "
-           "columns, ranks in parallel" if rec.form == "affine"
-           else f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
+    how = {"affine": "every rank's [h | M] gathered and folded; the kernel runs twice per rank, once on K more value "
+                     "columns, ranks in parallel",
+           "selective": "every rank's final state and decay gathered and folded, the state's part added to the "
+                        "output; one kernel call per rank, ranks in parallel"}.get(
+        rec.form, f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
     return Rewrite(f"carry_{rec.form}", "carry", request,
                    note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")
 
@@ -70,8 +72,9 @@ def _check_declaration(ctx: RuleContext, rec, request: Carry) -> None:
                         tuple(dict.fromkeys((16, local - local % 2))))
     tolerance = _TOLERANCE.get(request.state.dtype, 2e-2)
     if error is not None and error > tolerance:
-        how = ("the fold of each half's [h | M] (the state's affine map)" if rec.form == "affine"
-               else "the first half's final state")
+        how = {"affine": "the fold of each half's [h | M] (the state's affine map)",
+               "selective": "the first half's final state (its decay applied to the state, plus its own)"}.get(
+            rec.form, "the first half's final state")
         ctx.refuse(f"the recurrent kernel {rec.kernel} does not compose as its Recurrence(form={rec.form!r}) declares: "
                    f"on random inputs cut in two, the second half run from {how} differs from the whole sequence by "
                    f"{error:.2g} of its largest value (outputs or final state)",

@@ -1,6 +1,6 @@
 """Carry: a recurrent kernel's state handed from rank to rank, so rank r starts where ranks 0..r-1 leave off.
 
-The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.kernels`). Two algorithms, as
+The kernel is one ``cp_passes::recurrence`` op (:mod:`cp_passes.kernels`). Three algorithms, as
 the spec's :class:`~cp_passes.spec.Recurrence` chooses:
 
 - ``affine``: a shard's final state is ``M @ S0 + h`` (``S0 @ M + h`` for a ``[..., V, K]`` state). Every rank
@@ -9,6 +9,9 @@ the spec's :class:`~cp_passes.spec.Recurrence` chooses:
   ``S <- M_q @ S + h_q`` and runs the kernel from the true ``S0``. Ranks work in parallel.
 - ``sequential``: P - 1 rounds; in each, every rank runs from its predecessor's final state of the round
   before (one all-gather of final states per round); after round r - 1 rank r's state is exact.
+- ``selective``: Mamba-1's selective scan, which takes no state: the kernel runs once from zeros, every rank
+  gathers each rank's ``[h, M]`` (its final state and elementwise decay), folds ``S <- M_q * S + h_q`` and adds
+  the state's part to the output (:mod:`cp_passes.selective_scan`).
 
 Autograd runs through the kernel calls and the gathers, so the gradient of each initial state returns to
 the ranks that produced it. Bytes are state-sized, independent of the sequence length.
@@ -25,7 +28,9 @@ import torch.fx
 
 from ..graph.analysis import hint, meta_val
 from ..kernels import recurrence_op  # noqa: F401  (registers cp_passes::recurrence)
+from ..kernels import selective_roles
 from ..kernels import value_axis as kernel_value_axis
+from .. import selective_scan
 from ..layout import Layout
 from .base import Cost, Transport, register_transport
 from .gathers import sequence_gather_op  # noqa: F401  (registers cp_passes::sequence_gather)
@@ -90,6 +95,28 @@ def affine_fold(every: torch.Tensor, initial_state, n_v: int, rank: int, value_a
     return state if value_axis == -1 else state.transpose(-1, -2).contiguous()
 
 
+def selective_summary(kernel: str, args: list[torch.Tensor], options: str, zero) -> torch.Tensor:
+    """``[h, M]`` of this rank's shard for a ``form="selective"`` kernel (Mamba-1's selective scan): its final state
+    from zeros (the second output of ``zero``, the kernel's call from zeros) and its elementwise decay ``M``."""
+    h = zero[1]
+    return torch.stack([h, selective_scan.state_map(selective_roles(kernel, args, options)).to(h.dtype)])
+
+
+def selective_fold(every: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's initial state from every rank's ``[h, M]`` (stacked in rank order): ``S <- M_q * S + h_q`` over
+    the preceding ranks from zeros (rank 0 reads ``every`` times zero, as :func:`affine_fold` does)."""
+    state = every[0, 0] * 0
+    for q in range(rank):
+        state = every[q, 1] * state + every[q, 0]
+    return state
+
+
+def selective_with_state(kernel: str, args: list[torch.Tensor], options: str, zero, state: torch.Tensor):
+    """The kernel's ``(output, final state)`` from ``state``, given its call from zeros (``zero``): one kernel call
+    per rank."""
+    return selective_scan.from_state(selective_roles(kernel, args, options), zero[0], zero[1], state)
+
+
 def final_state(kernel: str, args: list[torch.Tensor], state, options: str, documents, offset) -> torch.Tensor:
     return torch.ops.cp_passes.recurrence(kernel, args, state, options, documents, offset)[1]
 
@@ -114,6 +141,15 @@ class CarryTransport(Transport):
         # Packed documents are cut to the segments of this shard, from its first global position.
         length = edit.insert(aten.sym_size.int, (args[0], rec.seq_dim), name="cp_carry_length")
         offset = edit.insert(shard_start, (edit.rank, edit.world, length), name="cp_carry_offset")
+        if rec.form == "selective":
+            zero = edit.insert(torch.ops.cp_passes.recurrence.default, (kernel, args, None, options, None, offset),
+                               name="cp_carry_from_zeros")
+            summary = edit.insert(selective_summary, (kernel, args, options, zero), name="cp_carry_summary")
+            every = self._gather(edit, summary, "cp_carry_summaries")
+            start = edit.insert(selective_fold, (every, edit.rank), name="cp_carry_in")
+            node.target, node.args = selective_with_state, (kernel, args, options, zero, start)
+            edit.changed(node)
+            return
         if rec.form == "affine":
             state, axis = request.state, request.value_axis
             summary = edit.insert(affine_summary, (kernel, args, options, rec.sequence_args.index(rec.value_arg),
@@ -145,6 +181,10 @@ class CarryTransport(Transport):
         elements = math.prod(shape)
         bound = elements * itemsize if rank > 0 else 0  # the predecessor's final state
         others = layout.world - 1
+        if request.recurrence.form == "selective":
+            per_rank = 2 * elements  # [h, M]
+            return Cost("all_gather [h, M] | bw reduce_scatter", per_rank * others, per_rank * others * itemsize,
+                        bound, per_rank * others * itemsize)
         if request.recurrence.form == "affine":
             axis = request.value_axis
             per_rank = elements + elements // shape[axis] * shape[-1 if axis == -2 else -2]  # [h | M]: K more
@@ -199,7 +239,7 @@ def split_error(kernel: str, rec, args: list[torch.Tensor], options: str, state:
                     every = torch.stack([affine_summary(kernel, part, options, value, list(final.shape), value_axis,
                                                         final.dtype, None, 0) for part in parts])
                     handed = affine_fold(every, start, int(final.shape[value_axis]), 1, value_axis)
-                else:
+                else:  # a selective kernel's final state from a state is the fold of its [h, M] already
                     handed = first_final
                 second_out, second_final = torch.ops.cp_passes.recurrence(kernel, parts[1], handed, options, None, 0)
             except Exception:
