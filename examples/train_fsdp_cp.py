@@ -52,7 +52,7 @@ def train(dp: int, steps: int, seq_len: int, micro: int, backend: str, bf16: boo
         local = []
         for batch in micro_batches(step, rows * dp, lengths):
             mine = {k: v[replica * rows:(replica + 1) * rows] for k, v in batch.items()}
-            local.append(cp_passes.shard_batch(mine, mesh["cp"], "llama")[0])  # the spec cp_compile has
+            local.append(compiled.shard_batch(mine)[0])  # the spec and CP group cp_compile has
         count = cp_passes.global_token_count([b["labels"] for b in local], mesh)
         total = torch.zeros(())
         for batch in local:

@@ -27,7 +27,7 @@ def train(steps: int, seq_len: int, backend: str) -> None:
     for step in range(steps):
         ids = torch.randint(0, 256, (4, seq_len), generator=torch.Generator().manual_seed(step))
         labels = torch.cat([ids[:, 1:], torch.full((4, 1), -100)], dim=1)  # shift before sharding
-        local, _ = cp_passes.shard_batch({"input_ids": ids, "labels": labels}, mesh, "llama")  # as compiled
+        local, _ = compiled.shard_batch({"input_ids": ids, "labels": labels})  # cut for the compiled spec
         loss_sum, _ = compiled(**local)
         n_tokens = (labels != -100).sum()
         (loss_sum / n_tokens).backward()

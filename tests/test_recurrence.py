@@ -283,9 +283,24 @@ def test_a_batch_sharded_for_another_layout_is_refused(group):
     compiled = cp_passes.cp_compile(DeltaRule(), kda_spec(), mesh=group, backend="aot_eager", verbose=False)
     local, _ = shard_for_rank(mixer_batch(64), 3, 8)
     with pytest.raises(ValueError, match="sharded by shard_batch for the balanced layout, but this module was "
-                                         "compiled for the contiguous layout .*pass the spec cp_compile has"):
+                                         r"compiled for the contiguous layout .*compiled.shard_batch\(batch\)"):
         compiled(**local)
     compiled(**shard_for_rank(mixer_batch(64), 3, 8, kda_spec())[0])
+    compiled(**shard_for_rank(mixer_batch(64), 3, 8, compiled)[0])  # the compiled module stands for its spec
+
+
+def test_the_compiled_module_shards_its_own_batches(group):
+    """spec=None: cp_compile picks the shipped spec by model_type (mamba2: contiguous shards, for its recurrence);
+    compiled.shard_batch cuts the batch for that spec on the module's group, so the first call runs, where
+    shard_batch(batch, group) alone cuts for the default (balanced) layout and is refused."""
+    from hybrid_models import batch, build
+
+    compiled = cp_passes.cp_compile(build("mamba2"), mesh=group, backend="aot_eager", verbose=False)
+    local, layout = compiled.shard_batch(batch(64))
+    assert layout.layout.kind == "contiguous" and local["input_ids"].shape == (2, 8)
+    compiled(**local)
+    with pytest.raises(ValueError, match=r"compiled.shard_batch\(batch\)"):
+        compiled(**cp_passes.shard_batch(batch(64), group)[0])
 
 
 def test_a_recurrence_declaration_is_checked():

@@ -18,6 +18,7 @@ import time
 import torch
 import torch.fx
 
+from ..data.batch import shard_batch
 from ..data_parallel import check_wrappers
 from ..errors import CPCompileError, compile_error, stage_error
 from ..graph.checkpoint import inline_checkpoints
@@ -232,6 +233,12 @@ class CPModule(torch.nn.Module):
         compiled = torch._dynamo.optimize(backend=CPBackend(self), nopython=True, dynamic=False,
                                           guard_fail_fn=self._guard_failed)(model)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: parameters stay listed once
+
+    def shard_batch(self, batch, **options):
+        """This rank's positions of ``batch`` as this module takes them: :func:`cp_passes.shard_batch` with this
+        module's spec (the one cp_compile picked or was given) and CP group; ``options`` as it takes them
+        (``pad_multiple``, ``mask_keys``, ``balance``...)."""
+        return shard_batch(batch, self.cp.group, self, **options)
 
     def _guard_failed(self, failure) -> None:
         self._guard_failures.append(failure.reason)

@@ -99,7 +99,8 @@ def read_batch(spec: CPSpec, cp: CPGroup, leaves: list[tuple[str | None, torch.T
             return BatchLayout(
                 f"input {name or '<positional>'!r} was sharded by shard_batch for the {cut.kind} layout, but "
                 f"this module was compiled for the {cp.kind} layout (spec {spec.name!r}: "
-                f"{resolve_layout(spec, cp.size)[1]}); pass the spec cp_compile has to shard_batch", cut)
+                f"{resolve_layout(spec, cp.size)[1]}); shard through the compiled module, "
+                f"compiled.shard_batch(batch), or pass it its spec, shard_batch(batch, mesh, compiled.spec)", cut)
         members = None if cut.group is None else tuple(dist.get_process_group_ranks(cp.group))
         if read_data and (cut.world_size != cp.size or cut.rank != cp.rank or cut.group not in (None, members)):
             here = f"rank {cp.rank} of {cp.size}" + (f" (the group of global ranks {list(members)})" if members else "")

@@ -74,7 +74,7 @@ class ShardLayout:
         return rows.narrow(dim, 0, self.seq_len)
 
 
-def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_multiple: int = 1,
+def shard_batch(batch: Mapping, mesh, spec=None, *, pad_multiple: int = 1,
                 packed_alignment: int = 1, mask_keys: tuple[str, ...] = (),
                 balance: str | None = None) -> tuple[dict, ShardLayout]:
     """Pad every sequence tensor of ``batch`` to a multiple of ``P * pad_multiple`` (``2P * pad_multiple`` for a
@@ -85,7 +85,10 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
     ``pad_multiple`` and ``packed_alignment`` combine with the spec's own (their least common multiple), so
     a family whose model groups the sequence into windows needs no argument here.
 
-    ``spec`` is a CPSpec, a spec name or ``.py`` path (as :func:`cp_passes.cp_compile` takes), or None.
+    ``spec`` is a CPSpec, a spec name or ``.py`` path (as :func:`cp_passes.cp_compile` takes), None, or the
+    compiled module itself, whose spec is then used (``compiled.shard_batch(batch)`` says the same with the
+    module's group): the form that cannot disagree with ``cp_compile``, which, given no spec, picks the shipped
+    one by the model's type (a recurrence keeps shards contiguous) where ``shard_batch`` alone cannot know it.
     Token inputs (``spec.token_keys``) are padded with ``spec.pad_token_id``, labels with
     ``spec.ignore_index`` (so the loss ignores padding), position ids by continuing the count, masks
     (``attention_mask``, ``loss_mask`` and ``mask_keys``) and bool or floating tensors with 0, ``doc_ids``
@@ -120,7 +123,7 @@ def shard_batch(batch: Mapping, mesh, spec: CPSpec | str | None = None, *, pad_m
 BALANCES = (None, "documents")
 
 
-def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | str | None = None, *,
+def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec=None, *,
                    pad_multiple: int = 1, packed_alignment: int = 1, mask_keys: tuple[str, ...] = (),
                    balance: str | None = None, _group: tuple[int, ...] | None = None) -> tuple[dict, ShardLayout]:
     """:func:`shard_batch` for an explicit rank and world size (no process group needed)."""
@@ -131,7 +134,8 @@ def shard_for_rank(batch: Mapping, rank: int, world_size: int, spec: CPSpec | st
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    spec = resolve_spec(spec)
+    compiled_spec = getattr(spec, "spec", None)
+    spec = resolve_spec(compiled_spec if isinstance(compiled_spec, CPSpec) else spec)
     pad_multiple, packed_alignment = math.lcm(pad_multiple, spec.pad_multiple), math.lcm(packed_alignment,
                                                                                          spec.packed_alignment)
     checked = check_batch(dict(batch), spec, mask_keys)

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..compiler.backend import cp_compile
-from ..data.batch import shard_batch
 from ..data_parallel import global_loss
 from ..helpers import all_reduce_gradients
 from ..report.explain import explain
@@ -48,7 +47,7 @@ def demo_rank(steps: int, seq_len: int, backend: str, dump_dir) -> None:
     for step in range(steps):
         batch = demo_batch(step, seq_len)
         n_tokens = (batch["labels"] != -100).sum()
-        local, _layout = shard_batch(batch, mesh, spec)
+        local, _layout = compiled.shard_batch(batch)
         loss_sum, _logits = compiled(**local)  # this rank's share of the summed token loss
         (loss_sum / n_tokens).backward()
         all_reduce_gradients(model, mesh)
