@@ -4,6 +4,8 @@ The model's own loss: a sum over ranks of each rank's value is the single-device
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -274,6 +276,93 @@ class WrittenOut(MemoryKeys):
         return MemoryAndAlibi.attend(self, MemoryRowsSeeingNothing.attend(self, x))
 
 
+# -- learned relative-position biases (T5's, a decoder's, clamped tables) -------------------------------------
+
+
+def _log_buckets(distance, buckets=8, max_distance=32):
+    """T5's unidirectional buckets of ``i - j >= 0``: exact below ``buckets // 2``, logarithmic up to
+    ``max_distance``."""
+    exact = buckets // 2
+    large = exact + (torch.log(distance.float().clamp(min=1) / exact) / math.log(max_distance / exact)
+                     * (buckets - exact)).long()
+    return torch.where(distance < exact, distance, large.clamp(max=buckets - 1))
+
+
+class Relative(Base):
+    """A learned table per head of relative distances (``nn.Embedding``)."""
+
+    def __init__(self, size=16):
+        super().__init__()
+        self.table = nn.Embedding(size, H)
+
+
+class RelativeTableSDPA(Relative):
+    """SDPA with ``attn_mask = table[clamp(i - j, 0, 15)]`` and later keys at ``-inf``."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        bias = self.table((i[:, None] - i[None, :]).clamp(0, 15)).permute(2, 0, 1)
+        bias = bias.masked_fill(~_causal(x.shape[1]), float("-inf"))
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=bias[None]).transpose(1, 2).reshape(x.shape)
+
+
+class RelativeTableEager(Relative):
+    """A decoder's T5 bias written by hand: ``scores + table[bucket(i - j)]`` (log buckets), a causal
+    ``masked_fill``, the table read by indexing its weight."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1], device=x.device)
+        bias = self.table.weight[_log_buckets((i[:, None] - i[None, :]).clamp(min=0))].permute(2, 0, 1)
+        scores = (q @ k.transpose(-2, -1)) / 4 + bias.unsqueeze(0)
+        probs = scores.masked_fill(~_causal(x.shape[1]), float("-inf")).softmax(-1)
+        return x + (probs @ v).transpose(1, 2).reshape(x.shape)
+
+
+class RelativeTableWindowed(Relative):
+    """``table[i - j]`` for the 8 keys a query sees (a window), written with ``torch.where`` and einsum."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        distance = i[:, None] - i[None, :]
+        seen = (distance >= 0) & (distance < 8)
+        bias = F.embedding(distance.clamp(0, 7), self.table.weight).permute(2, 0, 1)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / 4
+        scores = torch.where(seen, scores + bias, float("-inf"))
+        return x + torch.einsum("bhqk,bhkd->bhqd", scores.softmax(-1), v).transpose(1, 2).reshape(x.shape)
+
+
+class GatedRelativeTable(Relative):
+    """A relative table scaled per query by an activation: the table is the learned bias of positions, the gate an
+    operand on the query axis."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        gate = torch.sigmoid(x.sum(-1))[:, None, :, None]
+        bias = self.table((i[:, None] - i[None, :]).clamp(0, 15)).permute(2, 0, 1) * gate
+        scores = (q @ k.transpose(-2, -1)) / 4 + bias
+        probs = scores.masked_fill(~_causal(x.shape[1]), float("-inf")).softmax(-1)
+        return x + (probs @ v).transpose(1, 2).reshape(x.shape)
+
+
+class DataDependentBias(Relative):
+    """A relative table plus a difference of an activation's values at the query and the key: a bias no longer of
+    positions and parameters alone."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        s = x.sum(-1)
+        pairs = (s[:, :, None] - s[:, None, :])[:, None]
+        bias = self.table((i[:, None] - i[None, :]).clamp(0, 15)).permute(2, 0, 1) + pairs
+        scores = (q @ k.transpose(-2, -1)) / 4 + bias
+        probs = scores.masked_fill(~_causal(x.shape[1]), float("-inf")).softmax(-1)
+        return x + (probs @ v).transpose(1, 2).reshape(x.shape)
+
+
 # -- the older rotary cache check -------------------------------------------------------------------------------
 
 
@@ -428,7 +517,9 @@ MODELS = {c.__name__: c for c in (
     EinsumHeadsFirst, EinsumSequenceFirst, EinsumGateAndProjection, NanoGPTLoss, Transformers4Loss,
     HeadAfterTrimSummed, SmoothedBackwardLoss, ZLoss, MaskedMean, MaskedRowsSummed, OneHotRouter, CumulativeMean,
     CachedRotaryModel, AlibiSDPA, AlibiSDPAGroupedWindow, AlibiSDPABidirectional, MemoryKeys,
-    MemoryKeysAfterFloatMask, AlibiRowsSeeingNothing, MemoryRowsSeeingNothing, MemoryAndAlibi, WrittenOut, Everyday)}
+    MemoryKeysAfterFloatMask, AlibiRowsSeeingNothing, MemoryRowsSeeingNothing, MemoryAndAlibi, WrittenOut,
+    RelativeTableSDPA, RelativeTableEager, RelativeTableWindowed, GatedRelativeTable, DataDependentBias,
+    Everyday)}
 
 
 def batch(seq_len: int) -> dict:

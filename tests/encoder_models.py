@@ -24,9 +24,24 @@ def modernbert(attention: str = "sdpa"):
     return ModernBertForMaskedLM(config)
 
 
-def build(attention: str = "sdpa", seed: int = 0):
+def t5(attention: str = "sdpa"):
+    """T5's encoder with a token classifier: a bucketed relative-position bias (8 buckets each way, exact up to 4
+    positions, logarithmic up to 16: a shard of 4 positions sees keys in every bucket), learned in the first layer
+    and added to every layer's scores."""
+    from transformers import T5Config, T5ForTokenClassification
+
+    config = T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=64, num_layers=2, num_heads=4, num_labels=VOCAB,
+                      relative_attention_num_buckets=16, relative_attention_max_distance=16, dropout_rate=0.0,
+                      classifier_dropout=0.0, pad_token_id=0, attn_implementation=attention)
+    return T5ForTokenClassification(config)
+
+
+MODELS = {"modernbert": modernbert, "t5": t5}
+
+
+def build(attention: str = "sdpa", seed: int = 0, model: str = "modernbert"):
     torch.manual_seed(seed)
-    return modernbert(attention).float()
+    return MODELS[model](attention).float()
 
 
 def batch(seq_len: int, padded: bool = False) -> dict:
@@ -46,9 +61,10 @@ def batch(seq_len: int, padded: bool = False) -> dict:
     return out
 
 
-def parity(group, seq_lens: list[int], attention: str = "sdpa", padded: bool = False, layout: str = "auto") -> list:
+def parity(group, seq_lens: list[int], attention: str = "sdpa", padded: bool = False, layout: str = "auto",
+           model: str = "modernbert") -> list:
     """The model compiled with spec=None (``layout`` overriding the default's), one step per length."""
-    model = build(attention)
+    model = build(attention, model=model)
     spec = None if layout == "auto" else cp_passes.CPSpec(layout=layout)
     compiled = cp_passes.cp_compile(model, spec, mesh=group, backend="aot_eager", verbose=False)
     results = []
@@ -64,12 +80,12 @@ def parity(group, seq_lens: list[int], attention: str = "sdpa", padded: bool = F
     return results
 
 
-def reference(seq_len: int, attention: str = "sdpa", padded: bool = False):
+def reference(seq_len: int, attention: str = "sdpa", padded: bool = False, model: str = "modernbert"):
     """One device: the output, the gradients and the positions compared: the tokens the attention_mask keeps.
     A pad token's output is not defined: where every key its window reaches is padding (the last pad token's
     local window, under shard_batch's padding as well), eager attention's additive mask spreads it evenly over
     all keys, a number of keys that padding changes."""
-    model = build(attention)
+    model = build(attention, model=model)
     b = batch(seq_len, padded)
     out = model(**b)
     out.loss.backward()

@@ -12,9 +12,11 @@ import cp_passes
 import common_code
 from cp_passes import CPCompileError
 
-DEFAULT = ["Everyday", "WrittenOut"]
-"""The default run: one model with one of each kind (the rotary cache check runs in its own test) and one with
-SDPA written out (an ALiBi bias, memory keys); every model on its own under -m full."""
+DEFAULT = ["Everyday", "WrittenOut", "RelativeTableEager", "DataDependentBias"]
+"""The default run: one model with one of each kind (the rotary cache check runs in its own test), one with
+SDPA written out (an ALiBi bias, memory keys), a learned relative-position bias and one that reads an activation
+at the query and the key (its gradient was lost, 0.54 off, while the bias was taken for a learned one); every
+model on its own under -m full."""
 
 
 @pytest.mark.parametrize("P,seq_len,layout,names", [
@@ -162,3 +164,4 @@ def test_a_trimmed_loss_on_a_padded_batch_is_refused(group):
     local, _ = cp_passes.shard_batch(common_code.batch(30), group)
     with pytest.raises(CPCompileError, match="a shift that reads 1 row"):
         compiled(**local)
+

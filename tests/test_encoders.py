@@ -38,6 +38,23 @@ def test_modernbert_matches_one_device(pool, parity_report, P, attention, padded
         assert len(moved) == 6 and sorted(moved)[:4] == [min(moved)] * 4 and min(moved) < max(moved), moved
 
 
+T5 = [(2, "sdpa", True, [16, 11])] + [pytest.param(*case, marks=pytest.mark.full) for case in (
+    (2, "eager", True, [16]), (4, "sdpa", False, [16]), (4, "sdpa", True, [24, 11]), (4, "eager", False, [16]))]
+
+
+@pytest.mark.parametrize("P,attention,padded,seq_lens", T5, ids=lambda v: v if isinstance(v, str) else None)
+def test_t5_relative_position_bias_matches_one_device(pool, parity_report, P, attention, padded, seq_lens):
+    """T5's encoder (token classification, spec=None): the bias ``table[bucket(j - i)]`` is learned, so it is no
+    mask, but it is computed from positions and a parameter alone: evaluated at the rank's rows and every key, its
+    gradient reaches the table through each rank's part. Under SDPA the biased attention is written out first."""
+    per_rank = pool.run(encoder_models.parity, P, seq_lens=seq_lens, attention=attention, padded=padded, model="t5")
+    for i, seq_len in enumerate(seq_lens):
+        compare_valid(f"hf-t5-{attention}{'-padded' if padded else ''}", [r[i] for r in per_rank],
+                      reference(seq_len, attention, padded, model="t5"), seq_len, parity_report)
+    masks = [rule for rule, *_ in per_rank[0][0]["records"] if rule == "key_mask"]
+    assert masks, per_rank[0][0]["records"]  # the bias, evaluated at the rank's rows (once where layers share it)
+
+
 WINDOWED = {"two_sided_band", "band_and_padding", "band_in_a_helper", "asymmetric_band", "eager_additive_band",
             "eager_masked_fill_band", "eager_where_asymmetric"}
 

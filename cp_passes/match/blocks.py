@@ -215,7 +215,7 @@ def match_blocks(gm: torch.fx.GraphModule, sym, carry: set | None = None, multip
             give(x, key, f"cp_passes cannot tell which dim of {node_ref(x)} {node.target} reads as the key axis")
             if key is None or not _unmerged(x, [d for d in seq_dims(x, sym) if d != key], sym):
                 continue
-            mask = model_mask(x, sym, carry, multiple)
+            mask = model_mask(x, sym, carry, multiple, learned=True)
             if isinstance(mask, PositionMask):
                 mask = MetadataMask(x, mask.nodes, [], mask.size_leaves, [])
             if isinstance(mask, MetadataMask):

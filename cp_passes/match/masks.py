@@ -77,7 +77,7 @@ def _own(mask: torch.fx.Node, masks: set) -> set[torch.fx.Node]:
 
 
 def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int = 1,
-               masks: set = frozenset()) -> MetadataMask | PositionMask | FailedMatch:
+               masks: set = frozenset(), learned: bool = False) -> MetadataMask | PositionMask | FailedMatch:
     """What builds ``mask``, or why it cannot be rebuilt per rank (a reason).
 
     Its leaves are sharded integer inputs (doc ids, positions) and the lengths it reads. A mask no gradient
@@ -87,12 +87,20 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
     over the whole sequence, and the parameters it reads are passed in. ``carry`` is
     :func:`may_carry_gradient` of the graph (computed here when not given); ``multiple`` is the spec's
     ``pad_multiple`` (activations in windows of positions are leaves too); ``masks`` are the graph's other
-    attention masks, whose inputs are computed for masks as well."""
+    attention masks, whose inputs are computed for masks as well.
+
+    With ``learned``, a mask that carries a gradient back to parameters alone is taken too: a learned bias of
+    positions (T5's bucketed relative-position bias, ``table[bucket(j - i)]``), which is evaluated in the graph at
+    the positions a rank needs, so that autograd brings each rank's part of the parameters' gradient. Where an
+    activation reaches it, it stays a data-dependent bias and is refused."""
     carry = may_carry_gradient(mask.graph) if carry is None else carry
-    if mask in carry:
-        return FailedMatch(f"its mask {node_ref(mask)} carries a gradient back to what it is computed from (a "
-                           f"learned or data-dependent bias, not a mask); masks without one (boolean, or from "
-                           f"metadata or indices) are evaluated over the whole sequence")
+    if mask in carry and not (learned and _learned_from_whole_inputs(mask, carry, sym)):
+        what = ("a data-dependent bias" if learned else "a learned or data-dependent bias, which SDPA takes only "
+                "where cp_passes writes it out: without dropout or is_causal")
+        return FailedMatch(f"its mask {node_ref(mask)} carries a gradient back to what it is computed from ({what}, "
+                           f"not a mask); masks without one (boolean, or from metadata or indices) and biases learned "
+                           f"from positions alone (a relative-position table read at j - i) are evaluated over the "
+                           f"whole sequence")
     own = _own(mask, masks)
     nodes, tensor_leaves, size_leaves, inputs, seen, stack = [], [], [], [], set(), [mask]
     while stack:
@@ -132,11 +140,35 @@ def model_mask(mask: torch.fx.Node, sym, carry: set | None = None, multiple: int
     nodes.sort(key=order.__getitem__)
     size_leaves.sort(key=order.__getitem__)
     inputs.sort(key=order.__getitem__)
+    read = next((leaf for leaf in tensor_leaves if leaf in carry), None)
+    if mask in carry and read is not None:
+        return FailedMatch(f"its mask {node_ref(mask)} carries a gradient back to {node_ref(read)}, an activation (a "
+                           f"data-dependent bias, not a mask): evaluated at other ranks' keys it would read that "
+                           f"activation without its gradient. Masks without a gradient (boolean, or from metadata or "
+                           f"indices) and biases learned from positions and parameters alone (a relative-position "
+                           f"table read at j - i) are evaluated over the whole sequence")
     if not tensor_leaves and not inputs:
         return PositionMask(mask, nodes, size_leaves)
     leaves = sorted(tensor_leaves, key=order.__getitem__)
     return MetadataMask(mask, nodes, leaves, size_leaves,
-                        [seq_dims(leaf, sym)[0] for leaf in leaves], inputs)
+                        [seq_dims(leaf, sym)[0] for leaf in leaves], inputs, learned=mask in carry)
+
+
+def _learned_from_whole_inputs(mask: torch.fx.Node, carry: set, sym) -> bool:
+    """Whether every gradient ``mask`` carries comes from inputs every rank holds whole (parameters): the
+    floating-point values it is computed from, walked back, start at placeholders without a sequence dim."""
+    stack, seen = [mask], set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in carry:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            if seq_dims(n, sym):
+                return False
+        elif n.op != "get_attr":
+            stack.extend(n.all_input_nodes)
+    return True
 
 
 class NotPositional(Exception):

@@ -24,14 +24,19 @@ import torch.fx
 
 from ..graph.analysis import bind_args, hint, meta_val, seq_dims
 from ..graph.emit import emit
-from .masks import PositionMask, evaluate_position_mask, model_mask
+from ..transports.masks import MetadataMask
+from .masks import PositionMask, evaluate_position_mask, may_carry_gradient, model_mask
 
 aten = torch.ops.aten
 
 
 def _adds_a_bias(mask: torch.fx.Node, sym, multiple: int, length: int) -> bool:
-    """Whether ``mask`` is built from positions alone and, at ``length``, holds a finite value other than 0."""
-    found = model_mask(mask, sym, multiple=multiple)
+    """Whether ``mask`` is built from positions alone and, at ``length``, holds a finite value other than 0; or is
+    a bias learned from positions (it carries a gradient to parameters alone: a relative-position table)."""
+    carry = may_carry_gradient(mask.graph)
+    found = model_mask(mask, sym, carry, multiple=multiple, learned=True)
+    if mask in carry:
+        return isinstance(found, MetadataMask)
     if not isinstance(found, PositionMask):
         return False
     try:

@@ -29,6 +29,9 @@ class MetadataMask:
     size_leaves: list[torch.fx.Node]
     leaf_dims: list[int]
     inputs: list[torch.fx.Node] = field(default_factory=list)
+    learned: bool = False
+    """A bias learned from positions: it carries a gradient back to ``inputs`` (parameters), which are read with
+    their autograd edges."""
 
     def shape_only(self, leaf: torch.fx.Node) -> bool:
         """Whether the mask reads only ``leaf``'s shape, dtype and device (``x.new_full(...)``): no rows of it

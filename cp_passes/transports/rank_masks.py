@@ -137,7 +137,7 @@ def mask_leaves(edit, found: MetadataMask) -> list[torch.fx.Node]:
     # A length k * s of the local sequence is k * world * s globally (every rank holds s positions).
     leaves += [edit.insert(operator.mul, (leaf, edit.layout.world), name=f"cp_{leaf.name}_global")
                for leaf in found.size_leaves]
-    return leaves + [detached(leaf) for leaf in found.inputs]
+    return leaves + [edit.current(leaf) if found.learned else detached(leaf) for leaf in found.inputs]
 
 
 def global_mask(edit, found: MetadataMask) -> torch.fx.Node:
