@@ -108,6 +108,10 @@ def op_name(node: torch.fx.Node) -> str:
     return name
 
 
+_NODE_COUNT = re.compile(r"\b([a-z][a-z0-9_]*?)_\d+\b")
+"""A graph node's name with the count FX adds to repeats (``view_12``)."""
+
+
 @dataclass
 class Problem:
     """One node that cp_passes cannot shard, with the reason and the fix."""
@@ -136,8 +140,8 @@ class Problem:
 
     def key(self) -> tuple[str, str, str, str]:
         """What makes two problems one: the op at the same source line, for the same reason and fix (each layer
-        of a model repeats its block's)."""
-        return self.op, self.source, self.reason, self.fix
+        of a model repeats its block's), graph node names (``'view_12'``) read without their count."""
+        return self.op, self.source, _NODE_COUNT.sub(r"\1", self.reason), _NODE_COUNT.sub(r"\1", self.fix)
 
 
 def grouped(problems: list[Problem]) -> list[tuple[Problem, list[str]]]:
@@ -148,6 +152,13 @@ def grouped(problems: list[Problem]) -> list[tuple[Problem, list[str]]]:
         if problem.module and problem.module not in modules:
             modules.append(problem.module)
     return list(groups.values())
+
+
+def counted(problems: list[Problem]) -> str:
+    """``"13 problems, at 28 places"``: the distinct problems (:func:`grouped`) and, where more, their sites."""
+    count = len(grouped(problems))
+    sites = f", at {len(problems)} places" if len(problems) > count else ""
+    return f"{count} problem{'s' if count > 1 else ''}{sites}"
 
 
 class CPCompileError(RuntimeError):
@@ -163,12 +174,8 @@ class CPCompileError(RuntimeError):
             super().__init__(problems)
             return
         self.problems = list(problems)
-        distinct = grouped(self.problems)
-        count = len(distinct)
-        body = "\n".join(p.format(i + 1, modules) for i, (p, modules) in enumerate(distinct))
-        sites = f", at {len(self.problems)} places" if len(self.problems) > count else ""
-        super().__init__(f"cp_passes cannot shard this model along the sequence ({count} "
-                         f"problem{'s' if count > 1 else ''}{sites}):\n{body}")
+        body = "\n".join(p.format(i + 1, modules) for i, (p, modules) in enumerate(grouped(self.problems)))
+        super().__init__(f"cp_passes cannot shard this model along the sequence ({counted(self.problems)}):\n{body}")
 
 
 def _chain(error: BaseException):

@@ -276,6 +276,38 @@ class WrittenOut(MemoryKeys):
         return MemoryAndAlibi.attend(self, MemoryRowsSeeingNothing.attend(self, x))
 
 
+# -- causal masks that are no band: read at the rank's rows ------------------------------------------------
+
+
+class ChunkedSDPA(Base):
+    """Llama 4's chunked attention written as a mask: a query sees the earlier keys of its chunk of 8."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        mask = (i[:, None] >= i[None, :]) & (i[:, None] // 8 == i[None, :] // 8)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+
+class EveryOtherEarlierKey(Base):
+    """Every other earlier key (a strided causal mask)."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        i = torch.arange(x.shape[1])
+        mask = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :]) % 2 == 0)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+
+class StrictlyEarlierKeys(Base):
+    """Only strictly earlier keys: the first query sees none (SDPA answers 0 there)."""
+
+    def attend(self, x):
+        q, k, v = map(_heads, self.qkv(x).chunk(3, -1))
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril(-1)
+        return x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+
 # -- learned relative-position biases (T5's, a decoder's, clamped tables) -------------------------------------
 
 
@@ -519,7 +551,7 @@ MODELS = {c.__name__: c for c in (
     CachedRotaryModel, AlibiSDPA, AlibiSDPAGroupedWindow, AlibiSDPABidirectional, MemoryKeys,
     MemoryKeysAfterFloatMask, AlibiRowsSeeingNothing, MemoryRowsSeeingNothing, MemoryAndAlibi, WrittenOut,
     RelativeTableSDPA, RelativeTableEager, RelativeTableWindowed, GatedRelativeTable, DataDependentBias,
-    Everyday)}
+    ChunkedSDPA, EveryOtherEarlierKey, StrictlyEarlierKeys, Everyday)}
 
 
 def batch(seq_len: int) -> dict:

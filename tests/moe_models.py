@@ -44,13 +44,39 @@ def gpt_oss(aux: bool):
     return model
 
 
-FAMILIES = {"olmoe": olmoe, "mixtral": mixtral, "gpt_oss": gpt_oss}
+def qwen2_moe(aux: bool):
+    """Routed experts and a shared expert behind a sigmoid gate; the config builds a sliding mask of width 0 that no
+    layer reads (``sliding_window=0``, every layer full attention)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(**TINY, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                              num_experts=4, num_experts_per_tok=2, output_router_logits=aux,
+                                              router_aux_loss_coef=0.1))
+
+
+def llama4(aux: bool):
+    """Llama 4's text model: complex RoPE (``polar``, ``view_as_complex``), chunked attention (chunks of 8: a query
+    sees the earlier keys of its chunk) in three layers of four, the fourth without RoPE over every earlier key, and
+    MoE layers that repeat every token once per expert (``x.repeat(E, 1)``) beside a shared expert."""
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = {**TINY, "num_hidden_layers": 4}
+    return Llama4ForCausalLM(Llama4TextConfig(**config, head_dim=16, intermediate_size_mlp=64, num_local_experts=4,
+                                              num_experts_per_tok=1, attention_chunk_size=8,
+                                              no_rope_layers=[1, 1, 1, 0], moe_layers=[1, 3],
+                                              output_router_logits=aux, router_aux_loss_coef=0.1))
+
+
+FAMILIES = {"olmoe": olmoe, "mixtral": mixtral, "gpt_oss": gpt_oss, "qwen2_moe": qwen2_moe, "llama4": llama4}
+OWN_EXPERTS = ("llama4",)
+"""Families whose experts are their own code (Llama 4's batched matmul), not transformers' grouped_mm."""
 
 
 def build(family: str, aux: bool = False, seed: int = 0):
     torch.manual_seed(seed)
     model = FAMILIES[family](aux).float()
-    assert model.config._experts_implementation == "grouped_mm", model.config._experts_implementation
+    assert family in OWN_EXPERTS or model.config._experts_implementation == "grouped_mm", \
+        model.config._experts_implementation
     return model
 
 
@@ -96,7 +122,7 @@ class HandMoE(torch.nn.Module):
     dispatch tokens (``variant``), then a projection to the vocabulary."""
 
     VARIANTS = ("argsort_index_add", "sort_index_put", "argsort_of_perm", "index_select_scatter_back",
-                "fallback_grouped_mm", "boolean_selection")
+                "fallback_grouped_mm", "boolean_selection", "repeat_per_expert")
 
     def __init__(self, variant: str, experts: int = 4, k: int = 2, dim: int = 16):
         super().__init__()
@@ -134,6 +160,13 @@ class HandMoE(torch.nn.Module):
             rows = torch.bmm(x.index_select(0, perm // k).unsqueeze(1), self.w.index_select(0, ids[perm]))
             rows = rows.squeeze(1) * weights.index_select(0, perm).unsqueeze(-1)
             return torch.zeros_like(x).index_add(0, perm // k, rows)
+        if variant in ("repeat_per_expert", "repeat_split_inner"):  # Llama 4: every token once per expert
+            experts = self.w.shape[0]
+            scores = torch.zeros(x.shape[0], experts).scatter(1, ids.view(-1, k), weights.view(-1, k))
+            routed = x.repeat(experts, 1) * scores.transpose(0, 1).reshape(-1, 1)
+            if variant == "repeat_split_inner":  # [tokens, E, d]: each token's copies read as neighbours (wrong)
+                return routed.view(-1, experts, x.shape[1]).sum(1)
+            return torch.bmm(routed.view(experts, -1, x.shape[1]), self.w).sum(0)
         if variant == "boolean_selection":  # a loop over the experts: each one's (token, slot) pairs by a mask
             pairs, out = x.repeat_interleave(k, 0), torch.zeros(x.shape[0] * k, x.shape[1])
             for e in range(self.w.shape[0]):

@@ -222,8 +222,8 @@ def test_a_refusal_every_rank_finds_prints_once_each_problem_once(pool, P):
                             "6 places):"), first
     assert first.count("aten.flip.default at ") == 1 and first.count("aten.roll.default at ") == 1, first
     assert first.count("(in 3 modules: layers.0, layers.1, layers.2)") == 2, first
-    pointer = (f"CPCompileError: rank 0 prints why this model cannot be sharded (6 problems; ranks {list(range(P))} "
-               f"found the same)")
+    pointer = (f"CPCompileError: rank 0 prints why this model cannot be sharded (2 problems, at 6 places; ranks "
+               f"{list(range(P))} found the same)")
     assert all(second == pointer for second, _ in others), others
 
 

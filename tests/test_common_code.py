@@ -12,11 +12,11 @@ import cp_passes
 import common_code
 from cp_passes import CPCompileError
 
-DEFAULT = ["Everyday", "WrittenOut", "RelativeTableEager", "DataDependentBias"]
+DEFAULT = ["Everyday", "WrittenOut", "RelativeTableEager", "DataDependentBias", "StrictlyEarlierKeys"]
 """The default run: one model with one of each kind (the rotary cache check runs in its own test), one with
 SDPA written out (an ALiBi bias, memory keys), a learned relative-position bias and one that reads an activation
-at the query and the key (its gradient was lost, 0.54 off, while the bias was taken for a learned one); every
-model on its own under -m full."""
+at the query and the key (its gradient was lost, 0.54 off, while the bias was taken for a learned one), and a
+causal mask that is no band (it was refused; now read at the rank's rows); every model on its own under -m full."""
 
 
 @pytest.mark.parametrize("P,seq_len,layout,names", [

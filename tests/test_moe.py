@@ -5,7 +5,9 @@ one device, forward and gradients."""
 import pytest
 import torch
 
+import cp_passes
 import moe_models
+from cp_passes import CPCompileError
 from moe_models import HandMoE, reference
 from parity import (GRAD_RTOL, OUT_TOL, compare, compare_valid, deepseek_v4_cut_floor, deepseek_v4_reference,
                     glm5_next_split_floor)
@@ -21,7 +23,11 @@ MODELS = [pytest.param("mixtral", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("olmoe", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("olmoe", 4, [16], marks=pytest.mark.full),
           pytest.param("gpt_oss", 2, [16, 11], marks=pytest.mark.full),
-          pytest.param("gpt_oss", 4, [16, 13], marks=pytest.mark.full)]
+          pytest.param("gpt_oss", 4, [16, 13], marks=pytest.mark.full),
+          pytest.param("qwen2_moe", 2, [16, 11]),
+          pytest.param("qwen2_moe", 4, [16], marks=pytest.mark.full),
+          pytest.param("llama4", 2, [16, 11]),
+          pytest.param("llama4", 4, [32, 13], marks=pytest.mark.full)]
 
 
 """The default run's grouped_mm parity is test_router_aux_loss_is_global's (the same experts, labels= too)."""
@@ -213,3 +219,13 @@ def test_deepseek_v4_router_aux_loss_is_global(pool, parity_report, P):
             ref.logits.detach(), grads, seq_len, parity_report, grad_rtol=tolerance)
     for r in per_rank:
         assert abs(r["aux_loss"].item() - ref.aux_loss.item()) <= OUT_TOL * abs(ref.aux_loss.item())
+
+
+def test_rows_repeated_end_to_end_and_split_the_other_way_are_refused(group):
+    """``x.repeat(E, 1)`` lays E copies of the token rows end to end (Llama 4's MoE; HandMoE's repeat_per_expert
+    matches one device); viewed as ``[tokens, E, d]`` the neighbours of a row would be other tokens' copies, which
+    differ on a shard: refused, naming the view."""
+    compiled = cp_passes.cp_compile(HandMoE("repeat_split_inner"), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError, match=r"repeats the rows 4 times .* splits that axis with the copies as the "
+                                             r"inner factor"):
+        compiled(torch.randint(0, 64, (2, 8)))

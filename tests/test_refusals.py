@@ -416,27 +416,6 @@ def test_declared_causal_conv_that_is_not_causal_is_refused(group):
     assert "kernel 3, dilation 1, padding [1]" in err.problems[0].reason
 
 
-def _every_other_earlier_key(s):
-    i = torch.arange(s)
-    return (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :]) % 2 == 0)
-
-
-@pytest.mark.parametrize("mask,why", [
-    (lambda s: torch.ones(s, s, dtype=torch.bool).tril(-1), "neither causal nor a causal sliding window"),
-    (_every_other_earlier_key, "neither causal nor a causal sliding window"),
-])
-def test_masks_that_are_not_windows_are_refused(group, mask, why):
-    """Masks that show no later key but are not a causal band (a query that sees none of its keys, every other
-    earlier key). Masks that show later keys are bidirectional and served (tests/test_encoders.py)."""
-    def mix(x):
-        s = x.shape[1]
-        q = x[:, None]
-        return F.scaled_dot_product_attention(q, q, q, attn_mask=mask(s))[:, 0]
-
-    err = refusal(group, mix)
-    assert why in str(err)
-
-
 def test_a_window_wider_than_the_probe_is_read_from_the_mask(group):
     """A band mask of 4,200 keys at 8,200 positions (longer than the mask is evaluated at): read from its
     structure, no declaration needed; a declaration that agrees is accepted too."""

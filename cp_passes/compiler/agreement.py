@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from ..errors import CPCompileError, source_line
+from ..errors import CPCompileError, counted, source_line
 from ..graph.analysis import bind_args, hint, meta_val
 from ..group import CPGroup
 
@@ -148,8 +148,8 @@ def agree_before_running(cp: CPGroup, error: BaseException | None, compiled: boo
             return  # this rank raises its own error: the first to fail, a short one, or one that failed otherwise
         if error is not None:  # the same list of problems as a lower rank's, which prints it
             same = [r for r, e in failures if e == err]
-            agreed = CPCompileError(f"rank {rank} prints why this model cannot be sharded ({len(error.problems)} "
-                                    f"problems; ranks {same} found the same)")
+            agreed = CPCompileError(f"rank {rank} prints why this model cannot be sharded ({counted(error.problems)}; "
+                                    f"ranks {same} found the same)")
             agreed.problems = list(error.problems)
             raise agreed
         others = f" (and ranks {[r for r, _ in failures[1:]]})" if len(failures) > 1 else ""

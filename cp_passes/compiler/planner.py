@@ -388,10 +388,10 @@ def _plan_node(ctx: RuleContext, origins: dict):
         return None  # nothing about the sequence here
     rule = permutations.plan if reordered else lookup_rule(node.target)
     if rule is None:
-        dims = {t.name: ctx.seq_dims(t) for t in tensors if ctx.is_seq(t)}
+        dims = ", ".join(f"input {i} on dims {ctx.seq_dims(t)}" for i, t in enumerate(tensors) if ctx.is_seq(t))
         ctx.refuse(
-            f"cp_passes has no rule for this op and it reads sequence-sharded inputs {dims} (input: sequence dims); "
-            f"it may mix positions across ranks",
+            f"cp_passes has no rule for this op and it reads the sequence ({dims}); it may mix positions across "
+            f"ranks",
             "if it is position-wise, declare it with cp_passes.positionwise(op); otherwise register a rule with "
             "@cp_passes.register_rule(op), or move it outside the compiled module",
         )

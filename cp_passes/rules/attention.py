@@ -129,6 +129,12 @@ def document_sees_later_keys(ctx: RuleContext, found: MetadataMask) -> bool:
     return allowed is not None and bool(allowed.triu(1).any())
 
 
+def _causal_band(ctx: RuleContext, found: PositionMask) -> bool:
+    """Whether a mask from positions is causal attention or a causal band at the probe length."""
+    reach = mask_reach(_allowed(_evaluate(ctx, found, _probe_length(ctx)), ctx))
+    return not isinstance(reach, str) and reach.causal
+
+
 def sees_later_keys(ctx: RuleContext, found: PositionMask) -> bool:
     """Whether a mask built from positions alone lets a query see a later key (bidirectional attention)."""
     return bool(_allowed(_evaluate(ctx, found, _probe_length(ctx)), ctx).triu(1).any())
@@ -285,6 +291,10 @@ def _attention_reach(ctx: RuleContext, mask, causal: bool, declared,
             return _at_rows(ctx, found_mask, read, declared), _at_rows_mask(found_mask)
     if isinstance(found_mask, PositionMask) and sees_later_keys(ctx, found_mask):
         return _bidirectional_reach(ctx, found_mask, reach, declared, halo_allowed)
+    if isinstance(found_mask, PositionMask) and not _causal_band(ctx, found_mask):
+        # Causal but no band (Llama 4's chunks, i // c == j // c): the band its structure bounds it by, or the causal
+        # envelope, with the mask evaluated at this rank's rows, as for a long sequence.
+        return _at_rows(ctx, found_mask, read, declared), _at_rows_mask(found_mask)
     if isinstance(found_mask, PositionMask):
         window = read_window(ctx, found_mask, declared.window if declared else None)
         reach = Reach(None if window is None else window - 1)

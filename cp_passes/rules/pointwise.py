@@ -97,6 +97,8 @@ positionwise(
     aten.softplus,
     aten.stack,
     aten.floor_divide,
+    aten.polar,
+    aten.complex,
 )
 
 

@@ -50,6 +50,10 @@ VIEW_OPS = (
     aten.movedim,
     aten.squeeze_,
     aten.unsqueeze_,
+    aten.view_as_complex,
+    aten.view_as_real,
+    aten.view_as_complex_copy,
+    aten.view_as_real_copy,
 )
 
 
@@ -189,12 +193,25 @@ def _write_slice(ctx: RuleContext):
 
 @register_rule(aten.repeat)
 def _repeat(ctx: RuleContext):
+    """``x.repeat(n, ..)`` along the sequence axis lays ``n`` copies of the rows end to end (Llama 4's MoE: every
+    token once per expert, ``[E * tokens, D]``): output row ``c * X + i`` is row ``i`` on one device as on a shard,
+    as long as the copies stay the outer factor wherever a view splits the axis (``[E, tokens, D]``)."""
     src = ctx.arg("self")
     repeats = list(ctx.arg("repeats"))
     lead = len(repeats) - ctx.ndim(src)
     for d in ctx.seq_dims(src):
-        if repeats[d + lead] != 1:
-            ctx.refuse("it repeats along the sequence axis", NO_RULE_FIX)
+        n = repeats[d + lead]
+        if n == 1:
+            continue
+        if lead or not isinstance(n, int):
+            ctx.refuse("it repeats along the sequence axis and adds dims in front (or repeats a number of times "
+                       "that depends on the length)", NO_RULE_FIX)
+        split = _split_with_copies(ctx.node, d, n, inner=False)
+        if split is not None:
+            ctx.refuse(f"it repeats the rows {n} times along the sequence axis (copies end to end), and "
+                       f"{op_name(split)} at {source_line(split)} splits that axis with the copies as the inner "
+                       f"factor; on a shard the copies of different ranks' positions would be mixed",
+                       f"split the repeated axis as [{n}, ..., seq] (copies outer), or repeat along a new dim")
     return None
 
 
@@ -208,7 +225,7 @@ def _repeat_interleave(ctx: RuleContext):
     if isinstance(n, int) and dim is not None and dim % ctx.ndim(ctx.arg("self")) in ctx.seq_dims(ctx.arg("self")):
         # Every position repeated n times in place (MoE dispatch): output row i reads row i // n. Correct as
         # long as the n copies stay the inner factor of the axis wherever a view splits it.
-        split = _split_with_copies_outer(ctx.node, dim % ctx.ndim(ctx.node), n)
+        split = _split_with_copies(ctx.node, dim % ctx.ndim(ctx.node), n, inner=True)
         if split is not None:
             ctx.refuse(
                 f"it repeats each position {n} times along the sequence axis, and {op_name(split)} at "
@@ -221,9 +238,10 @@ def _repeat_interleave(ctx: RuleContext):
     return None
 
 
-def _split_with_copies_outer(node: torch.fx.Node, dim: int, n: int) -> torch.fx.Node | None:
+def _split_with_copies(node: torch.fx.Node, dim: int, n: int, inner: bool) -> torch.fx.Node | None:
     """The first view downstream of ``node`` that splits its repeated axis (size ``n * X``) other than as
-    ``[.., X, n, ..]``; the walk follows every value that still carries the axis whole."""
+    ``[.., X, n, ..]`` (``inner``: each position's copies together) or ``[.., n, X, ..]`` (copies end to end); the
+    walk follows every value that still carries the axis whole."""
     total = expr_of(meta_val(node).shape[dim])
     stack, seen = [node], {node}
     while stack:
@@ -235,8 +253,9 @@ def _split_with_copies_outer(node: torch.fx.Node, dim: int, n: int) -> torch.fx.
             sizes = [expr_of(s) for s in val.shape]
             if total in sizes:
                 stack.append(user)
-            elif user.target in _VIEWS and not any(sympy.simplify(sizes[i] * n - total) == 0 and sizes[i + 1] == n
-                                                   for i in range(len(sizes) - 1)):
+            elif user.target in _VIEWS and not any(
+                    sympy.simplify(rows * n - total) == 0 and copies == n
+                    for rows, copies in (zip(sizes, sizes[1:]) if inner else zip(sizes[1:], sizes))):
                 return user
     return None
 
