@@ -142,4 +142,4 @@ def split_error(name: str, inputs: list[tuple[list[int], torch.dtype]], dims: li
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-12))
+    return float((got - want).detach().abs().max() / want.detach().abs().max().clamp_min(1e-12))

@@ -106,7 +106,8 @@ def selective_roles(kernel: str, args: list[torch.Tensor], options: str) -> dict
 def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, documents=None, offset: int = 0):
     fn, rec = _KERNELS[kernel]
     sequence, kwargs = _arguments(kernel, args, options)
-    kwargs[rec.output_final_state] = True
+    if rec.output_final_state is not None:
+        kwargs[rec.output_final_state] = True
     if documents is not None:
         local, starts = _segments(documents, offset, sequence[0].shape[rec.seq_dim])
         kwargs[rec.documents] = local
@@ -115,21 +116,42 @@ def _call(kernel: str, args: list[torch.Tensor], initial_state, options: str, do
             initial_state = torch.cat([first, first.new_zeros(len(local) - 2, *first.shape[1:])])
     if rec.initial_state is not None:
         kwargs[rec.initial_state] = initial_state
-    if _leading(rec, fn):  # by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v
-        out = fn(*sequence, **kwargs)
-    else:
-        out = fn(**dict(zip(rec.sequence_args, sequence)), **kwargs)
+    instance = (None,) if is_method(kernel) else ()  # a method computes from its arguments alone
+    try:
+        if _leading(rec, fn):  # by position: a hub kernel (flash-linear-attention's chunk_kda) names them q, k, v
+            out = fn(*instance, *sequence, **kwargs)
+        else:
+            out = fn(*instance, **dict(zip(rec.sequence_args, sequence)), **kwargs)
+    except AttributeError as error:
+        if instance and "'NoneType' object has no attribute" in str(error):
+            raise CPCompileError(
+                f"the recurrent kernel {kernel} is a method that reads its instance ({error}): cp_passes runs a "
+                f"declared method without it, from its arguments alone. Fix: pass what it reads from self as "
+                f"arguments (a staticmethod), declare the function it calls, or keep it outside the compiled "
+                f"module") from error
+        raise
     out, final = out[0], (out[1] if documents is None else out[1][-1:])  # the last segment's state goes on
     if rec.form == "selective" and initial_state is not None:  # the kernel takes no state: add its part
         return selective_scan.from_state(selective_roles(kernel, args, options), out, final, initial_state)
     return out, final
 
 
+def is_method(kernel: str) -> bool:
+    """Whether ``kernel`` names a method (``module:Class.method``)."""
+    return "." in kernel.partition(":")[2]
+
+
+def _parameters(kernel: str, fn) -> list[str]:
+    """The kernel's parameter names, a method's instance left out."""
+    params = list(inspect.signature(fn).parameters)
+    return params[1:] if is_method(kernel) else params
+
+
 @functools.cache
 def _leading(rec, fn) -> bool:
     """Whether the sequence arguments are the kernel's first parameters, in order (read once per kernel: the op
     runs it on every forward and backward)."""
-    return list(inspect.signature(fn).parameters)[:len(rec.sequence_args)] == list(rec.sequence_args)
+    return _parameters(rec.kernel, fn)[:len(rec.sequence_args)] == list(rec.sequence_args)
 
 
 @torch.library.custom_op("cp_passes::recurrence", mutates_args=())
@@ -258,9 +280,13 @@ recurrence_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _resolve(kernel: str):
-    module_name, _, attr = kernel.partition(":")
-    module = importlib.import_module(module_name)
-    return module, attr, getattr(module, attr)
+    """``(owner, attribute, function)``: the module (or, for a method, the class) whose attribute the model reads."""
+    module_name, _, path = kernel.partition(":")
+    owner = importlib.import_module(module_name)
+    *classes, attr = path.split(".")
+    for name in classes:
+        owner = getattr(owner, name)
+    return owner, attr, getattr(owner, attr)
 
 
 def install(recurrences) -> None:
@@ -277,7 +303,7 @@ def install(recurrences) -> None:
 def _check(rec, fn) -> None:
     """The declaration must name the kernel's own parameters: its sequence and tensor arguments, and its
     initial-state and final-state parameters."""
-    params = list(inspect.signature(fn).parameters)
+    params = _parameters(rec.kernel, fn)
     for field in ("sequence_args", "tensor_args"):
         missing = [a for a in getattr(rec, field) if a not in params]
         if missing:
@@ -285,7 +311,8 @@ def _check(rec, fn) -> None:
                              f"takes {params}")
     if rec.form == "selective" and selective_scan.signature_error(fn):
         raise ValueError(f"Recurrence {rec.kernel}: {selective_scan.signature_error(fn)}")
-    for field in (*(("initial_state",) if rec.initial_state else ()), "output_final_state",
+    for field in (*(("initial_state",) if rec.initial_state else ()),
+                  *(("output_final_state",) if rec.output_final_state else ()),
                   *(("documents",) if rec.documents else ())):
         if getattr(rec, field) not in params:
             raise ValueError(f"Recurrence {rec.kernel}: {field}={getattr(rec, field)!r} is not a parameter of the "
@@ -318,13 +345,16 @@ def _undeclared(rec, name: str, tensor: torch.Tensor, first: torch.Tensor) -> st
 
 def _wrapper(rec, fn):
     signature = inspect.signature(fn)
-    named = set(signature.parameters) - {rec.initial_state, rec.output_final_state, rec.documents,
-                                         *rec.sequence_args, *rec.tensor_args}
+    named = set(_parameters(rec.kernel, fn)) - {rec.initial_state, rec.output_final_state, rec.documents,
+                                                 *rec.sequence_args, *rec.tensor_args}
     positional = [p.name for p in signature.parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    method = is_method(rec.kernel)
 
     def call(*args, **kwargs):
         bound = dict(zip(positional, args), **kwargs)
+        if method:
+            bound.pop(positional[0], None)  # the instance: the kernel computes from its arguments alone
         packed = [k for k in _PACKING if k != rec.documents and bound.get(k) is not None]
         if packed:
             raise ValueError(f"the recurrent kernel {rec.kernel} was called with {packed[0]} (packed documents), "
@@ -353,7 +383,7 @@ def _wrapper(rec, fn):
             rec.kernel, [bound[a] for a in rec.sequence_args] + [bound[a] for a in tensors],
             bound.get(rec.initial_state),
             encode_options(f"the recurrent kernel {rec.kernel}", options, _CONSTANTS_HINT), documents, 0)
-        if bound.get(rec.output_final_state):
+        if rec.output_final_state is None or bound.get(rec.output_final_state):
             return out, state
         return out if rec.output_alone else (out, None)
 

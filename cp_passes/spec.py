@@ -63,7 +63,10 @@ class Recurrence:
 
     kernel: str
     """``"package.module:function"``: the module attribute the model's code reads at call time. cp_passes
-    replaces it with a captured call of the original (which may itself dispatch to a hub kernel on GPU)."""
+    replaces it with a captured call of the original (which may itself dispatch to a hub kernel on GPU). A scan
+    written as a method (RecurrentGemma's ``RecurrentGemmaRglru._rnn_scan``, a Python loop over positions) is
+    ``"package.module:Class.method"``: the class attribute is replaced, and the method must compute from its
+    arguments alone (it runs without its instance: one that reads ``self`` is refused when first called)."""
     sequence_args: tuple[str, ...]
     """The kernel's parameters that carry the sequence (tensors, on ``seq_dim``), by name, in any order; the
     first gives the output's shape outside its last dim."""
@@ -82,8 +85,9 @@ class Recurrence:
     (``initial_state=None``)."""
     initial_state: str | None = "initial_state"
     """The parameter that takes the initial state (None: the kernel takes none; ``form="selective"``)."""
-    output_final_state: str = "output_final_state"
-    """The flag that asks for the final state (returned second)."""
+    output_final_state: str | None = "output_final_state"
+    """The flag that asks for the final state (returned second); None: the kernel always returns ``(output, final
+    state)``."""
     value_arg: str = "value"
     """For ``"affine"``: the sequence argument whose last dim is the state's V (extended by K zero columns)."""
     tensor_args: tuple[str, ...] = ()

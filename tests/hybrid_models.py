@@ -128,6 +128,22 @@ def jamba():
         mamba_expand=1, mamba_dt_rank=8, use_mamba_kernels=False))
 
 
+def recurrent_gemma():
+    """Two RG-LRU blocks (a convolution of 4 and the scan written as a loop in a method), then local attention over a
+    window of 8."""
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    return RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+        num_hidden_layers=3, lru_width=64, attention_window_size=8, conv1d_width=4, pad_token_id=0,
+        block_types=["recurrent", "recurrent", "attention"], use_cache=False))
+
+
+RECURRENT = {"recurrent_gemma": recurrent_gemma}
+"""Models whose recurrence is carried sequentially and whose final state the model stores (each rank then stores
+the last rank's)."""
+
+
 FAMILIES = {"mamba2": mamba2, "bamba": bamba, "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
             "granitemoehybrid": granitemoehybrid, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid,
             "kimi_linear": kimi_linear, "mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba}
@@ -211,7 +227,7 @@ def state_shape(family: str) -> tuple[int, int, int]:
 
 def build(family: str, seed: int = 0):
     torch.manual_seed(seed)
-    return {**FAMILIES, **OTHERS}[family]().float()
+    return {**FAMILIES, **OTHERS, **RECURRENT}[family]().float()
 
 
 def batch(seq_len: int, documents: list[list[int]] | None = None) -> dict:
@@ -239,10 +255,23 @@ def parity(group, family: str, seq_lens: list[int], documents: list | None = Non
         out = compiled(**_inputs(local, bool(documents)))
         out.loss.backward()
         results.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": param_grads(model),
+                        "final_states": stored_states(model),
                         "valid": layout.valid, "positions": layout.positions, "origin": compiled.spec_origin,
                         "records": [(r.rule, r.transport, r.bytes, r.lower_bound_bytes, r.source)
                                     for r in compiled.compile_records[-1].records]})
     return results
+
+
+def stored_states(model) -> list[torch.Tensor]:
+    """The final states the model's recurrent layers store after a forward (RecurrentGemma's ``recurrent_states``)."""
+    return [m.recurrent_states.detach() for m in model.modules() if getattr(m, "recurrent_states", None) is not None]
+
+
+def reference_states(family: str, seq_len: int) -> list[torch.Tensor]:
+    """The final states one device's model stores after a forward on :func:`batch`."""
+    model = build(family)
+    model(**batch(seq_len))
+    return stored_states(model)
 
 
 def reference(family: str, seq_len: int, documents: list | None = None):

@@ -47,6 +47,32 @@ def test_hybrid_matches_one_device(pool, parity_report, family, P):
     assert carries and all(c == (summary * (P - 1), state) for c in carries), (carries, state, summary)
 
 
+@pytest.mark.parametrize("P,seq_len", [(2, 16), pytest.param(4, 32, marks=pytest.mark.full)])
+def test_recurrent_gemma_matches_one_device(pool, parity_report, P, seq_len):
+    """RecurrentGemma as shipped (spec=None: model_specs/recurrent_gemma.py): the RG-LRU scan, a loop in a method,
+    carried in P - 1 rounds; its clipped square root declared position-wise; the final state the model stores is
+    the last rank's on every rank."""
+    per_rank = pool.run(hybrid_models.parity, P, family="recurrent_gemma", seq_lens=[seq_len])
+    compare_valid("hf-recurrent_gemma", [r[0] for r in per_rank], reference("recurrent_gemma", seq_len), seq_len,
+                  parity_report)
+    expected = hybrid_models.reference_states("recurrent_gemma", seq_len)
+    assert len(expected) == 2 and all(len(r[0]["final_states"]) == 2 for r in per_rank)
+    for r in per_rank:  # every rank stores the sequence's final state, the last rank's
+        assert all(torch.allclose(got, want, atol=1e-5) for got, want in zip(r[0]["final_states"], expected))
+    state = 2 * 64 * 4  # [batch, lru_width] fp32
+    carries = [(b, bound) for rule, transport, b, bound, _ in per_rank[-1][0]["records"] if transport == "carry"]
+    assert carries == [((P - 1) * (P - 1) * state + (P - 1) * state, state)] * 2, carries  # the bound: one state
+
+
+def test_a_recurrence_whose_final_state_is_read_refuses_a_padded_batch(group):
+    """The final state the model stores runs through shard_batch's padding at the end: refused, naming it."""
+    from hybrid_models import batch, build
+
+    compiled = cp_passes.cp_compile(build("recurrent_gemma"), mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(cp_passes.CPCompileError, match="a recurrence's final state read as the sequence's"):
+        compiled(**compiled.shard_batch(batch(60))[0])
+
+
 PACKED = [pytest.param(f, P, marks=pytest.mark.full) for f in ("bamba", "qwen3_next", "nemotron_h") for P in (2, 4)]
 
 

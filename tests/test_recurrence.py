@@ -244,11 +244,15 @@ class ReadsTheFinalState(nn.Module):
         return out.sum() + state.sum()
 
 
-def test_reading_the_final_state_is_refused(group):
+def test_a_final_state_read_is_the_last_rank_s(group):
+    """The final state the model reads is the sequence's on every rank: the last rank's, gathered (RecurrentGemma's
+    stored states match one device, tests/test_hybrids.py); it was refused."""
     compiled = cp_passes.cp_compile(ReadsTheFinalState(), kda_spec(), mesh=group, backend="aot_eager",
                                     verbose=False)
-    with pytest.raises(CPCompileError, match="reads the final state of"):
-        compiled(torch.randint(0, 32, (2, 8)))
+    compiled(torch.randint(0, 32, (2, 8)))
+    (carry,) = [r for r in compiled.compile_records[-1].records if r.transport == "carry"]
+    assert "the final state it returns is the last rank's" in carry.note and "all_gather final state" in \
+        carry.collective
 
 
 def test_auto_layout_keeps_a_carry_s_shards_contiguous_and_explain_names_the_node(group):
@@ -599,3 +603,49 @@ def test_a_kernel_fed_a_token_shift_carries_its_state(pool, parity_report, P, fo
     per_rank = pool.run(shifted_scan_parity, P, shift=shift, form=form)
     compare_small(f"shifted-{shift}-gated-scan-{form}-aot_eager", [r[0] for r in per_rank],
                   lambda: ShiftedScan(shift), 16, parity_report)
+
+
+class MethodScan(nn.Module):
+    """A scan written as a method (RecurrentGemma's ``_rnn_scan`` shape): ``h_t = a_t * h_{t-1} + x_t``, the decay
+    ``a`` from an argument, or (``reads_self``) from the instance."""
+
+    def __init__(self, reads_self: bool):
+        super().__init__()
+        self.reads_self = reads_self
+        self.embed = nn.Embedding(32, 8)
+        self.gate = nn.Linear(8, 8)
+        self.scale = 0.5
+
+    def _scan(self, hidden_states, gate, states=None):
+        h = hidden_states.new_zeros(hidden_states[:, 0].shape) if states is None else states
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[1]):
+            h = gate[:, t] * h + hidden_states[:, t]
+            out[:, t] = h
+        return out, h
+
+    def _scaled_scan(self, hidden_states, gate, states=None):
+        return MethodScan._scan(None, hidden_states, gate * self.scale, states)
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        scan = self._scaled_scan if self.reads_self else self._scan
+        out, _ = scan(x, torch.sigmoid(self.gate(x)))
+        return out.pow(2).sum()
+
+
+@pytest.mark.parametrize("reads_self", [False, True])
+def test_a_scan_written_as_a_method_is_declared_by_its_class_path(group, reads_self):
+    """``module:Class.method`` replaces the class attribute; the method runs without its instance, so one that reads
+    ``self`` is refused naming the attribute, not run with a wrong value."""
+    method = "_scaled_scan" if reads_self else "_scan"
+    rec = cp_passes.Recurrence(f"test_recurrence:MethodScan.{method}", ("hidden_states", "gate"), form="sequential",
+                               initial_state="states", output_final_state=None)
+    spec = cp_passes.CPSpec(recurrences=(rec,), layout="contiguous")
+    compiled = cp_passes.cp_compile(MethodScan(reads_self), spec, mesh=group, backend="aot_eager", verbose=False)
+    if not reads_self:
+        compiled(torch.randint(0, 32, (2, 8)))
+        assert [r.transport for r in compiled.compile_records[-1].records].count("carry") == 1
+        return
+    with pytest.raises(CPCompileError, match="is a method that reads its instance .*'scale'"):
+        compiled(torch.randint(0, 32, (2, 8)))

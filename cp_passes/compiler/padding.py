@@ -22,6 +22,7 @@ from ..data.marks import Mark
 from ..errors import CPCompileError, op_name, source_line
 from ..graph.analysis import INPUT_NAME, bind_args, meta_val
 from ..spec import CPSpec
+from ..transports.carry import Carry
 from ..transports.keys import KeyMask, KeyOperand
 from ..transports.picks import GlobalArgExtreme, Pick
 from ..transports.positions import TableRows
@@ -111,6 +112,8 @@ def pad_readers(plan: Plan, spec: CPSpec) -> list[str]:
         elif isinstance(request, Pick) and request.from_end:
             what = ("a row counted from the end of the sequence: the padded length moves it" if request.kind == "select"
                     else "rows picked by an index tensor: a negative index counts from the padded end")
+        elif isinstance(request, Carry) and request.final_read:
+            what = "a recurrence's final state read as the sequence's: it runs through the padded rows"
         elif isinstance(request, GlobalSum) and request.lengths:
             what = "a division by a row count from the sequence length: it counts the padded rows"
         elif isinstance(request, GlobalSum) and not all(_counts_a_mask(o) or ignores_padding(o, spec)

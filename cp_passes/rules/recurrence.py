@@ -43,18 +43,18 @@ def recurrence_rule(ctx: RuleContext):
         ctx.refuse(f"its document boundaries {rec.documents!r} are sharded along the sequence",
                    "pass the whole sequence's cu_seqlens (every rank holds them; cp_passes cuts each rank's "
                    "segments)")
-    for user in ctx.node.users:
-        if user.target is operator.getitem and user.args[1] == 1 and user.users:
-            ctx.refuse(f"the model reads the final state of {rec.kernel}; under CP each rank's final state is "
-                       f"that of its shard (only the last rank's is the sequence's)",
-                       "read the final state outside the compiled module, or only in inference without CP")
+    request.final_read = any(user.target is operator.getitem and user.args[1] == 1 and user.users
+                             for user in ctx.node.users)
     how = {"affine": "every rank's [h | M] gathered and folded; the kernel runs twice per rank, once on K more value "
                      "columns, ranks in parallel",
            "selective": "every rank's final state and decay gathered and folded, the state's part added to the "
                         "output; one kernel call per rank, ranks in parallel"}.get(
         rec.form, f"{ctx.world - 1} rounds of handing final states on; {ctx.world} kernel calls per rank, serial")
+    read = ("; the final state it returns is the last rank's, the sequence's, on every rank (one all-gather)"
+            if request.final_read else "")
     return Rewrite(f"carry_{rec.form}", "carry", request,
-                   note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave ({how})")
+                   note=f"{rec.kernel.split(':')[-1]}: each rank starts from the state its predecessors leave "
+                        f"({how}){read}")
 
 
 _TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +45,9 @@ class Carry:
 
     node: torch.fx.Node
     recurrence: object
+    final_read: bool = False
+    """The model reads the final state (RecurrentGemma stores it on its module): every rank gets the last rank's,
+    the sequence's."""
 
     @property
     def state(self) -> torch.Tensor:
@@ -149,6 +153,7 @@ class CarryTransport(Transport):
             start = edit.insert(selective_fold, (every, edit.rank), name="cp_carry_in")
             node.target, node.args = selective_with_state, (kernel, args, options, zero, start)
             edit.changed(node)
+            self._final_everywhere(edit, request)
             return
         if rec.form == "affine":
             state, axis = request.state, request.value_axis
@@ -167,6 +172,21 @@ class CarryTransport(Transport):
                 start = edit.insert(predecessor, (every, initial_state, edit.rank), name=f"cp_carry_in{round_}")
         node.args = (kernel, args, start, options, documents, offset)
         edit.changed(node)
+        self._final_everywhere(edit, request)
+
+    def _final_everywhere(self, edit, request: Carry) -> None:
+        """Where the model reads the final state: the last rank's (the sequence's) in its place on every rank, one
+        all-gather (backward: its gradient returns to the last rank)."""
+        if not request.final_read:
+            return
+        final = next(u for u in request.node.users if u.target is operator.getitem and u.args[1] == 1)
+        order = {n: i for i, n in enumerate(edit.graph.nodes)}
+        first = min(final.users, key=order.__getitem__)
+        one = edit.insert(aten.unsqueeze.default, (final, 0), name="cp_carry_final_one", before=first)
+        every = edit.insert(torch.ops.cp_passes.sequence_gather.default, (one, 0, edit.world, edit.group_name),
+                            name="cp_carry_finals", before=first)
+        last = edit.insert(aten.select.int, (every, 0, -1), name="cp_carry_final", before=first)
+        edit.replace_uses(final, last)
 
     def _gather(self, edit, state: torch.fx.Node, name: str) -> torch.fx.Node:
         """Every rank's ``state`` stacked in rank order (a graph node, so the ranks' agreement sees it;
@@ -176,6 +196,15 @@ class CarryTransport(Transport):
                            name=name)
 
     def cost(self, request: Carry, layout, rank, local_len) -> Cost:
+        cost = self._carry_cost(request, layout, rank)
+        if request.final_read:  # every rank's final state, to read the last rank's (the bound: that one alone)
+            one = math.prod(int(s) for s in request.state.shape)
+            elements, itemsize = one * (layout.world - 1), request.state.dtype.itemsize
+            cost = cost + Cost("all_gather final state | bw reduce_scatter", elements, elements * itemsize,
+                               one * itemsize if rank != layout.world - 1 else 0, elements * itemsize)
+        return cost
+
+    def _carry_cost(self, request: Carry, layout, rank: int) -> Cost:
         state = request.state
         itemsize, shape = state.dtype.itemsize, [int(s) for s in state.shape]
         elements = math.prod(shape)
