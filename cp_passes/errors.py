@@ -154,6 +154,55 @@ def grouped(problems: list[Problem]) -> list[tuple[Problem, list[str]]]:
     return list(groups.values())
 
 
+_SITE = re.compile(r"(.+?):(\d+) in (\w+)")
+
+LOOP_FIX = ("move the loop into a function (or a method that computes from its arguments alone) and declare it in the "
+            "spec, CPSpec(recurrences=(Recurrence('module:function', ...),)), which carries its state from rank to "
+            "rank; or keep the loop outside the compiled module")
+
+
+def unrolled_loops(problems: list[Problem]) -> list[Problem]:
+    """``problems`` with each Python loop over the sequence told once. Dynamo unrolls such a loop at the compile-time
+    length, so one line's op appears with different reasons (each iteration slices other positions): every problem
+    in that function and module then becomes one, "a loop over the sequence written in Python at ...", with the fix
+    that serves a loop (declare it as a recurrent kernel); its submodules' problems, on what the loop made, go with
+    it."""
+    groups: dict[tuple, list[tuple[Problem, str, int]]] = {}
+    for problem in problems:
+        m = _SITE.match(problem.source)
+        if m:
+            key = (m.group(1), m.group(3), problem.module)
+            groups.setdefault(key, []).append((problem, m.group(1), int(m.group(2))))
+    loops = {}
+    for key, found in groups.items():
+        reasons: dict[tuple, set] = {}
+        for problem, _, line in found:
+            reasons.setdefault((problem.op, line), set()).add(problem.reason)
+        if any(len(r) > 1 for r in reasons.values()):
+            loops[key] = found
+    if not loops:
+        return problems
+    out, told = [], set()
+    inside = tuple(f"{module}." for _, _, module in loops if module)
+    for problem in problems:
+        m = _SITE.match(problem.source)
+        key = (m.group(1), m.group(3), problem.module) if m else None
+        if key not in loops and problem.module.startswith(inside) and inside:
+            continue  # a submodule's op on what the loop made (its sizes are the unrolled iterations')
+        if key not in loops:
+            out.append(problem)
+        elif key not in told:
+            told.add(key)
+            lines = [line for _, _, line in loops[key]]
+            first = min(loops[key], key=lambda f: f[2])[0]
+            out.append(Problem("a Python loop", f"{key[0]}:{min(lines)}-{max(lines)} in {key[1]}", key[2],
+                               f"a loop over the sequence written in Python (dynamo unrolled it at this length: "
+                               f"{len(loops[key])} ops of its iterations read positions, the first {first.op} at line "
+                               f"{min(lines)}: {first.reason}); under CP each rank would run it over its own "
+                               f"positions alone", LOOP_FIX))
+    return out
+
+
 def counted(problems: list[Problem]) -> str:
     """``"13 problems, at 28 places"``: the distinct problems (:func:`grouped`) and, where more, their sites."""
     count = len(grouped(problems))

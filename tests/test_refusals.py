@@ -620,3 +620,50 @@ def test_a_float_computed_from_the_length_is_refused(group, mix, line):
     """The re-trace to ATen baked float(S) in as the local length's (a pad fill of 24.0 for a global 48)."""
     message = str(refusal(group, mix))
     assert "computes a float from the sequence length at tests/test_refusals.py" in message and line in message
+
+
+class BlockLoop(nn.Module):
+    """A decayed linear attention written as a Python loop over blocks of 4 positions in the forward (MiniMax's
+    lightning attention's shape), then a norm module."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        state, out, length = x.new_zeros(x.shape[0], 8, 8), [], x.shape[1]
+        for i in range((length + 3) // 4):
+            block = x[:, i * 4:min(i * 4 + 4, length)]
+            out.append(block @ state + (block @ block.transpose(1, 2)).tril() @ block)
+            state = 0.9 * state + block.transpose(1, 2) @ block
+        return self.norm(torch.cat(out, 1)).sum()
+
+
+def test_a_loop_over_the_sequence_is_refused_once_as_a_loop(group):
+    """Dynamo unrolls the loop at the compile-time length: its slices, matmuls and the cat used to be refused one
+    by one (a dozen problems); they are one problem naming the loop's lines and the declaration that serves it."""
+    err = compile_error(group, BlockLoop(), cp_passes.CPSpec())
+    assert len({p.key() for p in err.problems}) == 1, str(err)
+    (problem,) = err.problems
+    assert problem.op == "a Python loop" and "test_refusals.py:" in problem.source, problem
+    assert problem.reason.startswith("a loop over the sequence written in Python"), problem.reason
+    assert "Recurrence('module:function', ...)" in problem.fix
+
+
+def test_minimax_s_lightning_attention_loop_is_refused_once(group):
+    """MiniMax's lightning attention loops over blocks of the sequence inline in its forward: one problem per
+    layer that runs it, not a slice per block."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    torch.manual_seed(0)
+    model = MiniMaxForCausalLM(MiniMaxConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, block_size=4, use_cache=False,
+        layer_types=["linear_attention", "full_attention"]))
+    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    with pytest.raises(CPCompileError) as info:
+        compiled(**cp_passes.shard_batch({"input_ids": torch.randint(1, 64, (2, 64))}, group)[0])
+    (problem,) = info.value.problems
+    assert problem.op == "a Python loop" and problem.source.startswith("minimax/modeling_minimax.py:"), problem

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line
+from ..errors import CPCompileError, Problem, module_path, node_ref, op_name, source_line, unrolled_loops
 from ..graph.analysis import bind_args, has_symbol, meta_val, seq_dims
 from ..graph.calls import INVOKE
 from ..graph.narrowest import narrowest_rows, recompute_path
@@ -248,7 +248,7 @@ def plan_graph(gm: torch.fx.GraphModule, sym, spec, cp, module_outputs: bool = T
                                permutations.UNDO_FIX)
                     for n in permutations.returned(output, orders))
     if problems:
-        raise CPCompileError(problems)
+        raise CPCompileError(unrolled_loops(problems))
     flat = torch.utils._pytree.tree_leaves(output.args[0])
     for i, value in enumerate(flat):
         if module_outputs and _whole_with_gradient(value, values, sym) and value not in flat[:i]:
