@@ -24,7 +24,7 @@ MODELS = [pytest.param("mixtral", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("olmoe", 4, [16], marks=pytest.mark.full),
           pytest.param("gpt_oss", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("gpt_oss", 4, [16, 13], marks=pytest.mark.full),
-          pytest.param("qwen2_moe", 2, [16, 11]),
+          pytest.param("qwen2_moe", 2, [16, 11], marks=pytest.mark.full),
           pytest.param("qwen2_moe", 4, [16], marks=pytest.mark.full),
           pytest.param("llama4", 2, [16, 11]),
           pytest.param("llama4", 4, [32, 13], marks=pytest.mark.full)]
