@@ -6,7 +6,8 @@ from zeros and returns ``y_t = (C_t . s_t + D * u_t) * silu(z_t)``, ``dt = softp
 signature has no initial state. The state's decay is elementwise, so from a state ``S0``
 
 - the final state is ``M * S0 + h`` with ``M = exp(A * sum_t dt_t)`` and ``h`` the kernel's final state, and
-- the output gains ``(C_t . (exp(A * cumsum(dt)_t) * S0)) * silu(z_t)``.
+- the output gains ``(C_t . (exp(A * cumsum(dt)_t) * S0)) * silu(z_t)`` (``cp_passes::selective_state_output``,
+  a tile of positions at a time).
 
 :func:`from_state` adds both to the kernel's own call (so the recurrence op runs "from a state" as for any other
 kernel), :func:`state_map` is ``M`` (the carry gathers ``[h, M]``: twice the state). The kernel's arguments are
@@ -55,19 +56,65 @@ def state_map(r: dict) -> torch.Tensor:
     return torch.exp(r["A"].float()[None] * steps(r).sum(-1)[..., None])
 
 
+def _tile(c: torch.Tensor, cumulative: torch.Tensor, a: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """``C_t . (exp(A * cumulative_t) * S0)`` for the positions of one tile, ``[batch, D, t]``."""
+    return torch.einsum("bdnt,bnt,bdn->bdt", torch.exp(a[None, :, :, None] * cumulative[:, :, None]), c, s0)
+
+
+@torch.library.custom_op("cp_passes::selective_state_output", mutates_args=())
+def state_output(c: torch.Tensor, cumulative: torch.Tensor, a: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """The output's part from the initial state ``s0`` (fp32 ``[batch, D, seq]``), a tile of positions at a time
+    (its ``[batch, D, N, tile]`` decays bounded), as one op, so that the graph holds no loop over the length."""
+    tiles = [_tile(c[..., lo:lo + _TILE], cumulative[..., lo:lo + _TILE], a, s0)
+             for lo in range(0, cumulative.shape[-1], _TILE)]
+    return torch.cat(tiles, -1) if tiles else torch.zeros_like(cumulative)
+
+
+@state_output.register_fake
+def _(c, cumulative, a, s0):
+    return torch.empty_like(cumulative)
+
+
+@torch.library.custom_op("cp_passes::selective_state_output_backward", mutates_args=())
+def state_output_backward(c: torch.Tensor, cumulative: torch.Tensor, a: torch.Tensor, s0: torch.Tensor,
+                          grad: torch.Tensor) -> list[torch.Tensor]:
+    """Gradients of :func:`state_output` for its four inputs, a tile at a time (``torch.func.vjp`` of each)."""
+    grads = [torch.zeros_like(c), torch.zeros_like(cumulative), torch.zeros_like(a), torch.zeros_like(s0)]
+    for lo in range(0, cumulative.shape[-1], _TILE):
+        hi = lo + _TILE
+        _, vjp = torch.func.vjp(_tile, c[..., lo:hi], cumulative[..., lo:hi], a, s0)
+        gc, gcum, ga, gs0 = vjp(grad[..., lo:hi])
+        grads[0][..., lo:hi] += gc
+        grads[1][..., lo:hi] += gcum
+        grads[2] += ga
+        grads[3] += gs0
+    return grads
+
+
+@state_output_backward.register_fake
+def _(c, cumulative, a, s0, grad):
+    return [torch.empty_like(c), torch.empty_like(cumulative), torch.empty_like(a), torch.empty_like(s0)]
+
+
+def _setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad):
+    return tuple(torch.ops.cp_passes.selective_state_output_backward(*ctx.saved_tensors, grad))
+
+
+state_output.register_autograd(_backward, setup_context=_setup)
+
+
 def from_state(r: dict, out: torch.Tensor, final: torch.Tensor, state: torch.Tensor):
     """The kernel's ``(out, final)`` from zeros turned into those from ``state``."""
     dt, a, c = steps(r), r["A"].float(), r["C"].float()
     if c.dim() != 3:
         raise NotImplementedError(f"form='selective' takes C as [batch, N, seq], got {tuple(c.shape)}")
-    cumulative = dt.cumsum(-1)
-    s0 = state.float()
-    tiles = []
-    for lo in range(0, dt.shape[-1], _TILE):
-        decay = torch.exp(a[None, :, :, None] * cumulative[:, :, None, lo:lo + _TILE])
-        tiles.append(torch.einsum("bdnt,bnt,bdn->bdt", decay, c[..., lo:lo + _TILE], s0))
-    extra = torch.cat(tiles, -1) if tiles else dt.new_zeros(dt.shape)
+    extra = torch.ops.cp_passes.selective_state_output(c.contiguous(), dt.cumsum(-1), a.contiguous(),
+                                                        state.float().contiguous())
     if r["z"] is not None:
         extra = extra * F.silu(r["z"].float())
-    final = final + (state_map(r) * s0).to(final.dtype)
+    final = final + (state_map(r) * state.float()).to(final.dtype)
     return out + extra.to(out.dtype), final

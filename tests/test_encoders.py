@@ -39,7 +39,8 @@ def test_modernbert_matches_one_device(pool, parity_report, P, attention, padded
 
 
 T5 = [(2, "sdpa", True, [11])] + [pytest.param(*case, marks=pytest.mark.full) for case in (
-    (2, "sdpa", True, [16]), (2, "eager", True, [16]), (4, "sdpa", False, [16]), (4, "sdpa", True, [24, 11]), (4, "eager", False, [16]))]
+    (2, "sdpa", True, [16]), (2, "eager", True, [16]), (4, "sdpa", False, [16]), (4, "sdpa", True, [24, 11]),
+    (4, "eager", False, [16]))]
 
 
 @pytest.mark.parametrize("P,attention,padded,seq_lens", T5, ids=lambda v: v if isinstance(v, str) else None)
