@@ -16,6 +16,7 @@ read by their place in its signature, ``selective_scan_fn``'s order.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -28,10 +29,15 @@ _TILE = 256
 """Positions per tile of the output correction (its ``[batch, D, N, tile]`` decays)."""
 
 
+@functools.cache
+def _role_names(fn) -> tuple[str, ...]:
+    """The kernel's first parameter names, one per role (read once: the carry asks on every forward)."""
+    return tuple(inspect.signature(fn).parameters)[:len(ROLES)]
+
+
 def roles(fn, named: dict) -> dict:
     """The kernel's arguments in ``named`` (by parameter name) under their ``selective_scan_fn`` role."""
-    params = list(inspect.signature(fn).parameters)[:len(ROLES)]
-    return {role: named.get(name) for role, name in zip(ROLES, params)}
+    return {role: named.get(name) for role, name in zip(ROLES, _role_names(fn))}
 
 
 def signature_error(fn) -> str | None:
