@@ -13,12 +13,13 @@ from .errors import CPCompileError
 from .layout import Layout
 from .report.explain import explain
 from .rules import Rewrite, RuleContext, Value, positionwise, register_rule
-from .spec import AttentionRule, CPSpec, Recurrence, available_specs, load_spec
+from .spec import AttentionRule, CPSpec, LiftedForward, Recurrence, available_specs, load_spec
 from .transports import Cost, Transport, register_transport
 
 __all__ = [
-    "AttentionRule", "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Cost", "Layout", "Recurrence", "Rewrite",
-    "RuleContext", "ShardLayout", "Transport", "Value", "all_reduce_gradients", "available_specs", "cp_compile",
-    "explain", "gather_halo", "gather_sequence", "global_loss", "global_token_count", "load_spec", "positionwise",
-    "register_rule", "register_transport", "shard_batch", "sum_gradients",
+    "AttentionRule", "CPCompileError", "CPModule", "CPSpec", "CompileRecord", "Cost", "Layout", "LiftedForward",
+    "Recurrence", "Rewrite", "RuleContext", "ShardLayout", "Transport", "Value", "all_reduce_gradients",
+    "available_specs", "cp_compile", "explain", "gather_halo", "gather_sequence", "global_loss",
+    "global_token_count", "load_spec", "positionwise", "register_rule", "register_transport", "shard_batch",
+    "sum_gradients",
 ]

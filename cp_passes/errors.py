@@ -158,7 +158,10 @@ _SITE = re.compile(r"(.+?):(\d+) in (\w+)")
 
 LOOP_FIX = ("move the loop into a function (or a method that computes from its arguments alone) and declare it in the "
             "spec, CPSpec(recurrences=(Recurrence('module:function', ...),)), which carries its state from rank to "
-            "rank; or keep the loop outside the compiled module")
+            "rank; in a package's forward you cannot edit, lift the loop into a copy of that forward and declare "
+            "both, CPSpec(lifted_forwards=(LiftedForward('module:Class.forward', 'yours:forward', sha),), "
+            "recurrences=...) (model_specs/minimax.py does it for MiniMax's lightning attention); or keep the loop "
+            "outside the compiled module")
 
 
 def unrolled_loops(problems: list[Problem]) -> list[Problem]:

@@ -279,7 +279,7 @@ def _backward(ctx, grad_out, grad_state):
 recurrence_op.register_autograd(_backward, setup_context=_setup)
 
 
-def _resolve(kernel: str):
+def resolve(kernel: str):
     """``(owner, attribute, function)``: the module (or, for a method, the class) whose attribute the model reads."""
     module_name, _, path = kernel.partition(":")
     owner = importlib.import_module(module_name)
@@ -292,7 +292,7 @@ def _resolve(kernel: str):
 def install(recurrences) -> None:
     """Replace each declared kernel (``module:attribute``) with a call of ``cp_passes::recurrence``."""
     for rec in recurrences:
-        module, attr, fn = _resolve(rec.kernel)
+        module, attr, fn = resolve(rec.kernel)
         if getattr(fn, "cp_passes_recurrence", None) == rec.kernel:  # installed by an earlier cp_compile
             fn = fn.__wrapped__
         _check(rec, fn)

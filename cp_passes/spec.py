@@ -14,6 +14,7 @@ import fnmatch
 import importlib
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 
 from .layout import AUTO, KINDS
@@ -130,6 +131,36 @@ class Recurrence:
 
 
 @dataclass(frozen=True)
+class LiftedForward:
+    """A module forward whose loop over the sequence is written inline (MiniMax's lightning attention loops over
+    blocks inside ``MiniMaxLightningAttention.forward``), replaced by a copy of it with the loop moved into a
+    function that the spec declares as a :class:`Recurrence`. Dynamo would unroll the inline loop at the
+    compile-time length and nothing could hand it a state; the lifted loop is one op whose state the carry moves.
+    cp_passes installs the copy on the class (:mod:`cp_passes.lifted`) after checking that the shipped forward is
+    the code it was lifted from: another version of it is refused, naming both, rather than replaced by a stale
+    copy."""
+
+    target: str
+    """``"package.module:Class.method"``: the forward with the inline loop, by its class path."""
+    replacement: str
+    """``"package.module:function"``: the same code with the loop lifted (it takes ``self`` first)."""
+    source_sha256: str
+    """The first 16 hex digits of the sha256 of the target's source (``inspect.getsource``) the copy was made from."""
+
+    def __post_init__(self) -> None:
+        for field in ("target", "replacement"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or value.count(":") != 1:
+                raise ValueError(f"LiftedForward.{field} must be 'package.module:attribute', got {value!r}")
+        if "." not in self.target.partition(":")[2]:
+            raise ValueError(f"LiftedForward.target must name a method, 'package.module:Class.method', got "
+                             f"{self.target!r}")
+        if not isinstance(self.source_sha256, str) or not re.fullmatch(r"[0-9a-f]{16}", self.source_sha256):
+            raise ValueError(f"LiftedForward.source_sha256 must be 16 lowercase hex digits, got "
+                             f"{self.source_sha256!r}")
+
+
+@dataclass(frozen=True)
 class CPSpec:
     """How to shard one model family along the sequence.
 
@@ -236,6 +267,10 @@ class CPSpec:
     recurrences: tuple[Recurrence, ...] = ()
     """Recurrent kernels whose state flows from rank to rank (see :class:`Recurrence`)."""
 
+    lifted_forwards: tuple[LiftedForward, ...] = ()
+    """Module forwards replaced by a copy whose inline loop over the sequence is lifted into a declared
+    recurrence (see :class:`LiftedForward`)."""
+
     causal_convs: tuple[str, ...] = ()
     """Module globs whose convolutions run causally along the sequence. Kernel size, dilation, padding and
     groups are read from the op; a declared convolution that the graph does not show as causal is refused."""
@@ -307,6 +342,9 @@ class CPSpec:
             raise ValueError(f"CPSpec.layout must be one of {LAYOUTS}, got {self.layout!r}")
         if not isinstance(self.recurrences, tuple) or not all(isinstance(r, Recurrence) for r in self.recurrences):
             raise ValueError(f"CPSpec.recurrences must be a tuple of Recurrence, got {self.recurrences!r}")
+        if not isinstance(self.lifted_forwards, tuple) or not all(isinstance(f, LiftedForward)
+                                                                   for f in self.lifted_forwards):
+            raise ValueError(f"CPSpec.lifted_forwards must be a tuple of LiftedForward, got {self.lifted_forwards!r}")
         if not isinstance(self.attention, tuple) or not all(isinstance(a, AttentionRule) for a in self.attention):
             raise ValueError(f"CPSpec.attention must be a tuple of AttentionRule, got {self.attention!r}")
         both = set(self.seq_inputs or ()) & set(self.replicated_inputs)

@@ -139,6 +139,16 @@ def recurrent_gemma():
         block_types=["recurrent", "recurrent", "attention"], use_cache=False))
 
 
+def minimax():
+    """A lightning (decayed linear) attention layer over blocks of 4 positions (model_specs/minimax.py lifts its
+    inline loop), then softmax attention; an MoE in both."""
+    from transformers import MiniMaxConfig, MiniMaxForCausalLM
+
+    return MiniMaxForCausalLM(MiniMaxConfig(
+        **TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64, num_hidden_layers=2,
+        num_local_experts=4, num_experts_per_tok=2, block_size=4, layer_types=["linear_attention", "full_attention"]))
+
+
 RECURRENT = {"recurrent_gemma": recurrent_gemma}
 """Models whose recurrence is carried sequentially and whose final state the model stores (each rank then stores
 the last rank's)."""
@@ -146,7 +156,8 @@ the last rank's)."""
 
 FAMILIES = {"mamba2": mamba2, "bamba": bamba, "nemotron_h": nemotron_h, "falcon_h1": falcon_h1, "zamba2": zamba2,
             "granitemoehybrid": granitemoehybrid, "qwen3_next": qwen3_next, "olmo_hybrid": olmo_hybrid,
-            "kimi_linear": kimi_linear, "mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba}
+            "kimi_linear": kimi_linear, "mamba": mamba, "falcon_mamba": falcon_mamba, "jamba": jamba,
+            "minimax": minimax}
 
 
 def bloom():
@@ -216,7 +227,7 @@ OTHERS = {"bloom": bloom, "gpt2": gpt2, "mpt": mpt,
 
 
 STATES = {"mamba2": (4, 8, 32), "qwen3_next": (2, 8, 8), "olmo_hybrid": (2, 8, 8), "kimi_linear": (2, 8, 8),
-          "mamba": (64, 8, 1), "falcon_mamba": (64, 8, 1), "jamba": (64, 8, 1)}
+          "mamba": (64, 8, 1), "falcon_mamba": (64, 8, 1), "jamba": (64, 8, 1), "minimax": (2, 16, 16)}
 """(heads, K, V) of each family's recurrent state per layer, as the configs above make it: Mamba-2's K is its
 d_state and V its head_dim; the other Mamba-2 hybrids here have 4 heads of 16 with a d_state of 8."""
 

@@ -38,8 +38,8 @@ def test_specs_lists_shipped_specs():
     assert out.returncode == 0
     names = [line.split(":")[0].split(" (")[0] for line in out.stdout.splitlines() if line and not line[0].isspace()]
     assert names[1:] == ["bamba", "bloom", "deepseek_v4", "falcon_h1", "falcon_mamba", "glm5_next", "granitemoehybrid",
-                         "inkling2", "jamba", "kimi_linear", "llama", "mamba", "mamba2", "nemotron_h", "olmo_hybrid",
-                         "qwen3_next", "recurrent_gemma", "step5", "zamba2"]
+                         "inkling2", "jamba", "kimi_linear", "llama", "mamba", "mamba2", "minimax", "nemotron_h",
+                         "olmo_hybrid", "qwen3_next", "recurrent_gemma", "step5", "zamba2"]
     assert "\nstep5 (picked for model_type step3p7, step3p5):\n" in out.stdout
     assert "\n  pad_multiple = 128\n" in out.stdout
     kernel = "'transformers.models.bamba.modeling_bamba:mamba2_chunk_scan'"

@@ -14,9 +14,9 @@ from cp_passes.kernels import decode_options, encode_options
 from hybrid_models import FAMILIES, build, reference, state_shape
 from parity import compare_valid
 
-DEFAULT = {("bamba", 2), ("jamba", 2)}
-"""One Mamba-2 hybrid and one Mamba-1 hybrid in the default run (the gated delta rule takes KDA's carry, which the
-Glm5Next default case runs); every family at P = 2 and 4 in the full."""
+DEFAULT = {("bamba", 2), ("jamba", 2), ("minimax", 2)}
+"""One Mamba-2 hybrid, one Mamba-1 hybrid and MiniMax (a lifted forward) in the default run (the gated delta rule
+takes KDA's carry, which the Glm5Next default case runs); every family at P = 2 and 4 in the full."""
 CASES = [pytest.param(f, P, marks=() if (f, P) in DEFAULT else pytest.mark.full) for f in FAMILIES for P in (2, 4)]
 
 

@@ -10,6 +10,7 @@ import torch
 import cp_passes
 import encoder_models
 import hybrid_models
+import moe_models
 from encoder_models import reference as encoder_reference
 from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, deepseek_v4_parity, glm5_next_batch, glm5_next_parity,
                            hf_parity, step3p7_parity)
@@ -147,6 +148,38 @@ def test_mamba2_hybrid_at_16k_parity(pool, parity_report, P):
     state, summary = 2 * heads * k * v * 4, 2 * heads * k * (v + k) * 4  # batch 2, fp32
     carries = [(b, bound) for _, transport, b, bound, _ in per_rank[-1][0]["records"] if transport == "carry"]
     assert carries and all(c == (summary * (P - 1), state) for c in carries), (carries, state, summary)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["mamba", "jamba", "recurrent_gemma", "minimax"])
+def test_the_next_recurrent_families_at_16k_parity(pool, parity_report, family):
+    """Mamba-1 (the selective scan), Jamba (with attention and MoE), RecurrentGemma (the RG-LRU's loop over
+    positions, carried sequentially, and local attention) and MiniMax (lightning attention lifted from its forward,
+    4,096 blocks of 4, and softmax attention) as shipped, at 16,384 positions on 2 ranks: logits, loss and
+    gradients match one device."""
+    per_rank = pool.run(hybrid_models.parity, 2, family=family, seq_lens=[LONG])
+    compare_valid(f"hf-{family}-16k-aot_eager", [r[0] for r in per_rank], hybrid_reference(family, LONG), LONG,
+                  parity_report)
+    assert any(transport == "carry" for _, transport, *_ in per_rank[-1][0]["records"])
+
+
+@pytest.mark.full
+def test_llama4_at_16k_parity(pool, parity_report):
+    """Llama 4's text model (complex RoPE, chunked attention in chunks of 8 in three layers of four, a NoPE layer over
+    every earlier key, MoE that repeats each token per expert) at 16,384 positions on 2 ranks."""
+    per_rank = pool.run(moe_models.parity, 2, family="llama4", seq_lens=[LONG])
+    compare_valid("hf-llama4-16k-aot_eager", [r[0] for r in per_rank], moe_models.reference("llama4", LONG), LONG,
+                  parity_report)
+
+
+@pytest.mark.full
+def test_t5_at_4k_parity(pool, parity_report):
+    """T5's encoder (a learned bucketed relative-position bias, evaluated at each rank's rows against every key)
+    with padding at 4,096 positions on 2 ranks: one device materializes the [heads, S, S] bias and scores, so 4k is
+    the length this machine's reference reaches in seconds."""
+    per_rank = pool.run(encoder_models.parity, 2, seq_lens=[4096], attention="sdpa", padded=True, model="t5")
+    compare_valid("hf-t5-sdpa-padded-4k", [r[0] for r in per_rank], encoder_reference(4096, "sdpa", True, model="t5"),
+                  4096, parity_report)
 
 
 ENCODER_CASES = [(P, layout) for P in (2, 4) for layout in ("contiguous", "balanced")]

@@ -651,3 +651,95 @@ def test_a_scan_written_as_a_method_is_declared_by_its_class_path(group, reads_s
         return
     with pytest.raises(CPCompileError, match="is a method that reads its instance .*'scale'"):
         compiled(torch.randint(0, 32, (2, 8)))
+
+
+class InlineLoop(nn.Module):
+    """A decayed linear attention written as a loop over blocks of 4 positions inline in the forward (MiniMax's
+    lightning attention's shape); :func:`lifted_inline_loop` is the forward with the loop lifted into
+    :func:`block_scan`."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, input_ids):
+        q, k, v = self.qkv(self.embed(input_ids)).chunk(3, dim=-1)
+        state, out = q.new_zeros(q.shape[0], 8, 8), []
+        for i in range((q.shape[1] + 3) // 4):
+            b = slice(i * 4, i * 4 + 4)
+            out.append(q[:, b] @ state + (q[:, b] @ k[:, b].transpose(1, 2)).tril() @ v[:, b])
+            state = 0.9 * state + k[:, b].transpose(1, 2) @ v[:, b]
+        return torch.cat(out, 1).pow(2).sum()
+
+
+def block_scan(query, key, value, initial_state=None, output_final_state=False):
+    state, out = initial_state if initial_state is not None else query.new_zeros(
+        query.shape[0], key.shape[-1], value.shape[-1]), []
+    for i in range((query.shape[1] + 3) // 4):
+        b = slice(i * 4, i * 4 + 4)
+        out.append(query[:, b] @ state + (query[:, b] @ key[:, b].transpose(1, 2)).tril() @ value[:, b])
+        state = 0.9 * state + key[:, b].transpose(1, 2) @ value[:, b]
+    return torch.cat(out, 1), state if output_final_state else None
+
+
+def lifted_inline_loop(self, input_ids):
+    q, k, v = self.qkv(self.embed(input_ids)).chunk(3, dim=-1)
+    return block_scan(q, k, v)[0].pow(2).sum()
+
+
+_INLINE = "test_recurrence:InlineLoop.forward"
+
+
+def _inline_spec(sha: str) -> cp_passes.CPSpec:
+    return cp_passes.CPSpec(
+        recurrences=(cp_passes.Recurrence("test_recurrence:block_scan", ("query", "key", "value")),),
+        lifted_forwards=(cp_passes.LiftedForward(_INLINE, "test_recurrence:lifted_inline_loop", sha),))
+
+
+def test_a_loop_inline_in_a_forward_is_lifted_by_its_class_path(group, monkeypatch):
+    """A LiftedForward puts the copy on the class once the shipped forward's source is the one it names: the loop
+    is then one op whose state the carry moves (the refusal without it: test_refusals.py); another source is
+    refused naming both, and the class keeps its forward."""
+    from cp_passes.lifted import source_sha256
+
+    monkeypatch.setattr(InlineLoop, "forward", InlineLoop.forward)
+    with pytest.raises(CPCompileError, match=r"InlineLoop.forward is not the code test_recurrence:lifted_inline_"
+                                             r"loop was lifted from \(source sha256 [0-9a-f]{16}, the copy's "
+                                             r"0123456789abcdef\)"):
+        cp_passes.cp_compile(InlineLoop(), _inline_spec("0123456789abcdef"), mesh=group, backend="aot_eager",
+                             verbose=False)
+    assert InlineLoop.forward is not lifted_inline_loop
+    compiled = cp_passes.cp_compile(InlineLoop(), _inline_spec(source_sha256(InlineLoop.forward)), mesh=group,
+                                    backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 32, (2, 8)))
+    assert InlineLoop.forward is lifted_inline_loop
+    assert [r.transport for r in compiled.compile_records[-1].records].count("carry") == 1
+    with pytest.raises(ValueError, match="must name a method"):
+        cp_passes.LiftedForward("test_recurrence:block_scan", "test_recurrence:lifted_inline_loop", "0" * 16)
+
+
+def test_minimax_s_lifted_forward_computes_the_shipped_one(monkeypatch):
+    """model_specs/minimax.py's copy of MiniMaxLightningAttention.forward, its block loop run as the recurrence op,
+    gives the shipped forward's logits and gradients on one device, at a length that ends in a partial block."""
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
+
+    from cp_passes.kernels import install as install_kernels
+    from cp_passes.lifted import install as install_lifted
+    from hybrid_models import build
+
+    monkeypatch.setattr(MiniMaxLightningAttention, "forward", MiniMaxLightningAttention.forward)
+    ids = torch.randint(1, 128, (2, 11), generator=torch.Generator().manual_seed(0))
+    shipped_model, lifted_model = build("minimax"), build("minimax")
+    shipped_out = shipped_model(input_ids=ids, labels=ids)
+    spec = cp_passes.load_spec("minimax")
+    install_kernels(spec.recurrences)
+    install_lifted(spec.lifted_forwards)
+    lifted_out = lifted_model(input_ids=ids, labels=ids)
+    assert MiniMaxLightningAttention.forward.__name__ == "lightning_forward"
+    assert torch.equal(shipped_out.logits, lifted_out.logits)
+    shipped_out.loss.backward()
+    lifted_out.loss.backward()
+    for (name, a), b in zip(shipped_model.named_parameters(), lifted_model.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        assert a.grad is None or torch.allclose(a.grad, b.grad, atol=1e-7), name

@@ -652,18 +652,26 @@ def test_a_loop_over_the_sequence_is_refused_once_as_a_loop(group):
     assert "Recurrence('module:function', ...)" in problem.fix
 
 
-def test_minimax_s_lightning_attention_loop_is_refused_once(group):
-    """MiniMax's lightning attention loops over blocks of the sequence inline in its forward: one problem per
-    layer that runs it, not a slice per block."""
+def test_minimax_s_lightning_attention_loop_is_refused_once_without_its_spec(group, monkeypatch):
+    """MiniMax's lightning attention loops over blocks of the sequence inline in its forward: without the shipped
+    spec (which lifts the loop: tests/test_hybrids.py), one problem per layer that runs it, not a slice per block,
+    and the fix names the lifted form."""
     from transformers import MiniMaxConfig, MiniMaxForCausalLM
+    from transformers.models.minimax.modeling_minimax import MiniMaxLightningAttention
 
+    from cp_passes.lifted import shipped
+
+    monkeypatch.setattr(MiniMaxLightningAttention, "forward", shipped(
+        "transformers.models.minimax.modeling_minimax:MiniMaxLightningAttention.forward"))
     torch.manual_seed(0)
     model = MiniMaxForCausalLM(MiniMaxConfig(
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
         intermediate_size=32, num_local_experts=2, num_experts_per_tok=1, block_size=4, use_cache=False,
         layer_types=["linear_attention", "full_attention"]))
-    compiled = cp_passes.cp_compile(model, mesh=group, backend="aot_eager", verbose=False)
+    compiled = cp_passes.cp_compile(model, cp_passes.CPSpec(layout="contiguous"), mesh=group, backend="aot_eager",
+                                    verbose=False)
     with pytest.raises(CPCompileError) as info:
-        compiled(**cp_passes.shard_batch({"input_ids": torch.randint(1, 64, (2, 64))}, group)[0])
+        compiled(**compiled.shard_batch({"input_ids": torch.randint(1, 64, (2, 64))})[0])
     (problem,) = info.value.problems
     assert problem.op == "a Python loop" and problem.source.startswith("minimax/modeling_minimax.py:"), problem
+    assert "LiftedForward('module:Class.forward'" in problem.fix and "model_specs/minimax.py" in problem.fix

@@ -27,6 +27,7 @@ from ..group import CPGroup, resolve_group
 from ..eager_modules import install as install_eager_modules
 from ..functions import install as install_functions
 from ..kernels import install
+from ..lifted import install as install_lifted
 from ..spec import CPSpec, resolve_spec, shipped_spec_for
 from ..report.dump import trace_record, write_dump
 from ..report.explain import format_record
@@ -383,6 +384,7 @@ class CPModule(torch.nn.Module):
 def prepare_model(model: torch.nn.Module, spec: CPSpec) -> dict:
     """What the spec declares, installed before the model is traced; returns the modules run eagerly."""
     install(spec.recurrences)  # the declared recurrent kernels, each called as one op from now on
+    install_lifted(spec.lifted_forwards)  # and the forwards whose inline loop a copy lifts into one of them
     install_functions(spec.positionwise_functions)  # and the declared autograd.Functions
     eager = install_eager_modules(model, spec.eager_modules)  # and the modules run eagerly
     install_experts(model, spec.experts)  # experts without transformers' switch: its grouped_mm forward
