@@ -16,10 +16,13 @@ document that ended before a key block costs nothing there, a causal triangle ab
 
 Autograd saves the inputs, the output and the logsumexp (``[.., queries]``): nothing ``[queries, keys]``.
 The backward calls each pair's attention backward with the merged output and logsumexp, which is exactly
-that pair's share of the gradient (what ring attention does). On CPU each pair is
-``aten._scaled_dot_product_flash_attention_for_cpu`` (grouped-query heads included) where it applies
-(``[batch, heads, seq, dim]``, values as wide as keys); elsewhere, and on other devices, an exact
-matmul-softmax of the pair in blocks of query rows, so that no more than ``MATH_BLOCK`` scores exist at once.
+that pair's share of the gradient (what ring attention does). Each pair runs the fused kernel one table picks by
+device, dtype, head dims and mask kind (:mod:`.attention_kernels`: CPU flash attention; on CUDA flash attention
+for unmasked pairs in fp16 and bf16, memory-efficient attention with an additive bias otherwise); where none
+applies, an exact matmul-softmax of the pair in blocks of query rows, so that no more than ``MATH_BLOCK`` scores
+exist at once. On CUDA a masked pair reads nothing back to the host: each tile of ``CUDA_TILE_ROWS`` rows runs
+whole against the pair's keys with its mask block as the bias, where the CPU cuts the rectangles the mask lets
+through (which reads the mask on the host, tile by tile).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
 from ..key_plan import CAUSAL, SKIP
+from . import attention_kernels as kernels
+from .attention_kernels import MATH, fold_heads, kernel_for, repeat_heads
 from .mask_program import evaluate
 
 aten = torch.ops.aten
@@ -40,6 +45,9 @@ anything through (runs ``KEY_GAP`` or more masked keys apart) is computed as the
 rows that see it, as a block-sparse kernel computes the blocks a block mask keeps: a document's causal triangle
 costs about half its square, and the many short documents of an interleaved row
 (``shard_batch(..., balance="documents")``) a block diagonal, not one rectangle (:func:`rectangles`)."""
+CUDA_TILE_ROWS = 512
+"""Query rows per tile of a masked pair on CUDA, each tile one kernel call over all the pair's keys (its bias is
+``CUDA_TILE_ROWS`` x keys): no rectangles, so no host reads."""
 MIN_ROWS = 16
 """The fewest rows :func:`rectangles` halves a sparse rectangle into."""
 
@@ -48,42 +56,34 @@ MATH_BLOCK = 1 << 26
 query rows below this."""
 
 
+def cut(t: torch.Tensor, part: slice, dim: int = -2, broadcast: bool = False) -> torch.Tensor:
+    """Rows (or, with ``dim``, another axis) ``part`` of ``t``: a view by ``narrow``, which fake CUDA tensors take on
+    a machine without CUDA (indexing them with a slice does not). ``broadcast``: a size-1 axis stands for every
+    row and stays whole."""
+    if broadcast and t.shape[dim] == 1:
+        return t
+    return t.narrow(dim, part.start, part.stop - part.start)
+
+
+def assign(target: torch.Tensor, values: torch.Tensor) -> None:
+    """``target.copy_(values)`` by the ATen op: the method's Python binding refuses fake CUDA tensors on a machine
+    without CUDA."""
+    aten.copy_.default(target, values)
+
+
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-def _bias(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, float("-inf"))
-
-
-def _repeat(x: torch.Tensor, heads: int) -> torch.Tensor:
-    return x if x.shape[-3] == heads else x.repeat_interleave(heads // x.shape[-3], dim=-3)
-
-
-def _fold(grad: torch.Tensor, heads: int) -> torch.Tensor:
-    """The gradient of :func:`_repeat`: sum over each group of repeated heads."""
-    if grad.shape[-3] == heads:
-        return grad
-    shape = grad.shape
-    return grad.reshape(*shape[:-3], heads, shape[-3] // heads, *shape[-2:]).sum(-3)
-
-
 def _math_scores(q, k, mask, causal, scale, first_row: int = 0):
     """Scores of rows ``first_row..`` of a pair (causal: key ``j`` visible to row ``i`` iff ``j <= i``)."""
-    scores = (q.to(lse_dtype(q)) @ _repeat(k, q.shape[-3]).to(lse_dtype(q)).transpose(-1, -2)) * scale
+    scores = (q.to(lse_dtype(q)) @ repeat_heads(k, q.shape[-3]).to(lse_dtype(q)).transpose(-1, -2)) * scale
     if causal:
         visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(first_row)
-        scores = scores.masked_fill(~visible, float("-inf"))
+        scores = scores.masked_fill(visible.logical_not(), float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(mask.logical_not(), float("-inf"))
     return scores
-
-
-def _flash(q, k, v, math: bool) -> bool:
-    """Whether the CPU flash kernel takes this pair (4-D, values as wide as keys)."""
-    return not math and q.device.type == "cpu" and q.dim() == 4 and q.shape[-1] == k.shape[-1] == v.shape[-1]
 
 
 def _row_blocks(q, k):
@@ -98,20 +98,21 @@ def _math_forward(q, k, v, mask, causal, scale, first_row):
     scores = _math_scores(q, k, mask, causal, scale, first_row)
     lse = torch.logsumexp(scores, -1)
     weights = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0)[..., None])
-    return (weights @ _repeat(v, q.shape[-3]).to(weights.dtype)).to(q.dtype), lse
+    return (weights @ repeat_heads(v, q.shape[-3]).to(weights.dtype)).to(q.dtype), lse
 
 
 def attend(q, k, v, mask, causal: bool, scale: float, math: bool = False):
-    """One pair's ``(output, logsumexp)``; rows that see no key get logsumexp ``-inf`` (and output 0)."""
-    if _flash(q, k, v, math):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal,
-                                                                    attn_mask=_bias(mask, q.dtype), scale=scale)
+    """One pair's ``(output, logsumexp)`` by the kernel :func:`~.attention_kernels.kernel_for` picks; rows that see no
+    key get logsumexp ``-inf``."""
+    kernel = kernel_for(q, k, v, mask is not None, causal, math)
+    if kernel != MATH:
+        out, lse = kernels.forward(kernel, q, k, v, mask, causal, scale)
     else:
         parts = [_math_forward(q[..., a:b, :], k, v, None if mask is None else mask[..., a:b, :], causal, scale, a)
                  for a, b in _row_blocks(q, k)]
         out, lse = torch.cat([p[0] for p in parts], -2), torch.cat([p[1] for p in parts], -1)
-    if mask is not None:  # the CPU kernel reports logsumexp 0 for a row that sees nothing
-        lse = lse.masked_fill(~mask.any(-1).expand(lse.shape), float("-inf"))
+    if mask is not None:  # the fused kernels report a finite logsumexp for a row that sees nothing
+        lse = lse.masked_fill(mask.any(-1).logical_not().expand(lse.shape), float("-inf"))
     return out, lse
 
 
@@ -120,9 +121,9 @@ def _math_backward(grad, q, k, v, mask, out, lse, causal, scale, first_row):
     weights = torch.exp(_math_scores(q, k, mask, causal, scale, first_row) - lse[..., None])
     g = grad.to(wide)
     dv = weights.transpose(-1, -2) @ g
-    dp = g @ _repeat(v, q.shape[-3]).to(wide).transpose(-1, -2)
+    dp = g @ repeat_heads(v, q.shape[-3]).to(wide).transpose(-1, -2)
     ds = weights * (dp - (g * out.to(wide)).sum(-1, keepdim=True))
-    dq = (ds @ _repeat(k, q.shape[-3]).to(wide)) * scale
+    dq = (ds @ repeat_heads(k, q.shape[-3]).to(wide)) * scale
     dk = (ds.transpose(-1, -2) @ q.to(wide)) * scale
     return dq, dk, dv
 
@@ -130,16 +131,16 @@ def _math_backward(grad, q, k, v, mask, out, lse, causal, scale, first_row):
 def attend_backward(grad, q, k, v, mask, out, lse, causal: bool, scale: float, math: bool = False):
     """One pair's ``(dq, dk, dv)`` given the merged ``out`` and ``lse`` of its rows."""
     lse = lse.masked_fill(lse == float("-inf"), 0)  # rows that see nothing anywhere: every weight is 0 anyway
-    if _flash(q, k, v, math):
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, attn_mask=_bias(mask, q.dtype), scale=scale)
+    kernel = kernel_for(q, k, v, mask is not None, causal, math)
+    if kernel != MATH:
+        return kernels.backward(kernel, grad, q, k, v, mask, out, lse, causal, scale)
     heads, dq, dk, dv = k.shape[-3], [], 0, 0
     for a, b in _row_blocks(q, k):
         part = _math_backward(grad[..., a:b, :], q[..., a:b, :], k, v, None if mask is None else mask[..., a:b, :],
                               out[..., a:b, :], lse[..., a:b], causal, scale, a)
         dq.append(part[0])
         dk, dv = dk + part[1], dv + part[2]
-    return torch.cat(dq, -2).to(q.dtype), _fold(dk, heads).to(k.dtype), _fold(dv, heads).to(v.dtype)
+    return torch.cat(dq, -2).to(q.dtype), fold_heads(dk, heads).to(k.dtype), fold_heads(dv, heads).to(v.dtype)
 
 
 def span(flags: torch.Tensor) -> tuple[int, int] | None:
@@ -191,11 +192,17 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds, leaves=(), program: str = ""):
                 yield rows, keys, None, kind == CAUSAL
                 continue
             n, m = rows.stop - rows.start, keys.stop - keys.start
-            for first in range(0, n, TILE_ROWS):
-                part = slice(rows.start + first, rows.start + min(n, first + TILE_ROWS))
+            on_host = q.device.type == "cpu"
+            step = TILE_ROWS if on_host else CUDA_TILE_ROWS
+            for first in range(0, n, step):
+                part = slice(rows.start + first, rows.start + min(n, first + step))
                 # a mask broadcast over queries or keys (size 1 there) is read as the rows and keys it stands for
-                block = evaluate(program, leaves, part, keys) if program else mask[..., part, keys]
+                block = (evaluate(program, leaves, part, keys) if program
+                         else cut(cut(mask, part, -2, broadcast=True), keys, -1, broadcast=True))
                 block = block.expand(*block.shape[:-2], part.stop - part.start, m)
+                if not on_host:
+                    yield part, keys, block, False
+                    continue
                 seen = block.reshape(-1, *block.shape[-2:]).any(0)  # what any head or batch row sees
                 for a, b, c, d in rectangles(seen):
                     yield (slice(part.start + a, part.start + b), slice(keys.start + c, keys.start + d),
@@ -204,13 +211,13 @@ def _pairs(q, mask, q_bounds, k_bounds, kinds, leaves=(), program: str = ""):
 
 def _merge(acc_out, acc_lse, out, lse, rows):
     """Fold one pair's rows into the running output and logsumexp (in place)."""
-    old_lse, old_out = acc_lse[..., rows], acc_out[..., rows, :]
+    old_lse, old_out = cut(acc_lse, rows, -1), cut(acc_out, rows)
     new = torch.logaddexp(old_lse, lse)
     finite = new != float("-inf")
-    keep = torch.where(finite, torch.exp(old_lse - new.masked_fill(~finite, 0)), 0)
-    take = torch.where(finite, torch.exp(lse - new.masked_fill(~finite, 0)), 0)
-    acc_out[..., rows, :] = old_out * keep[..., None] + out.to(acc_out.dtype) * take[..., None]
-    acc_lse[..., rows] = new
+    keep = torch.where(finite, torch.exp(old_lse - new.masked_fill(finite.logical_not(), 0)), 0)
+    take = torch.where(finite, torch.exp(lse - new.masked_fill(finite.logical_not(), 0)), 0)
+    old_out.mul_(keep.unsqueeze(-1)).add_(out.to(acc_out.dtype) * take.unsqueeze(-1))
+    assign(old_lse, new)
 
 
 def forward_pairs(q, k, v, pairs, scale: float, math: bool):
@@ -219,7 +226,7 @@ def forward_pairs(q, k, v, pairs, scale: float, math: bool):
     acc_out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=wide)
     acc_lse = q.new_full(q.shape[:-1], float("-inf"), dtype=wide)
     for rows, keys, block, causal in pairs:
-        out, lse = attend(q[..., rows, :], k[..., keys, :], v[..., keys, :], block, causal, scale, math)
+        out, lse = attend(cut(q, rows), cut(k, keys), cut(v, keys), block, causal, scale, math)
         _merge(acc_out, acc_lse, out, lse, rows)
     return acc_out.to(q.dtype), acc_lse
 
@@ -229,11 +236,11 @@ def backward_pairs(grad, q, k, v, out, lse, pairs, scale: float, math: bool):
     wide = lse_dtype(q)
     dq, dk, dv = (torch.zeros(t.shape, dtype=wide, device=t.device) for t in (q, k, v))
     for rows, keys, block, causal in pairs:
-        pq, pk, pv = attend_backward(grad[..., rows, :], q[..., rows, :], k[..., keys, :], v[..., keys, :], block,
-                                     out[..., rows, :], lse[..., rows], causal, scale, math)
-        dq[..., rows, :] += pq
-        dk[..., keys, :] += pk
-        dv[..., keys, :] += pv
+        pq, pk, pv = attend_backward(cut(grad, rows), cut(q, rows), cut(k, keys), cut(v, keys), block,
+                                     cut(out, rows), cut(lse, rows, -1), causal, scale, math)
+        cut(dq, rows).add_(pq)
+        cut(dk, keys).add_(pk)
+        cut(dv, keys).add_(pv)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -308,7 +315,7 @@ def block_attention_rest_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o
     ``out`` and ``lse`` get none, since the pairs that made them are differentiated here."""
     acc_out, acc_lse = out.to(lse_dtype(q), copy=True), lse.clone()
     for rows, keys, block, causal in _pairs(q, None, q_bounds, k_bounds, kinds):
-        part, part_lse = attend(q[..., rows, :], k[..., keys, :], v[..., keys, :], block, causal, scale, math)
+        part, part_lse = attend(cut(q, rows), cut(k, keys), cut(v, keys), block, causal, scale, math)
         _merge(acc_out, acc_lse, part, part_lse, rows)
     return acc_out.to(q.dtype), acc_lse
 
