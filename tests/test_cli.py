@@ -404,3 +404,17 @@ def test_the_dry_run_freezes_the_heap_only_while_it_runs(monkeypatch):
         assert calls == [] and gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_gpu_check_runs_on_cpu_as_a_smoke_test():
+    """benchmarks/gpu_check.py at small sizes on CPU: every parity line (pair kinds with grouped-query heads, fp32
+    and bf16, forward and backward) passes, the throughput ratio line is printed, and the memory step runs on a fake
+    group. The figures that matter come from a GPU (README)."""
+    out = run("benchmarks/gpu_check.py", "--device", "cpu", "--seq-len", "2048", "--heads", "4", "--kv-heads", "2",
+              "--head-dim", "32", "--dim", "64", "--ffn", "128", "--vocab", "256", "--parity-len", "64")
+    assert out.returncode == 0, out.stderr[-3000:]
+    parity = [line for line in out.stdout.splitlines() if line.startswith("parity ")]
+    assert len(parity) == 8 and all(line.endswith("PASS") for line in parity), parity
+    ratio = [line for line in out.stdout.splitlines() if line.startswith("block/flash throughput: ")]
+    assert len(ratio) == 1 and float(ratio[0].split(": ")[1]) > 0
+    assert "memory: rank 7 of 8's 2-layer step ran" in out.stdout
