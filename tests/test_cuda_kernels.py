@@ -84,3 +84,15 @@ def test_a_cuda_masked_pair_is_cut_into_tiles_without_reading_the_mask():
     tile = block_attention.CUDA_TILE_ROWS
     assert [(r.start, r.stop, c.start, c.stop) for r, c, _, _ in pairs] == [
         (a, min(a + tile, 1200), 0, 1200) for a in range(0, 1200, tile)]
+
+
+def test_the_table_s_note_names_each_attention_s_kernel_here_and_on_cuda():
+    """explain's note on an attention planned on CPU says what its pairs run here and what they would run on CUDA
+    (the matmul-softmax named where no kernel applies)."""
+    from cp_passes.transports.attention_kernels import describe
+
+    q, k, v = _qkv("cpu", torch.bfloat16, rows=4, keys=4)
+    assert describe(q, k, v, masked=False) == "kernel cpu_flash here, cuda_flash on CUDA in bfloat16"
+    assert describe(q, k, v, masked=True) == "kernel cpu_flash here, cuda_efficient on CUDA in bfloat16"
+    q, k, v = _qkv("cpu", torch.float32, rows=4, keys=4, dk=6, dv=6)
+    assert describe(q, k, v, masked=False) == "kernel cpu_flash here, math on CUDA in float32"

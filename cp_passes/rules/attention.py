@@ -23,6 +23,7 @@ from ..match.mask_bands import SymbolicReach, symbolic_reach
 from ..key_plan import (CAUSAL_REACH, EVERY_KEY_REACH, PROBE_MAX_LEN, KeyPlan, Move, Reach, evaluated_at_rows,
                         mask_reach, probe_lengths, read_reach, sized_by_data)
 from ..transports.attention import AttentionKV
+from ..transports.attention_kernels import describe as describe_kernels
 from .registry import Rewrite, RuleContext, register_rule
 
 aten = torch.ops.aten
@@ -375,6 +376,8 @@ def sdpa_rule(ctx: RuleContext):
     left_padding = declared.left_padding if declared is not None and plan.move == Move.HALO else 0
     if left_padding:
         notes.append(f"{left_padding} zero rows in front of the halo (made here, hidden by the mask)")
+    notes.append(describe_kernels(meta_val(q), meta_val(k_src), meta_val(v_src),
+                                  masked=metadata is not None or reach.banded))
     request = AttentionKV(ctx.node, q, k_src, v_src, ctx.ndim(k_src) - 2, plan, together, gqa, dropout,
                           ctx.arg("scale"), metadata, notes, left_padding)
     rule = _rule_name(reach, metadata)

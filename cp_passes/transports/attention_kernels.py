@@ -39,23 +39,33 @@ _LSE_ALIGNMENT = 32
 
 
 def kernel_for(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool, causal: bool,
-               math: bool = False) -> str:
+               math: bool = False, device: str | None = None) -> str:
     """The kernel one pair runs (the module's table): ``q`` ``[.., queries, K]``, ``k`` and ``v`` its keys and
-    values, ``masked`` whether a boolean mask comes with it, ``causal`` whether it is a causal triangle."""
+    values, ``masked`` whether a boolean mask comes with it, ``causal`` whether it is a causal triangle; on
+    ``device`` (a type, ``"cuda"``) in place of the tensors' own."""
     if math or q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype != k.dtype or k.dtype != v.dtype:
         return MATH
-    dk, dv = q.shape[-1], v.shape[-1]
-    if q.device.type == "cpu":
+    dk, dv, device = q.shape[-1], v.shape[-1], device or q.device.type
+    if device == "cpu":
         return CPU_FLASH if dk == k.shape[-1] == dv else MATH
-    if q.device.type != "cuda" or q.shape[-3] % k.shape[-3] or k.shape[-3] != v.shape[-3]:
+    if device != "cuda" or q.shape[-3] % k.shape[-3] or k.shape[-3] != v.shape[-3]:
         return MATH
-    square = q.shape[-2] == k.shape[-2]
-    if q.dtype in _HALF and not masked and dk == dv <= 256 and dk % 8 == 0 and (square or not causal):
+    if (q.dtype in _HALF and not masked and dk == dv <= 256 and dk % 8 == 0
+            and (not causal or q.shape[-2] == k.shape[-2])):
         return CUDA_FLASH
     alignment = 8 if q.dtype in _HALF else 4
     if q.dtype in (*_HALF, torch.float32) and dk % alignment == 0 and dv % alignment == 0:
         return CUDA_EFFICIENT
     return MATH
+
+
+def describe(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> str:
+    """The table's note on an attention's pairs: the kernel they run on the tensors' device and, planned elsewhere,
+    on CUDA (a causal diagonal pair is square, so it runs what the others do)."""
+    here = kernel_for(q, k, v, masked, False)
+    if q.device.type == "cuda":
+        return f"kernel {here}"
+    return f"kernel {here} here, {kernel_for(q, k, v, masked, False, device='cuda')} on CUDA in {str(q.dtype)[6:]}"
 
 
 def repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
