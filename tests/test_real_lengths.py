@@ -263,8 +263,10 @@ def test_deepseek_v4_at_16k_parity(pool, parity_report, P):
     routed MoE) at 16,384 positions, one row: every layer's raw keys by a halo of 11 rows, the compressed entries
     (8,192 and 4,096) of every rank, the masks at each rank's rows. The gradient tolerance is the family's (twice
     the one-device floor of cutting it as CP does, parity.deepseek_v4_cut_floor) where above the suite's. One
-    device's run comes first and frees its memory before the ranks start theirs."""
-    batch, loss, logits, grads = deepseek_v4_reference(P, None, seq_len=LONG, rows=1)
+    device's run comes first, with the pool's workers stopped, and frees its memory before the ranks start
+    theirs."""
+    with pool.stopped():  # the workers' memory back before one device's 17 GB
+        batch, loss, logits, grads = deepseek_v4_reference(P, None, seq_len=LONG, rows=1)
     per_rank = pool.run(deepseek_v4_parity, P, seq_len=LONG, rows=1)
     compare_within_floor("hf-DeepseekV4ForCausalLM-16k-aot_eager", per_rank, loss, logits, grads, LONG,
                          parity_report, lambda: deepseek_v4_cut_floor(P, batch, grads))
@@ -284,7 +286,8 @@ def test_inkling2_at_16k_parity(pool, parity_report, P):
     log-scaled queries, short and dynamic convs, MoE; one query head over one key/value head, batch 1) at 16,384
     positions, called with labels=input_ids. One device's run comes first and frees its memory before the ranks
     start theirs."""
-    reference = hf_reference(LONG, False, labels_in_model=True, family="inkling2-1-head", rows=1)
+    with pool.stopped():
+        reference = hf_reference(LONG, False, labels_in_model=True, family="inkling2-1-head", rows=1)
     per_rank = pool.run(hf_parity, P, backend="aot_eager", seq_lens=[LONG], labels_in_model=True,
                         family="inkling2-1-head", batch=1)
     compare("hf-Inkling2ForCausalLM-eager-1-head-16k-aot_eager", [r[0] for r in per_rank], *reference, LONG,

@@ -9,11 +9,15 @@ re-raises here with that rank's traceback.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import datetime
+import gc
 import multiprocessing.util
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -115,6 +119,20 @@ class WorkerPool:
             self._start()
             raise RuntimeError(f"{name} failed on {size} ranks\n" + "\n".join(errors))
         return [out[r] for r in range(size)]
+
+    @contextlib.contextmanager
+    def stopped(self):
+        """No workers inside: a worker keeps the memory its earlier tasks grew (the allocator does not give it back),
+        and a case whose one-device run needs most of the machine runs that first, here, then starts fresh
+        workers for its ranks. This process's freed memory goes back to the system too (``malloc_trim``)."""
+        self.close()
+        gc.collect()
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            yield
+        finally:
+            self._start()
 
     def close(self, force: bool = False) -> None:
         if force:
