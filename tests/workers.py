@@ -52,8 +52,14 @@ def _worker(rank: int, world: int, port: int, tasks, results) -> None:
     groups = {world: dist.group.WORLD}
     for size in range(1, world):  # every rank takes part in making each group, members or not
         groups[size] = dist.new_group(list(range(size)))
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone (killed): do not hold memory as an orphan
+                break
+            continue
         if task is None:
             break
         name, size, kwargs = task
