@@ -92,6 +92,17 @@ def reference(seq_len: int, attention: str = "sdpa", padded: bool = False, model
     return out, param_grads(model), b["attention_mask"].bool() if padded else torch.ones(2, seq_len, dtype=torch.bool)
 
 
+def fp32_floor(seq_len: int, attention: str = "sdpa", padded: bool = False, model: str = "modernbert") -> float:
+    """How far one device's fp32 gradients are from its fp64 ones (relative to each parameter's largest entry, the
+    largest over parameters): at 4,096 positions T5's bias table sums 4 x 4,096 x 4,096 terms into 16 buckets."""
+    grads = []
+    for dtype in (torch.float32, torch.float64):
+        m = build(attention, model=model).to(dtype)
+        m(**batch(seq_len, padded)).loss.backward()
+        grads.append({n: p.grad.double() for n, p in m.named_parameters() if p.grad is not None})
+    return max(((grads[0][n] - g).abs().max() / g.abs().max()).item() for n, g in grads[1].items())
+
+
 class ToyEncoder(torch.nn.Module):
     """Embeddings, one bidirectional attention layer (SDPA, or written by hand) whose mask is built in one of the
     ways encoders build it

@@ -15,8 +15,9 @@ from encoder_models import reference as encoder_reference
 from family_models import (KDA_LAYERS, PHI3_ORIGINAL_LENGTH, deepseek_v4_parity, glm5_next_batch, glm5_next_parity,
                            hf_parity, step3p7_parity)
 from hybrid_models import reference as hybrid_reference, state_shape
-from parity import (compare, compare_valid, compare_within_floor, deepseek_v4_cut_floor, deepseek_v4_reference,
-                    glm5_next_reference, glm5_next_split_floor, hf_reference, step3p7_cut_floor, step3p7_reference)
+from parity import (GRAD_RTOL, compare, compare_valid, compare_within_floor, deepseek_v4_cut_floor,
+                    deepseek_v4_reference, glm5_next_reference, glm5_next_split_floor, hf_reference, step3p7_cut_floor,
+                    step3p7_reference)
 from shared import Mixer, mixer_batch, small_parity
 
 LONG = 16384
@@ -150,18 +151,19 @@ def test_mamba2_hybrid_at_16k_parity(pool, parity_report, P):
     assert carries and all(c == (summary * (P - 1), state) for c in carries), (carries, state, summary)
 
 
-RECURRENT_LENGTHS = {"mamba": 4096, "jamba": 4096, "recurrent_gemma": LONG, "minimax": LONG}
-"""Mamba-1's scan on CPU is transformers' loop over positions, run once more for the backward: at 16,384
-positions a rank's step took past the pool's 600 s beside another run."""
+RECURRENT_LENGTHS = {"mamba": 4096, "jamba": 4096, "recurrent_gemma": 8192, "minimax": LONG}
+"""Mamba-1's scan on CPU is transformers' loop over positions, run once more for the backward, and RecurrentGemma's
+a loop over positions in Python, run in P rounds: at 16,384 positions a rank's step took past the pool's 600 s
+(RecurrentGemma matched one device there once, and ran out of time once)."""
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("family", list(RECURRENT_LENGTHS))
 def test_the_next_recurrent_families_at_long_lengths(pool, parity_report, family):
     """Mamba-1 (the selective scan) and Jamba (with attention and MoE) at 4,096 positions, RecurrentGemma (the
-    RG-LRU's loop over positions, carried sequentially, and local attention) and MiniMax (lightning attention lifted
-    from its forward, 4,096 blocks of 4, and softmax attention) at 16,384, as shipped, on 2 ranks: logits, loss and
-    gradients match one device."""
+    RG-LRU's loop over positions, carried sequentially, and local attention) at 8,192 and MiniMax (lightning
+    attention lifted from its forward, 4,096 blocks of 4, and softmax attention) at 16,384, as shipped, on 2 ranks:
+    logits, loss and gradients match one device."""
     seq_len = RECURRENT_LENGTHS[family]
     per_rank = pool.run(hybrid_models.parity, 2, family=family, seq_lens=[seq_len])
     compare_valid(f"hf-{family}-{seq_len}-aot_eager", [r[0] for r in per_rank], hybrid_reference(family, seq_len),
@@ -182,10 +184,13 @@ def test_llama4_at_16k_parity(pool, parity_report):
 def test_t5_at_4k_parity(pool, parity_report):
     """T5's encoder (a learned bucketed relative-position bias, evaluated at each rank's rows against every key)
     with padding at 4,096 positions on 2 ranks: one device materializes the [heads, S, S] bias and scores, so 4k is
-    the length this machine's reference reaches in seconds."""
+    the length this machine's reference reaches in seconds. The gradient tolerance is twice one device's own fp32
+    error against fp64 where that is above the suite's (3.8e-5 on the bias table, which sums 67M terms into 16
+    buckets; the ranks differed from one device by 3.1e-5 there)."""
     per_rank = pool.run(encoder_models.parity, 2, seq_lens=[4096], attention="sdpa", padded=True, model="t5")
-    compare_valid("hf-t5-sdpa-padded-4k", [r[0] for r in per_rank], encoder_reference(4096, "sdpa", True, model="t5"),
-                  4096, parity_report)
+    tolerance = max(GRAD_RTOL, 2 * encoder_models.fp32_floor(4096, "sdpa", True, model="t5"))
+    compare_valid(f"hf-t5-sdpa-padded-4k (grad tol {tolerance:.1e})", [r[0] for r in per_rank],
+                  encoder_reference(4096, "sdpa", True, model="t5"), 4096, parity_report, grad_rtol=tolerance)
 
 
 ENCODER_CASES = [(P, layout) for P in (2, 4) for layout in ("contiguous", "balanced")]
