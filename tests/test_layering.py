@@ -23,8 +23,9 @@ LAYERS = [
     ("match", ["cp_passes.match"]),
     ("transports", ["cp_passes.transports", "cp_passes.helpers"]),
     ("foundation", ["cp_passes.graph", "cp_passes.data", "cp_passes.layout", "cp_passes.key_plan", "cp_passes.spec",
-                    "cp_passes.errors", "cp_passes.group", "cp_passes.kernels", "cp_passes.selective_scan",
-                    "cp_passes.functions", "cp_passes.eager_modules", "cp_passes.experts", "cp_passes.data_parallel"]),
+                    "cp_passes.errors", "cp_passes.group", "cp_passes.kernels", "cp_passes.lifted",
+                    "cp_passes.selective_scan", "cp_passes.functions", "cp_passes.eager_modules", "cp_passes.experts",
+                    "cp_passes.data_parallel"]),
 ]
 """Top to bottom. ``helpers`` (gather_halo and friends, for code outside the compiled module) calls the
 transports' ops, so it sits with them."""
