@@ -96,3 +96,15 @@ def test_the_table_s_note_names_each_attention_s_kernel_here_and_on_cuda():
     assert describe(q, k, v, masked=True) == "kernel cpu_flash here, cuda_efficient on CUDA in bfloat16"
     q, k, v = _qkv("cpu", torch.float32, rows=4, keys=4, dk=6, dv=6)
     assert describe(q, k, v, masked=False) == "kernel cpu_flash here, math on CUDA in float32"
+
+
+def test_explain_s_note_on_a_compiled_attention_names_its_kernels(group):
+    """The note reaches the rewrite table of a compiled model: causal SDPA over fp32 grouped-query heads of 16."""
+    import cp_passes
+    from cp_passes.tools.models import ToyLlama, ToyLlamaConfig
+
+    torch.manual_seed(0)
+    compiled = cp_passes.cp_compile(ToyLlama(ToyLlamaConfig()), mesh=group, backend="aot_eager", verbose=False)
+    compiled(torch.randint(0, 256, (1, 16)))
+    notes = [r.note for r in compiled.compile_records[0].records if r.rule == "sdpa_causal"]
+    assert notes and all("kernel cpu_flash here, cuda_efficient on CUDA in float32" in n for n in notes), notes
